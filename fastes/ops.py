@@ -1,0 +1,272 @@
+"""Perturb and update many tensors at once, on the Triton kernels or on the torch reference.
+
+`perturb` and `es_update` are the two operations ES needs. Each has a plain torch reference
+(`perturb_reference`, `es_update_reference`) that a reader can compare line by line with the kernels in
+`fastes.kernels`; both produce the same noise (`fastes.noise`). Dispatch: CUDA tensors use the compiled
+kernels, everything else the reference; `backend="triton"` or `"torch"` (or the FASTES_BACKEND
+environment variable) forces one, e.g. to run the kernels under TRITON_INTERPRET=1 on CPU in tests.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+
+from . import noise
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+BACKENDS = ("auto", "triton", "torch")
+_REFERENCE_CHUNK = 1 << 22  # elements per reference pass: bounds the int64 temporaries to ~200 MB
+_BLOCK = 1024  # elements per Triton program (a multiple of 4: whole Philox blocks)
+
+Key = tuple[int, int]
+
+
+def _check_tensors(tensors: Sequence[torch.Tensor], tensor_ids: Sequence[int], what: str) -> None:
+    if len(tensors) == 0:
+        raise ValueError(f"{what}: no tensors given; pass at least one parameter to evolve")
+    if len(tensor_ids) != len(tensors):
+        raise ValueError(f"{what}: {len(tensors)} tensors but {len(tensor_ids)} tensor ids")
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        raise ValueError(
+            f"{what}: tensors are on several devices {sorted(map(str, devices))}; "
+            "move the model to one device first (model.to(device))"
+        )
+    for i, t in enumerate(tensors):
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"{what}: tensor {i} has dtype {t.dtype}; supported dtypes are float32, "
+                "bfloat16 and float16 (convert with .to(torch.float32) or .to(torch.bfloat16))"
+            )
+        if not t.is_contiguous():
+            raise ValueError(
+                f"{what}: tensor {i} is not contiguous; call .contiguous() on it "
+                "(element indices of the noise contract are row-major offsets)"
+            )
+
+
+def resolve_backend(tensors: Sequence[torch.Tensor], backend: str = "auto") -> str:
+    """ "triton" or "torch" for these tensors; "auto" (default, or FASTES_BACKEND) picks by device."""
+    if backend == "auto":
+        backend = os.environ.get("FASTES_BACKEND", "auto")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
+    if backend == "auto":
+        return "triton" if tensors[0].is_cuda and _triton_available() else "torch"
+    if backend == "triton" and not tensors[0].is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            "backend 'triton' on CPU tensors needs the Triton interpreter: set "
+            "TRITON_INTERPRET=1 before triton is imported, or use backend='torch'"
+        )
+    return backend
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------------------
+# The torch reference
+# ---------------------------------------------------------------------------------------------------
+
+
+def _chunks(numel: int):
+    for start in range(0, numel, _REFERENCE_CHUNK):
+        yield start, min(_REFERENCE_CHUNK, numel - start)
+
+
+def perturb_reference(
+    sources: Sequence[torch.Tensor],
+    destinations: Sequence[torch.Tensor],
+    tensor_ids: Sequence[int],
+    key: Key,
+    scale: float,
+) -> None:
+    """dst = (float32(src) + scale * eps(key, tensor id)) rounded to the tensor's dtype."""
+    for src, dst, tid in zip(sources, destinations, tensor_ids):
+        flat_src, flat_dst = src.view(-1), dst.view(-1)
+        for start, n in _chunks(src.numel()):
+            eps = noise.normal(key, tid, n, offset=start, device=src.device)
+            theta = flat_src[start : start + n].to(torch.float32)
+            flat_dst[start : start + n] = (theta + scale * eps).to(src.dtype)
+
+
+def es_update_reference(
+    params: Sequence[torch.Tensor],
+    tensor_ids: Sequence[int],
+    keys: Sequence[Key],
+    weights: Sequence[float],
+    *,
+    coef: float,
+    decay: float = 1.0,
+    rounding_key: Key | None = None,
+    grads: Sequence[torch.Tensor] | None = None,
+) -> None:
+    """theta = theta * decay + coef * sum_j w_j eps_j (or grad = coef * sum_j w_j eps_j).
+
+    The sum is accumulated in fp32 in direction order; with `rounding_key` a 16-bit result is rounded
+    stochastically with uniforms from the rounding stream, otherwise to nearest.
+    """
+    for i, (param, tid) in enumerate(zip(params, tensor_ids)):
+        flat = param.view(-1)
+        out = flat if grads is None else grads[i].view(-1)
+        for start, n in _chunks(param.numel()):
+            total = torch.zeros(n, dtype=torch.float32, device=param.device)
+            for key, w in zip(keys, weights):
+                total += torch.tensor(w, dtype=torch.float32) * noise.normal(
+                    key, tid, n, offset=start, device=param.device
+                )
+            if grads is not None:
+                out[start : start + n] = (coef * total).to(out.dtype)
+                continue
+            new = flat[start : start + n].to(torch.float32) * decay + coef * total
+            if rounding_key is not None and param.dtype != torch.float32:
+                u = noise.uniform(rounding_key, tid, n, offset=start, device=param.device)
+                out[start : start + n] = noise.stochastic_round(new, param.dtype, u)
+            else:
+                out[start : start + n] = new.to(param.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Dispatch
+# ---------------------------------------------------------------------------------------------------
+
+_tables: OrderedDict = OrderedDict()  # the last few tile tables, keyed by tensor layout
+
+
+def _tile_table(tensors: Sequence[torch.Tensor], tensor_ids: Sequence[int]):
+    from .kernels import build_tile_table
+
+    signature = tuple((t.data_ptr(), t.numel(), tid) for t, tid in zip(tensors, tensor_ids))
+    table = _tables.get(signature)
+    if table is None:
+        table = build_tile_table(tensors, tensor_ids, _BLOCK)
+        _tables[signature] = table
+        if len(_tables) > 16:
+            _tables.popitem(last=False)
+    return table
+
+
+def _triton_dtype(dtype: torch.dtype):
+    import triton.language as tl
+
+    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
+
+
+def _by_dtype(*columns: Sequence) -> dict[torch.dtype, list[list]]:
+    """Split parallel columns (the first holds the tensors) into one group per dtype.
+
+    Each kernel launch handles a single dtype, so a model with mixed dtypes costs one launch per dtype.
+    """
+    groups: dict[torch.dtype, list[list]] = {}
+    for row in zip(*columns):
+        group = groups.setdefault(row[0].dtype, [[] for _ in columns])
+        for column, value in zip(group, row):
+            column.append(value)
+    return groups
+
+
+def perturb(
+    sources: Sequence[torch.Tensor],
+    destinations: Sequence[torch.Tensor],
+    tensor_ids: Sequence[int],
+    key: Key,
+    scale: float,
+    *,
+    backend: str = "auto",
+) -> None:
+    """Write sources + scale * eps(key) into destinations (may be the sources: in place).
+
+    One kernel launch per dtype covers every tensor.
+    """
+    _check_tensors(sources, tensor_ids, "perturb")
+    if len(destinations) != len(sources) or any(
+        d.shape != s.shape or d.dtype != s.dtype or d.device != s.device or not d.is_contiguous()
+        for s, d in zip(sources, destinations)
+    ):
+        raise ValueError(
+            "perturb: each destination must be a contiguous tensor of its source's shape, dtype and device"
+        )
+    if not math.isfinite(scale):
+        raise ValueError(f"perturb: scale must be finite, got {scale}")
+    if resolve_backend(sources, backend) == "torch":
+        perturb_reference(sources, destinations, tensor_ids, key, scale)
+        return
+    from .kernels import launch_perturb
+
+    in_place = all(s.data_ptr() == d.data_ptr() for s, d in zip(sources, destinations))
+    for dtype, (srcs, dsts, ids) in _by_dtype(sources, destinations, tensor_ids).items():
+        table = _tile_table(srcs, ids)
+        launch_perturb(table, srcs, srcs if in_place else dsts, key, scale, _triton_dtype(dtype))
+
+
+def es_update(
+    params: Sequence[torch.Tensor],
+    tensor_ids: Sequence[int],
+    keys: Sequence[Key],
+    weights: Sequence[float],
+    *,
+    coef: float,
+    decay: float = 1.0,
+    rounding_key: Key | None = None,
+    grads: Sequence[torch.Tensor] | None = None,
+    backend: str = "auto",
+) -> None:
+    """The fused ES update over all tensors (see es_update_reference for the exact formula).
+
+    With `grads`, coef * sum_j w_j eps_j is written there and params are left unchanged.
+    """
+    _check_tensors(params, tensor_ids, "es_update")
+    if len(keys) != len(weights) or len(keys) == 0:
+        raise ValueError(
+            f"es_update: need one weight per key and at least one key, got {len(keys)} keys "
+            f"and {len(weights)} weights"
+        )
+    bad = [w for w in weights if not math.isfinite(w)]
+    if bad or not math.isfinite(coef) or not math.isfinite(decay):
+        raise ValueError(
+            f"es_update: weights, coef and decay must be finite (got non-finite {bad[:3]}, "
+            f"coef={coef}, decay={decay}); check the rewards for NaN/inf"
+        )
+    if grads is not None and any(
+        g.shape != p.shape or g.dtype != p.dtype or not g.is_contiguous() for p, g in zip(params, grads)
+    ):
+        raise ValueError("es_update: each grad must be contiguous with its parameter's shape and dtype")
+    if resolve_backend(params, backend) == "torch":
+        es_update_reference(
+            params, tensor_ids, keys, weights, coef=coef, decay=decay, rounding_key=rounding_key, grads=grads
+        )
+        return
+    from .kernels import MODE_APPLY, MODE_APPLY_STOCHASTIC, MODE_GRADIENT, launch_update
+
+    device = params[0].device
+    key_column = torch.tensor(list(keys), dtype=torch.int64, device=device)
+    weight_column = torch.tensor(list(weights), dtype=torch.float32, device=device)
+    outs = list(grads) if grads is not None else [None] * len(params)
+    for dtype, (ps, ids, gs) in _by_dtype(params, tensor_ids, outs).items():
+        if grads is not None:
+            mode = MODE_GRADIENT
+        elif rounding_key is not None and dtype != torch.float32:
+            mode = MODE_APPLY_STOCHASTIC
+        else:
+            mode = MODE_APPLY
+        launch_update(
+            _tile_table(ps, ids),
+            None if grads is None else gs,
+            key_column,
+            weight_column,
+            coef,
+            decay,
+            rounding_key or (0, 0),
+            mode,
+            _triton_dtype(dtype),
+        )

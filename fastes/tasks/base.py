@@ -1,0 +1,123 @@
+"""What every task provides: examples with a reference solution, and a verifier that scores completions.
+
+Tasks know nothing of ES, GRPO or models: they turn a seed into prompts and score text.
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+# Every character a built-in task can put in a prompt or a solution. The built-in character-level
+# tokenizer is made from exactly this alphabet, so a new task must only use these characters.
+ALPHABET = "0123456789+-*/()=<>:,.;? abcdefghijklmnopqrstuvwxyz"
+
+
+@dataclass(frozen=True)
+class Example:
+    """One problem: the text the model sees, the canonical answer, and a correct completion."""
+
+    prompt: str
+    answer: str
+    solution: str
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Score:
+    """A verifier's verdict, kept as two parts so the reward can weigh them as configured."""
+
+    format: float  # 1.0 when the completion is well formed, else 0.0
+    answer: float  # 1.0 when the completion is correct, else 0.0
+
+    def reward(self, format_weight: float = 0.1) -> float:
+        """Combined reward: format_weight * format + answer (the ES-at-scale paper uses 0.1)."""
+        return format_weight * self.format + self.answer
+
+
+class Task(ABC):
+    """A verifiable task with fixed, seed-generated train and test splits."""
+
+    name: str
+
+    @abstractmethod
+    def split(self, which: str) -> list[Example]:
+        """The examples of split `which` ("train" or "test"); the same list on every call."""
+
+    @abstractmethod
+    def score(self, example: Example, completion: str) -> Score:
+        """Score a model completion (untrusted text) against an example. Never raises on bad text."""
+
+
+# Size limits for built-in tasks: the tiny character-level model trains on a CPU, so problems stay short.
+MAX_PROMPT_CHARS = 24
+MAX_SOLUTION_CHARS = 16
+
+SPLITS = ("train", "test")
+
+
+def check_split(which: str) -> None:
+    """Raise ValueError unless `which` names a split."""
+    if which not in SPLITS:
+        raise ValueError(f"unknown split {which!r}; use one of {', '.join(SPLITS)}")
+
+
+def outside_alphabet(text: str) -> str:
+    """The characters of `text` that are not in ALPHABET, in order of first appearance ('' when none)."""
+    return "".join(dict.fromkeys(ch for ch in text if ch not in ALPHABET))
+
+
+class GeneratedTask(Task):
+    """A task whose examples are drawn from a seeded generator.
+
+    Subclasses set `name` and implement `generate`. The splits are drawn once, on first use, from a
+    random.Random seeded with the task name and the seed, so they are the same on every run and machine.
+    Examples are deduplicated by prompt before splitting, which makes train and test disjoint.
+    """
+
+    def __init__(self, seed: int = 0, n_train: int = 1000, n_test: int = 200) -> None:
+        if n_train < 0 or n_test < 0:
+            raise ValueError(f"n_train and n_test must be >= 0, got {n_train} and {n_test}")
+        self.seed = seed
+        self.n_train = n_train
+        self.n_test = n_test
+        self._splits: dict[str, list[Example]] | None = None
+
+    @abstractmethod
+    def generate(self, rng: random.Random) -> Example | None:
+        """Draw one example using only `rng`, or return None to reject the draw and try again."""
+
+    def split(self, which: str) -> list[Example]:
+        """The examples of split `which`; a fresh copy of the same list on every call."""
+        check_split(which)
+        if self._splits is None:
+            self._splits = self._draw_splits()
+        return list(self._splits[which])
+
+    def _draw_splits(self) -> dict[str, list[Example]]:
+        # Seeding with a string mixes in the task name, so equal seeds of different tasks are unrelated.
+        rng = random.Random(f"{self.name}:{self.seed}")
+        wanted = self.n_train + self.n_test
+        max_draws = max(10_000, 100 * wanted)
+        examples: dict[str, Example] = {}  # by prompt, in the order drawn
+        for _ in range(max_draws):
+            if len(examples) == wanted:
+                break
+            example = self.generate(rng)
+            if example is None or example.prompt in examples:
+                continue
+            if len(example.prompt) > MAX_PROMPT_CHARS or len(example.solution) > MAX_SOLUTION_CHARS:
+                continue
+            bad = outside_alphabet(example.prompt + example.solution)
+            if bad:
+                raise RuntimeError(f"task {self.name!r} generated characters outside ALPHABET: {bad!r}")
+            examples[example.prompt] = example
+        if len(examples) < wanted:
+            raise ValueError(
+                f"task {self.name!r} found only {len(examples)} distinct problems in {max_draws} draws but "
+                f"{wanted} were asked for; lower n_train/n_test or widen the task's options"
+            )
+        drawn = list(examples.values())
+        return {"train": drawn[: self.n_train], "test": drawn[self.n_train :]}

@@ -1,0 +1,33 @@
+"""Fill a buffer with one tensor's noise stream: for tests (bit-exactness) and benchmarks (normals/s)."""
+
+import triton
+import triton.language as tl
+
+from .philox import bits_tile, normal_tile
+
+
+@triton.jit
+def fill_kernel(
+    out, numel, offset, k0, k1, tensor_id, STREAM: tl.constexpr, RAW_BITS: tl.constexpr, BLOCK: tl.constexpr
+):
+    # Elements [offset + pid * BLOCK, ...) of the stream; offset is a multiple of 4 (int64 safe).
+    pid = tl.program_id(0)
+    start = offset + pid.to(tl.int64) * BLOCK
+    local = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    mask = local < numel
+    if RAW_BITS:
+        tl.store(out + local, bits_tile(k0, k1, tensor_id, STREAM, start, BLOCK).to(tl.int64), mask=mask)
+    else:
+        tl.store(out + local, normal_tile(k0, k1, tensor_id, STREAM, start, BLOCK), mask=mask)
+
+
+def launch_fill(
+    out, key: tuple[int, int], tensor_id: int, offset: int, stream: int, raw_bits: bool, block: int = 1024
+) -> None:
+    """out[i] = stream element offset + i; int64 words when raw_bits else fp32 normals."""
+    if offset % 4:
+        raise ValueError(f"offset must be a multiple of 4 (one Philox block), got {offset}")
+    n = out.numel()
+    fill_kernel[(triton.cdiv(n, block),)](
+        out, n, offset, key[0], key[1], tensor_id, STREAM=stream, RAW_BITS=raw_bits, BLOCK=block
+    )

@@ -1,0 +1,60 @@
+"""Perturb every evolved tensor in one launch: dst = theta + scale * eps(member key), scale = +-sigma.
+
+With dst != src the weights are never modified, which is what makes restore exact: the caller swaps the
+parameters onto the perturbed buffer and back (see fastes.ops). With dst == src it perturbs in place.
+"""
+
+import triton
+import triton.language as tl
+
+from .philox import normal_tile
+from .table import TileTable, addresses
+
+
+@triton.jit
+def perturb_kernel(
+    src_addresses,
+    dst_addresses,
+    numels,
+    tensor_ids,
+    tile_tensor,
+    tile_start,
+    k0,
+    k1,
+    scale,
+    DTYPE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    t = tl.load(tile_tensor + pid)
+    start = tl.load(tile_start + pid)
+    numel = tl.load(numels + t)
+    src = tl.load(src_addresses + t).to(tl.pointer_type(DTYPE))
+    dst = tl.load(dst_addresses + t).to(tl.pointer_type(DTYPE))
+    offsets = start + tl.arange(0, BLOCK).to(tl.int64)
+    mask = offsets < numel
+    # Upcast right after the load: bf16 arithmetic is wrong under the interpreter and imprecise anyway.
+    theta = tl.load(src + offsets, mask=mask).to(tl.float32)
+    eps = normal_tile(k0, k1, tl.load(tensor_ids + t), 0, start, BLOCK)
+    tl.store(dst + offsets, (theta + scale * eps).to(DTYPE), mask=mask)
+
+
+def launch_perturb(
+    table: TileTable, sources, destinations, key: tuple[int, int], scale: float, dtype
+) -> None:
+    """dst_i = src_i + scale * eps_i for every tensor of `table` (all of one dtype), in one launch."""
+    device = table.addresses.device
+    dst_addresses = table.addresses if destinations is sources else addresses(destinations, device)
+    perturb_kernel[(table.n_tiles,)](
+        table.addresses,
+        dst_addresses,
+        table.numels,
+        table.tensor_ids,
+        table.tile_tensor,
+        table.tile_start,
+        key[0],
+        key[1],
+        scale,
+        DTYPE=dtype,
+        BLOCK=table.block,
+    )

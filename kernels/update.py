@@ -1,0 +1,114 @@
+"""The ES update of every evolved tensor in one launch.
+
+Per element: regenerate the noise of all P directions in registers, accumulate sum_j w_j * eps_j in fp32,
+then either write theta * decay + coef * sum (rounded to nearest, or stochastically with uniforms from
+the rounding stream) or write coef * sum into a gradient buffer. Each weight is read once and written
+once, whatever the population size. Antithetic pairs arrive as one direction with w = w_plus - w_minus.
+"""
+
+import triton
+import triton.language as tl
+
+from .philox import normal_tile, uniform_tile
+from .table import TileTable, addresses
+
+MODE_APPLY = 0  # theta <- theta * decay + coef * sum, round to nearest
+MODE_APPLY_STOCHASTIC = 1  # the same, stochastic rounding to a 16-bit dtype
+MODE_GRADIENT = 2  # out <- coef * sum, theta untouched
+
+
+@triton.jit
+def _stochastic_round(value, u, DTYPE: tl.constexpr):
+    """Same rule as fastes.noise.stochastic_round: the neighbour of the nearest value when u*gap < dist."""
+    nearest = value.to(DTYPE)
+    magnitude_bits = nearest.to(tl.int16, bitcast=True).to(tl.int32) & 0x7FFF
+    magnitude = magnitude_bits.to(tl.int16).to(DTYPE, bitcast=True).to(tl.float32)
+    towards_zero = magnitude > tl.abs(value)
+    neighbour_bits = magnitude_bits + tl.where(towards_zero, -1, 1)
+    neighbour = neighbour_bits.to(tl.int16).to(DTYPE, bitcast=True).to(tl.float32)
+    gap = tl.abs(neighbour - magnitude)
+    distance = tl.abs(tl.abs(value) - magnitude)
+    bits = tl.where(u * gap < distance, neighbour_bits, magnitude_bits)
+    bits = tl.where(value < 0, bits | 0x8000, bits)
+    rounded = bits.to(tl.int16).to(DTYPE, bitcast=True)
+    return tl.where(tl.abs(value) < float("inf"), rounded, nearest)
+
+
+@triton.jit
+def update_kernel(
+    param_addresses,
+    out_addresses,
+    numels,
+    tensor_ids,
+    tile_tensor,
+    tile_start,
+    keys,
+    weights,
+    n_directions,
+    coef,
+    decay,
+    rounding_k0,
+    rounding_k1,
+    DTYPE: tl.constexpr,
+    MODE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    t = tl.load(tile_tensor + pid)
+    start = tl.load(tile_start + pid)
+    numel = tl.load(numels + t)
+    tensor_id = tl.load(tensor_ids + t)
+    param = tl.load(param_addresses + t).to(tl.pointer_type(DTYPE))
+    out = tl.load(out_addresses + t).to(tl.pointer_type(DTYPE))
+    offsets = start + tl.arange(0, BLOCK).to(tl.int64)
+    mask = offsets < numel
+
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in range(n_directions):
+        k0 = tl.load(keys + 2 * j)
+        k1 = tl.load(keys + 2 * j + 1)
+        total += tl.load(weights + j) * normal_tile(k0, k1, tensor_id, 0, start, BLOCK)
+
+    if MODE == 2:
+        tl.store(out + offsets, (coef * total).to(DTYPE), mask=mask)
+    else:
+        theta = tl.load(param + offsets, mask=mask).to(tl.float32)
+        new = theta * decay + coef * total
+        if MODE == 1:
+            u = uniform_tile(rounding_k0, rounding_k1, tensor_id, 1, start, BLOCK)
+            tl.store(out + offsets, _stochastic_round(new, u, DTYPE), mask=mask)
+        else:
+            tl.store(out + offsets, new.to(DTYPE), mask=mask)
+
+
+def launch_update(
+    table: TileTable,
+    outputs,
+    keys,
+    weights,
+    coef: float,
+    decay: float,
+    rounding: tuple[int, int],
+    mode: int,
+    dtype,
+) -> None:
+    """One launch over all tensors of `table`; `keys` int64 [P, 2], `weights` fp32 [P] on the device."""
+    out_addresses = table.addresses if outputs is None else addresses(outputs, table.addresses.device)
+    update_kernel[(table.n_tiles,)](
+        table.addresses,
+        out_addresses,
+        table.numels,
+        table.tensor_ids,
+        table.tile_tensor,
+        table.tile_start,
+        keys,
+        weights,
+        int(weights.numel()),
+        coef,
+        decay,
+        rounding[0],
+        rounding[1],
+        DTYPE=dtype,
+        MODE=mode,
+        BLOCK=table.block,
+    )
