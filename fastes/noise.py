@@ -36,7 +36,7 @@ TWO_PI = 6.283185307179586
 
 
 def _mulhilo(m: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """High and low 32-bit words of the 64-bit product m * x (m a uint32 constant, x uint32 in int64)."""
+    """High and low 32-bit words of the 64-bit product m * x (m a uint32 constant, x a uint32 value)."""
     x_lo = x & 0xFFFF
     x_hi = x >> 16
     p_lo = m * x_lo  # < 2^48
@@ -44,6 +44,18 @@ def _mulhilo(m: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     lo = (p_lo + ((p_hi & 0xFFFF) << 16)) & MASK32
     hi = (p_hi + (p_lo >> 16)) >> 16
     return hi, lo
+
+
+def _philox_rounds(c0, c1, c2, c3, k0, k1):
+    """The ten rounds on uint32 values: Python ints or int64 tensors (the same operators serve both)."""
+    for round_index in range(PHILOX_ROUNDS):
+        if round_index > 0:
+            k0 = (k0 + PHILOX_W0) & MASK32
+            k1 = (k1 + PHILOX_W1) & MASK32
+        hi0, lo0 = _mulhilo(PHILOX_M0, c0)
+        hi1, lo1 = _mulhilo(PHILOX_M1, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return c0, c1, c2, c3
 
 
 def philox4x32(
@@ -61,15 +73,7 @@ def philox4x32(
     """
     words = [torch.as_tensor(v, dtype=torch.int64) for v in (c0, c1, c2, c3, k0, k1)]
     device = next((w.device for w in words if w.dim() > 0), words[0].device)
-    c0, c1, c2, c3, k0, k1 = (w.to(device) & MASK32 for w in torch.broadcast_tensors(*words))
-    for round_index in range(PHILOX_ROUNDS):
-        if round_index > 0:
-            k0 = (k0 + PHILOX_W0) & MASK32
-            k1 = (k1 + PHILOX_W1) & MASK32
-        hi0, lo0 = _mulhilo(PHILOX_M0, c0)
-        hi1, lo1 = _mulhilo(PHILOX_M1, c2)
-        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
-    return c0, c1, c2, c3
+    return _philox_rounds(*(w.to(device) & MASK32 for w in torch.broadcast_tensors(*words)))
 
 
 def _split64(value: int) -> tuple[int, int]:
@@ -80,8 +84,8 @@ def _split64(value: int) -> tuple[int, int]:
 
 def _derive_key(seed: int, c0: int, c1: int, c2: int, domain: int) -> tuple[int, int]:
     s0, s1 = _split64(seed)
-    w0, w1, _, _ = philox4x32(c0, c1, c2, domain, s0, s1)
-    return int(w0), int(w1)
+    w0, w1, _, _ = _philox_rounds(c0, c1, c2, domain, s0, s1)  # plain ints: a key costs microseconds
+    return w0, w1
 
 
 def member_key(seed: int, generation: int, index: int) -> tuple[int, int]:
@@ -134,6 +138,20 @@ def _counter_words(
     return blocks & MASK32, blocks >> 32, first_block * 4, n_blocks
 
 
+def normal_from_counters(
+    key: tuple[int, int], c0: torch.Tensor, c1: torch.Tensor, tensor: torch.Tensor | int, stream: int
+) -> torch.Tensor:
+    """The four normals of each Philox block (c0, c1, tensor, stream), flattened: [4 * blocks] fp32.
+
+    Output words (x0, x1) give two normals by Box-Muller for lanes 0 and 1, (x2, x3) for lanes 2 and 3.
+    Several tensors can share one call by passing a tensor of per-block tensor ids.
+    """
+    x0, x1, x2, x3 = philox4x32(c0, c1, tensor, stream, key[0], key[1])
+    z0, z1 = _box_muller(_uniform(x0), _uniform(x1))
+    z2, z3 = _box_muller(_uniform(x2), _uniform(x3))
+    return torch.stack((z0, z1, z2, z3), dim=1).reshape(-1)
+
+
 def normal(
     key: tuple[int, int],
     tensor: int,
@@ -145,15 +163,18 @@ def normal(
 ) -> torch.Tensor:
     """Standard normals eps[offset : offset + numel] of tensor id `tensor` under member `key` (fp32).
 
-    Element e uses Philox counter (e // 4 low word, e // 4 high word, tensor, stream); output words
-    (x0, x1) give two normals by Box-Muller for lanes 0 and 1, (x2, x3) for lanes 2 and 3.
+    Element e uses lane e % 4 of Philox counter (e // 4 low word, e // 4 high word, tensor, stream).
     """
     c0, c1, start, _ = _counter_words(numel, offset, device)
-    x0, x1, x2, x3 = philox4x32(c0, c1, tensor, stream, key[0], key[1])
-    z0, z1 = _box_muller(_uniform(x0), _uniform(x1))
-    z2, z3 = _box_muller(_uniform(x2), _uniform(x3))
-    lanes = torch.stack((z0, z1, z2, z3), dim=1).reshape(-1)
+    lanes = normal_from_counters(key, c0, c1, tensor, stream)
     return lanes[offset - start : offset - start + numel]
+
+
+def uniform_from_counters(
+    key: tuple[int, int], c0: torch.Tensor, c1: torch.Tensor, tensor: torch.Tensor | int, stream: int
+) -> torch.Tensor:
+    """fp32 uniforms of each Philox block, flattened: element 4b + j takes output word j of block b."""
+    return _uniform(torch.stack(philox4x32(c0, c1, tensor, stream, key[0], key[1]), dim=1).reshape(-1))
 
 
 def uniform(
@@ -165,10 +186,9 @@ def uniform(
     stream: int = STREAM_ROUNDING,
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:
-    """fp32 uniforms for elements [offset, offset + numel): element e takes output word e % 4 of its block."""
+    """fp32 uniforms for elements [offset, offset + numel) of tensor id `tensor` under `key`."""
     c0, c1, start, _ = _counter_words(numel, offset, device)
-    words = torch.stack(philox4x32(c0, c1, tensor, stream, key[0], key[1]), dim=1).reshape(-1)
-    return _uniform(words[offset - start : offset - start + numel])
+    return uniform_from_counters(key, c0, c1, tensor, stream)[offset - start : offset - start + numel]
 
 
 def stochastic_round(value: torch.Tensor, dtype: torch.dtype, u: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ import math
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -26,7 +27,8 @@ _BLOCK = 1024  # elements per Triton program (a multiple of 4: whole Philox bloc
 Key = tuple[int, int]
 
 
-def _check_tensors(tensors: Sequence[torch.Tensor], tensor_ids: Sequence[int], what: str) -> None:
+def check_tensors(tensors: Sequence[torch.Tensor], tensor_ids: Sequence[int], what: str) -> None:
+    """Raise a clear error unless the tensors are non-empty, on one device, contiguous and supported."""
     if len(tensors) == 0:
         raise ValueError(f"{what}: no tensors given; pass at least one parameter to evolve")
     if len(tensor_ids) != len(tensors):
@@ -79,11 +81,58 @@ def _triton_available() -> bool:
 # ---------------------------------------------------------------------------------------------------
 
 
-def _chunks(numel: int):
-    for start in range(0, numel, _REFERENCE_CHUNK):
-        yield start, min(_REFERENCE_CHUNK, numel - start)
+@dataclass(frozen=True)
+class _Piece:
+    """A batch of tensor slices whose noise one vectorised Philox call computes (at most _REFERENCE_CHUNK).
+
+    Small tensors share a piece (one call instead of one per tensor); large ones are cut into chunks.
+    `parts` lists (tensor index, first element, element count, position in the piece's lanes).
+    """
+
+    c0: torch.Tensor
+    c1: torch.Tensor
+    tensor_ids: torch.Tensor
+    parts: list[tuple[int, int, int, int]]
 
 
+_plans: OrderedDict = OrderedDict()  # the last few reference plans, keyed by tensor layout
+
+
+def _reference_plan(tensors: Sequence[torch.Tensor], tensor_ids: Sequence[int]) -> list[_Piece]:
+    device = tensors[0].device
+    signature = (str(device), tuple((t.numel(), tid) for t, tid in zip(tensors, tensor_ids)))
+    if signature in _plans:
+        return _plans[signature]
+    pieces: list[_Piece] = []
+    counters: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    parts: list[tuple[int, int, int, int]] = []
+    lanes = elements = 0
+
+    def flush() -> None:
+        c0, c1, ids = (torch.cat(column) for column in zip(*counters))
+        pieces.append(_Piece(c0, c1, ids, list(parts)))
+        counters.clear()
+        parts.clear()
+
+    for index, (tensor, tid) in enumerate(zip(tensors, tensor_ids)):
+        for start in range(0, tensor.numel(), _REFERENCE_CHUNK):
+            n = min(_REFERENCE_CHUNK, tensor.numel() - start)
+            if parts and elements + n > _REFERENCE_CHUNK:
+                flush()
+                lanes = elements = 0
+            c0, c1, first, n_blocks = noise._counter_words(n, start, device)
+            counters.append((c0, c1, torch.full_like(c0, tid)))
+            parts.append((index, start, n, lanes + start - first))
+            lanes += 4 * n_blocks
+            elements += n
+    flush()
+    _plans[signature] = pieces
+    if len(_plans) > 16:
+        _plans.popitem(last=False)
+    return pieces
+
+
+@torch.no_grad()
 def perturb_reference(
     sources: Sequence[torch.Tensor],
     destinations: Sequence[torch.Tensor],
@@ -92,14 +141,15 @@ def perturb_reference(
     scale: float,
 ) -> None:
     """dst = (float32(src) + scale * eps(key, tensor id)) rounded to the tensor's dtype."""
-    for src, dst, tid in zip(sources, destinations, tensor_ids):
-        flat_src, flat_dst = src.view(-1), dst.view(-1)
-        for start, n in _chunks(src.numel()):
-            eps = noise.normal(key, tid, n, offset=start, device=src.device)
-            theta = flat_src[start : start + n].to(torch.float32)
-            flat_dst[start : start + n] = (theta + scale * eps).to(src.dtype)
+    for piece in _reference_plan(sources, tensor_ids):
+        eps = noise.normal_from_counters(key, piece.c0, piece.c1, piece.tensor_ids, noise.STREAM_NOISE)
+        for index, start, n, at in piece.parts:
+            theta = sources[index].view(-1)[start : start + n].to(torch.float32)
+            perturbed = theta + scale * eps[at : at + n]
+            destinations[index].view(-1)[start : start + n] = perturbed.to(sources[index].dtype)
 
 
+@torch.no_grad()
 def es_update_reference(
     params: Sequence[torch.Tensor],
     tensor_ids: Sequence[int],
@@ -116,24 +166,28 @@ def es_update_reference(
     The sum is accumulated in fp32 in direction order; with `rounding_key` a 16-bit result is rounded
     stochastically with uniforms from the rounding stream, otherwise to nearest.
     """
-    for i, (param, tid) in enumerate(zip(params, tensor_ids)):
-        flat = param.view(-1)
-        out = flat if grads is None else grads[i].view(-1)
-        for start, n in _chunks(param.numel()):
-            total = torch.zeros(n, dtype=torch.float32, device=param.device)
-            for key, w in zip(keys, weights):
-                total += torch.tensor(w, dtype=torch.float32) * noise.normal(
-                    key, tid, n, offset=start, device=param.device
-                )
+    for piece in _reference_plan(params, tensor_ids):
+        total = torch.zeros(4 * piece.c0.numel(), dtype=torch.float32, device=params[0].device)
+        for key, w in zip(keys, weights):
+            eps = noise.normal_from_counters(key, piece.c0, piece.c1, piece.tensor_ids, noise.STREAM_NOISE)
+            total += torch.tensor(w, dtype=torch.float32) * eps
+        u = None
+        if rounding_key is not None and grads is None:
+            u = noise.uniform_from_counters(
+                rounding_key, piece.c0, piece.c1, piece.tensor_ids, noise.STREAM_ROUNDING
+            )
+        for index, start, n, at in piece.parts:
+            param = params[index]
+            step = coef * total[at : at + n]
             if grads is not None:
-                out[start : start + n] = (coef * total).to(out.dtype)
+                grads[index].view(-1)[start : start + n] = step.to(param.dtype)
                 continue
-            new = flat[start : start + n].to(torch.float32) * decay + coef * total
-            if rounding_key is not None and param.dtype != torch.float32:
-                u = noise.uniform(rounding_key, tid, n, offset=start, device=param.device)
-                out[start : start + n] = noise.stochastic_round(new, param.dtype, u)
+            flat = param.view(-1)
+            new = flat[start : start + n].to(torch.float32) * decay + step
+            if u is not None and param.dtype != torch.float32:
+                flat[start : start + n] = noise.stochastic_round(new, param.dtype, u[at : at + n])
             else:
-                out[start : start + n] = new.to(param.dtype)
+                flat[start : start + n] = new.to(param.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -188,7 +242,7 @@ def perturb(
 
     One kernel launch per dtype covers every tensor.
     """
-    _check_tensors(sources, tensor_ids, "perturb")
+    check_tensors(sources, tensor_ids, "perturb")
     if len(destinations) != len(sources) or any(
         d.shape != s.shape or d.dtype != s.dtype or d.device != s.device or not d.is_contiguous()
         for s, d in zip(sources, destinations)
@@ -225,7 +279,7 @@ def es_update(
 
     With `grads`, coef * sum_j w_j eps_j is written there and params are left unchanged.
     """
-    _check_tensors(params, tensor_ids, "es_update")
+    check_tensors(params, tensor_ids, "es_update")
     if len(keys) != len(weights) or len(keys) == 0:
         raise ValueError(
             f"es_update: need one weight per key and at least one key, got {len(keys)} keys "
@@ -237,10 +291,16 @@ def es_update(
             f"es_update: weights, coef and decay must be finite (got non-finite {bad[:3]}, "
             f"coef={coef}, decay={decay}); check the rewards for NaN/inf"
         )
-    if grads is not None and any(
-        g.shape != p.shape or g.dtype != p.dtype or not g.is_contiguous() for p, g in zip(params, grads)
+    if grads is not None and (
+        len(grads) != len(params)
+        or any(
+            g.shape != p.shape or g.dtype != p.dtype or g.device != p.device or not g.is_contiguous()
+            for p, g in zip(params, grads)
+        )
     ):
-        raise ValueError("es_update: each grad must be contiguous with its parameter's shape and dtype")
+        raise ValueError(
+            "es_update: need one grad per parameter, contiguous, with its parameter's shape, dtype and device"
+        )
     if resolve_backend(params, backend) == "torch":
         es_update_reference(
             params, tensor_ids, keys, weights, coef=coef, decay=decay, rounding_key=rounding_key, grads=grads

@@ -1,0 +1,490 @@
+"""fastes.ES: Evolution Strategies as a torch.optim-style object.
+
+    es = fastes.ES(fastes.linear_weights(model), sigma=1e-3, lr=5e-7, population=30, seed=0)
+    for _ in range(iterations):
+        es.step(lambda: reward(model))      # called once per member, its perturbation applied
+
+One generation: members i = 0..N-1 use noise direction j (j = i // 2 with antithetic sampling, sign
++1 for even i and -1 for odd i; j = i otherwise) whose key is a pure function of (seed, generation, j).
+A member's weights theta + sign * sigma * eps_j are written into a work buffer and the parameters are
+pointed at it; on exit they are pointed back, so the weights are restored bit for bit and never
+rewritten during evaluation. The update theta += lr / (N * sigma) * sum_i w_i eps_i regenerates the noise
+from the keys (see fastes.ops). Nothing random is stored: the whole run is (seed, per-generation weights).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import noise, ops
+from .shaping import SHAPINGS, shape_rewards
+
+NONFINITE_POLICIES = ("error", "drop")
+_GROUP_DEFAULT_KEYS = ("sigma", "lr", "weight_decay")
+
+
+class Member:
+    """One population member: a context manager that applies its perturbation and restores exactly."""
+
+    def __init__(self, es: ES, index: int) -> None:
+        self.es = es
+        self.index = index
+        self.direction = index // 2 if es.antithetic else index
+        self.sign = -1.0 if es.antithetic and index % 2 else 1.0
+        self.key = noise.member_key(es.seed, es.generation, self.direction)
+
+    def __enter__(self) -> Member:
+        self.es._apply(self)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.es._restore()
+
+    def __repr__(self) -> str:
+        return f"Member(index={self.index}, direction={self.direction}, sign={self.sign:+.0f})"
+
+
+class ES:
+    """Evolution Strategies over a set of tensors, in the conventions of torch.optim.
+
+    Args:
+        params: tensors, (name, tensor) pairs (e.g. from `fastes.linear_weights(model)`), or param-group
+            dicts {"params": ..., "sigma": ..., "lr": ..., "weight_decay": ...}. Names fix each tensor's
+            noise stream; unnamed tensors are named "group{g}.param{i}".
+        sigma: noise scale. lr: step size alpha in theta += alpha / (N sigma) sum_i w_i eps_i.
+        population: N, the number of members per generation (even when antithetic).
+        antithetic: members 2j and 2j+1 share noise direction j with opposite signs.
+        shaping: "centered_rank", "zscore", "group_zscore" (rewards per prompt) or "raw".
+        seed: run seed (an integer in [0, 2^64)); with the generation counter it fixes all noise.
+        weight_decay: decoupled decay theta *= 1 - lr * weight_decay in the same pass as the update.
+        stochastic_rounding: round bf16/fp16 updates stochastically (reproducibly, from the seed).
+        inner_optimizer: gradient mode: a factory, e.g. functools.partial(torch.optim.Adam, lr=1e-3),
+            called with the param groups; ES writes its gradient estimate
+            -1 / (N sigma) sum_i w_i eps_i into .grad and lets that optimizer take the step.
+        nonfinite: "error" (default) raises on NaN/inf rewards; "drop" leaves out the members with a
+            non-finite reward (the whole pair when antithetic) and shapes the rest.
+        backend: "auto", "triton" or "torch" (see fastes.ops).
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        *,
+        sigma: float,
+        lr: float,
+        population: int,
+        antithetic: bool = True,
+        shaping: str = "centered_rank",
+        seed: int = 0,
+        weight_decay: float = 0.0,
+        stochastic_rounding: bool = False,
+        inner_optimizer: Callable[[list[dict]], torch.optim.Optimizer] | None = None,
+        nonfinite: str = "error",
+        backend: str = "auto",
+        checksum_every: int = 10,
+    ) -> None:
+        if population < 2:
+            raise ValueError(f"population must be at least 2, got {population}")
+        if antithetic and population % 2:
+            raise ValueError(f"antithetic sampling needs an even population, got {population}")
+        if shaping not in SHAPINGS:
+            raise ValueError(f"unknown shaping {shaping!r}; choose one of {SHAPINGS}")
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"unknown nonfinite policy {nonfinite!r}; choose one of {NONFINITE_POLICIES}")
+        if inner_optimizer is not None and weight_decay:
+            raise ValueError(
+                "weight_decay belongs to the plain ES step; in gradient mode give it to the "
+                "inner optimizer (e.g. torch.optim.AdamW(weight_decay=...))"
+            )
+        if not 0 <= seed < 2**64:
+            raise ValueError(f"seed must be an integer in [0, 2^64), got {seed}")
+        self.defaults = {"sigma": sigma, "lr": lr, "weight_decay": weight_decay}
+        self.param_groups = [self._make_group(g, i) for i, g in enumerate(_as_groups(params))]
+        self.population = population
+        self.antithetic = antithetic
+        self.shaping = shaping
+        self.seed = seed
+        self.stochastic_rounding = stochastic_rounding
+        self.nonfinite = nonfinite
+        self.backend = backend
+        self.checksum_every = checksum_every
+        self.generation = 0
+        self.history: list[dict[str, Any]] = []
+        self._check_ids()
+        self.inner = (
+            None
+            if inner_optimizer is None
+            else inner_optimizer([{"params": g["params"]} for g in self.param_groups])
+        )
+        self._buffers: list[list[torch.Tensor]] | None = None
+        self._applied: list[list[torch.Tensor]] | None = None
+
+    # --- parameters -------------------------------------------------------------------------------
+
+    def _make_group(self, group: dict, index: int) -> dict:
+        entries = list(group["params"])
+        if not entries:
+            raise ValueError(f"param group {index} has no parameters")
+        names, tensors = [], []
+        for i, entry in enumerate(entries):
+            name, tensor = entry if isinstance(entry, tuple) else (f"group{index}.param{i}", entry)
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"param group {index} entry {i} is a {type(tensor).__name__}, not a tensor")
+            names.append(name)
+            tensors.append(tensor)
+        unknown = set(group) - {"params", *_GROUP_DEFAULT_KEYS}
+        if unknown:
+            raise ValueError(
+                f"param group {index}: unknown keys {sorted(unknown)}; "
+                f"allowed: params, {', '.join(_GROUP_DEFAULT_KEYS)}"
+            )
+        made = {k: group.get(k, self.defaults[k]) for k in _GROUP_DEFAULT_KEYS}
+        if not made["sigma"] > 0 or not math.isfinite(made["sigma"]):
+            raise ValueError(f"sigma must be a positive finite number, got {made['sigma']}")
+        if not made["lr"] >= 0 or not math.isfinite(made["lr"]):
+            raise ValueError(f"lr must be a non-negative finite number, got {made['lr']}")
+        ids = [noise.tensor_id(n) for n in names]
+        ops.check_tensors(tensors, ids, f"param group {index}")
+        made.update(params=tensors, names=names, ids=ids)
+        return made
+
+    def _check_ids(self) -> None:
+        seen: dict[int, str] = {}
+        for group in self.param_groups:
+            for name, tid in zip(group["names"], group["ids"]):
+                if tid in seen:
+                    raise ValueError(
+                        f"parameters {seen[tid]!r} and {name!r} have the same name or tensor id; "
+                        "give every evolved tensor a distinct name"
+                    )
+                seen[tid] = name
+
+    @property
+    def directions(self) -> int:
+        """Noise directions per generation: N / 2 with antithetic sampling, else N."""
+        return self.population // 2 if self.antithetic else self.population
+
+    # --- evaluating the population ----------------------------------------------------------------
+
+    def members(self) -> Iterator[Member]:
+        """This process's members of the current generation (all of them without torch.distributed)."""
+        rank, world = _rank_and_world()
+        for index in range(rank, self.population, world):
+            yield Member(self, index)
+
+    def _apply(self, member: Member) -> None:
+        if self._applied is not None:
+            raise RuntimeError("a member is already applied; exit its context before entering another")
+        if member.es is not self:
+            raise ValueError("this member belongs to another ES object")
+        if self._buffers is None:  # one work buffer per evolved tensor, reused by every member
+            self._buffers = [[torch.empty_like(p) for p in g["params"]] for g in self.param_groups]
+        for group, buffers in zip(self.param_groups, self._buffers):
+            ops.perturb(
+                group["params"],
+                buffers,
+                group["ids"],
+                member.key,
+                member.sign * group["sigma"],
+                backend=self.backend,
+            )
+        self._applied = [[p.data for p in g["params"]] for g in self.param_groups]
+        for group, buffers in zip(self.param_groups, self._buffers):
+            for p, buffer in zip(group["params"], buffers):
+                p.data = buffer
+
+    def _restore(self) -> None:
+        if self._applied is None:
+            return
+        for group, originals in zip(self.param_groups, self._applied):
+            for p, original in zip(group["params"], originals):
+                p.data = original
+        self._applied = None
+
+    # --- the update -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, rewards: Callable[[], Any] | Any) -> torch.Tensor:
+        """End the generation: shape the rewards, update the weights, advance the generation counter.
+
+        `rewards` is a closure (called once per member of this process, its perturbation applied) or the
+        rewards of this process's members in `members()` order: a [members] vector, or [members, prompts]
+        for per-prompt rewards. Returns the population's rewards (all processes), float64.
+        """
+        if callable(rewards):
+            collected = []
+            for member in self.members():
+                with member:
+                    collected.append(torch.as_tensor(rewards(), dtype=torch.float64))
+            rewards = torch.stack(collected)
+        rewards = self._all_rewards(torch.as_tensor(rewards, dtype=torch.float64))
+        keep = self._finite_members(rewards)
+        weights = torch.zeros(self.population, dtype=torch.float64)
+        weights[keep] = shape_rewards(rewards[keep], self.shaping)
+        if self.antithetic:
+            direction_weights = weights[0::2] - weights[1::2]
+        else:
+            direction_weights = weights
+        # The kernels take fp32 weights: record exactly those, so that replay is bit-exact.
+        recorded = direction_weights.to(torch.float32).tolist()
+        self._update(recorded, n_members=int(keep.sum()))
+        self.history.append({"generation": self.generation, "weights": recorded, "members": int(keep.sum())})
+        self.generation += 1
+        if self.checksum_every and self.generation % self.checksum_every == 0:
+            self.verify_ranks_agree()
+        return rewards
+
+    def _all_rewards(self, local: torch.Tensor) -> torch.Tensor:
+        """The whole population's rewards: each process contributes its members' rows (a few floats)."""
+        rank, world = _rank_and_world()
+        expected = len(range(rank, self.population, world))
+        if local.dim() not in (1, 2) or local.shape[0] != expected:
+            raise ValueError(
+                f"expected rewards for {expected} members (shape [{expected}] or "
+                f"[{expected}, prompts]), got shape {tuple(local.shape)}"
+            )
+        if world == 1:
+            return local
+        device = self.param_groups[0]["params"][0].device  # nccl reduces device tensors only
+        full = torch.zeros((self.population, *local.shape[1:]), dtype=torch.float64, device=device)
+        full[rank::world] = local.to(device)
+        dist.all_reduce(full)  # every row is non-zero on one rank only, so the sum is exact
+        return full.cpu()
+
+    def _finite_members(self, rewards: torch.Tensor) -> torch.Tensor:
+        finite = torch.isfinite(rewards).reshape(self.population, -1).all(dim=1)
+        if bool(finite.all()):
+            return finite
+        bad = (~finite).nonzero().flatten().tolist()
+        if self.nonfinite == "error":
+            raise ValueError(
+                f"non-finite reward for members {bad} in generation {self.generation}; fix the "
+                "reward function, or pass nonfinite='drop' to leave such members out"
+            )
+        if self.antithetic:  # drop whole pairs, so every kept direction has both signs
+            pair_ok = finite[0::2] & finite[1::2]
+            finite = pair_ok.repeat_interleave(2)
+        if int(finite.sum()) < 2:
+            raise ValueError(
+                f"generation {self.generation}: fewer than 2 members have finite rewards "
+                f"(non-finite: {bad}); nothing to learn from"
+            )
+        return finite
+
+    def _update(self, direction_weights: list[float], n_members: int) -> None:
+        keys = [noise.member_key(self.seed, self.generation, j) for j in range(self.directions)]
+        rounding = noise.rounding_key(self.seed, self.generation) if self.stochastic_rounding else None
+        for group in self.param_groups:
+            if self.inner is not None:
+                grads = [_grad_buffer(p) for p in group["params"]]
+                ops.es_update(
+                    group["params"],
+                    group["ids"],
+                    keys,
+                    direction_weights,
+                    coef=-1.0 / (n_members * group["sigma"]),
+                    grads=grads,
+                    backend=self.backend,
+                )
+            else:
+                ops.es_update(
+                    group["params"],
+                    group["ids"],
+                    keys,
+                    direction_weights,
+                    coef=group["lr"] / (n_members * group["sigma"]),
+                    decay=1.0 - group["lr"] * group["weight_decay"],
+                    rounding_key=rounding,
+                    backend=self.backend,
+                )
+        if self.inner is not None:
+            self.inner.step()
+            self.inner.zero_grad(set_to_none=True)
+
+    # --- state ------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue the run exactly (the weights themselves are the model's)."""
+        return {
+            "seed": self.seed,
+            "generation": self.generation,
+            "population": self.population,
+            "antithetic": self.antithetic,
+            "shaping": self.shaping,
+            "stochastic_rounding": self.stochastic_rounding,
+            "param_groups": [{k: g[k] for k in (*_GROUP_DEFAULT_KEYS, "names")} for g in self.param_groups],
+            "history": [dict(h) for h in self.history],
+            "inner_optimizer": None if self.inner is None else self.inner.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from `state_dict()`: the run continues exactly as if it had not stopped."""
+        names = [g["names"] for g in self.param_groups]
+        saved_names = [g["names"] for g in state["param_groups"]]
+        if names != saved_names:
+            raise ValueError(
+                "ES state was saved for different parameters; build the ES from the same "
+                "model and parameter selection before loading it"
+            )
+        if (state["inner_optimizer"] is None) != (self.inner is None):
+            raise ValueError("ES state and this ES disagree on gradient mode (inner_optimizer)")
+        for key in ("seed", "population", "antithetic", "shaping", "stochastic_rounding"):
+            setattr(self, key, state[key])
+        for group, saved in zip(self.param_groups, state["param_groups"]):
+            group.update({k: saved[k] for k in _GROUP_DEFAULT_KEYS})
+        self.generation = int(state["generation"])
+        self.history = [dict(h) for h in state["history"]]
+        if self.inner is not None:
+            self.inner.load_state_dict(state["inner_optimizer"])
+
+    # --- multi-process ----------------------------------------------------------------------------
+
+    def checksum(self) -> int:
+        """An exact integer fingerprint of the evolved weights (sum of their bit patterns)."""
+        total = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                bits = p.detach().contiguous().view(torch.int16 if p.element_size() == 2 else torch.int32)
+                total += int(bits.to(torch.int64).sum())
+        return total
+
+    def verify_ranks_agree(self) -> None:
+        """Fail loudly when processes hold different weights (they must apply identical updates)."""
+        rank, world = _rank_and_world()
+        if world == 1:
+            return
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, self.checksum())
+        if len(set(gathered)) > 1:
+            raise RuntimeError(
+                f"ES weights diverged across processes at generation {self.generation}: "
+                f"checksums {gathered}; every rank must start from the same weights and "
+                "evaluate with the same seed"
+            )
+
+
+def replay(
+    params: Iterable,
+    state: dict[str, Any],
+    *,
+    backend: str = "auto",
+    inner_optimizer: Callable[[list[dict]], torch.optim.Optimizer] | None = None,
+) -> None:
+    """Re-apply a run's recorded generations to the base weights `params`, in place.
+
+    `params` lists the same tensors, in the same order, as the run's ES was built from; `state` is its
+    `ES.state_dict()`. On the same backend this reproduces the trained weights bit for bit, from a log of
+    one float per noise direction per generation (pass the same inner_optimizer in gradient mode).
+    """
+    tensors = [t for g in _as_groups(params) for t in _plain_tensors(list(g["params"]))]
+    groups, start = [], 0
+    for saved in state["param_groups"]:
+        names = saved["names"]
+        groups.append(
+            {
+                "params": list(zip(names, tensors[start : start + len(names)])),
+                **{k: saved[k] for k in _GROUP_DEFAULT_KEYS},
+            }
+        )
+        start += len(names)
+    if start != len(tensors):
+        raise ValueError(
+            f"replay got {len(tensors)} tensors but the run evolved {start}; pass the same "
+            "parameter selection the run used (e.g. fastes.linear_weights(base_model))"
+        )
+    es = ES(
+        groups,
+        sigma=groups[0]["sigma"],
+        lr=groups[0]["lr"],
+        population=state["population"],
+        antithetic=state["antithetic"],
+        shaping=state["shaping"],
+        seed=state["seed"],
+        stochastic_rounding=state["stochastic_rounding"],
+        inner_optimizer=inner_optimizer,
+        backend=backend,
+        checksum_every=0,
+    )
+    for record in state["history"]:
+        es.generation = record["generation"]
+        es._update(record["weights"], n_members=record["members"])
+
+
+def linear_weights(
+    model: torch.nn.Module,
+    *,
+    include_embeddings: bool = False,
+    include_norms: bool = False,
+    include_biases: bool = False,
+) -> list[tuple[str, torch.nn.Parameter]]:
+    """(name, parameter) pairs ES evolves by default: the weight of every nn.Linear layer.
+
+    A weight shared with the input embedding (tied lm_head) counts as an embedding. Norm weights and
+    biases are opt-in. Each tensor appears once, under its first name in `model.named_parameters()`.
+    """
+    linear, embedding, norm, bias = set(), set(), set(), set()
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(module, torch.nn.Linear):
+            linear.add(id(module.weight))
+        elif isinstance(module, torch.nn.Embedding):
+            embedding.add(id(module.weight))
+        elif isinstance(weight, torch.nn.Parameter) and "norm" in type(module).__name__.lower():
+            norm.add(id(weight))
+        module_bias = getattr(module, "bias", None)
+        if isinstance(module_bias, torch.nn.Parameter):
+            bias.add(id(module_bias))
+    chosen = []
+    for name, p in model.named_parameters():  # named_parameters already lists a shared tensor once
+        key = id(p)
+        if key in embedding:
+            keep = include_embeddings
+        elif key in linear:
+            keep = True
+        elif key in norm:
+            keep = include_norms
+        elif key in bias:
+            keep = include_biases
+        else:
+            keep = False
+        if keep:
+            chosen.append((name, p))
+    if not chosen:
+        raise ValueError(
+            f"{type(model).__name__} has no nn.Linear weights to evolve; pass the tensors "
+            "to fastes.ES yourself, or enable include_embeddings / include_norms"
+        )
+    return chosen
+
+
+def _as_groups(params: Iterable) -> list[dict]:
+    params = list(params)
+    if not params:
+        raise ValueError("ES got an empty parameter list; pass the tensors to evolve")
+    if all(isinstance(p, dict) for p in params):
+        return params
+    if any(isinstance(p, dict) for p in params):
+        raise TypeError("params must be all tensors / (name, tensor) pairs, or all param-group dicts")
+    return [{"params": params}]
+
+
+def _plain_tensors(entries: list) -> list[torch.Tensor]:
+    return [e[1] if isinstance(e, tuple) else e for e in entries]
+
+
+def _grad_buffer(p: torch.Tensor) -> torch.Tensor:
+    """p.grad, allocated when missing; the update overwrites it entirely, so it needs no zeroing."""
+    if p.grad is None or p.grad.shape != p.shape or not p.grad.is_contiguous():
+        p.grad = torch.empty_like(p)
+    return p.grad
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
