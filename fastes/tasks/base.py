@@ -100,7 +100,7 @@ class GeneratedTask(Task):
         # Seeding with a string mixes in the task name, so equal seeds of different tasks are unrelated.
         rng = random.Random(f"{self.name}:{self.seed}")
         wanted = self.n_train + self.n_test
-        max_draws = max(10_000, 100 * wanted)
+        max_draws = max(2_000, 30 * wanted)  # plenty for every built-in task's defaults
         examples: dict[str, Example] = {}  # by prompt, in the order drawn
         for _ in range(max_draws):
             if len(examples) == wanted:
