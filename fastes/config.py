@@ -1,0 +1,192 @@
+"""Run configuration: one dataclass tree, filled from defaults, a TOML file and command-line flags.
+
+Every key is checked when the config is built: an unknown key, a wrong type or an impossible value
+fails at once with a ConfigError that names the key and says how to fix it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+ALGORITHMS = ("es", "grpo", "grpo_es")
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+EVAL_MODES = ("member",)
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown, of the wrong type or out of range."""
+
+
+@dataclass
+class ESConfig:
+    iterations: int = 40
+    population: int = 16
+    sigma: float = 0.02
+    lr: float = 0.002  # alpha in theta += alpha / (N sigma) sum_i w_i eps_i
+    shaping: str = "centered_rank"
+    antithetic: bool = True
+    weight_decay: float = 0.0
+    stochastic_rounding: bool = False
+    eval_mode: str = "member"
+
+
+@dataclass
+class GRPOConfig:
+    steps: int = 40
+    num_generations: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    lr: float = 3e-4
+    beta: float = 0.0  # KL (k3) weight to the frozen starting model; 0 = no reference model
+    epsilon: float = 0.2
+    loss_type: str = "dapo"
+    max_grad_norm: float = 1.0
+    weight_decay: float = 0.0
+
+
+@dataclass
+class TrainConfig:
+    algorithm: str = "es"
+    model: str = ""  # a Hugging Face model directory; empty = the built-in tiny model
+    task: str = "countdown"
+    task_seed: int = 0
+    seed: int = 0
+    out_dir: str = "runs/es"
+    batch_size: int = 32  # training prompts per iteration
+    max_new_tokens: int = 12
+    format_weight: float = 0.1  # reward = format_weight * format + answer
+    eval_every: int = 10
+    eval_size: int = 200
+    checkpoint_every: int = 10
+    dtype: str = "float32"
+    device: str = "cpu"
+    backend: str = "auto"
+    progress: bool = True
+    es: ESConfig = field(default_factory=ESConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+
+
+def _check_type(key: str, value: Any, expected: type) -> Any:
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    # bool is a subclass of int in Python, so it is checked both ways.
+    if isinstance(value, bool) != (expected is bool) or not isinstance(value, expected):
+        raise ConfigError(f"{key} must be {expected.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _merge(target: Any, values: dict[str, Any], prefix: str = "") -> None:
+    fields = {f.name: f for f in dataclasses.fields(target)}
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        if key not in fields:
+            known = ", ".join(prefix + k for k in fields)
+            raise ConfigError(f"unknown config key {name!r}; known keys: {known}")
+        current = getattr(target, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{name} must be a table ([{name}] in TOML), got {value!r}")
+            _merge(current, value, prefix=f"{name}.")
+        else:
+            setattr(target, key, _check_type(name, value, type(current)))
+
+
+def _require(condition: bool, key: str, problem: str) -> None:
+    if not condition:
+        raise ConfigError(f"{key}: {problem}")
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    """Check every value's range; returns cfg for chaining."""
+    from .tasks import available_tasks
+
+    _require(cfg.algorithm in ALGORITHMS, "algorithm", f"{cfg.algorithm!r} is not one of {ALGORITHMS}")
+    _require(
+        cfg.task.split(":")[0] in {t.split(":")[0] for t in available_tasks()},
+        "task",
+        f"{cfg.task!r} does not exist; available: {', '.join(available_tasks())}",
+    )
+    if cfg.model:
+        _require(Path(cfg.model).is_dir(), "model", f"model directory {cfg.model!r} does not exist")
+    for key in ("batch_size", "max_new_tokens", "eval_size"):
+        _require(getattr(cfg, key) >= 1, key, f"must be at least 1, got {getattr(cfg, key)}")
+    for key in ("eval_every", "checkpoint_every"):
+        _require(getattr(cfg, key) >= 0, key, f"must be >= 0 (0 = never), got {getattr(cfg, key)}")
+    _require(cfg.dtype in ("float32", "bfloat16", "float16"), "dtype", "choose float32, bfloat16 or float16")
+    _require(cfg.backend in ("auto", "triton", "torch"), "backend", "choose auto, triton or torch")
+    _require(math.isfinite(cfg.format_weight) and cfg.format_weight >= 0, "format_weight", "must be >= 0")
+    es = cfg.es
+    _require(es.iterations >= 0, "es.iterations", f"must be >= 0, got {es.iterations}")
+    _require(es.population >= 2, "es.population", f"must be at least 2, got {es.population}")
+    _require(
+        not es.antithetic or es.population % 2 == 0,
+        "es.population",
+        f"antithetic sampling needs an even population, got {es.population} (or set es.antithetic = false)",
+    )
+    _require(es.sigma > 0 and math.isfinite(es.sigma), "es.sigma", f"must be > 0, got {es.sigma}")
+    _require(es.lr >= 0 and math.isfinite(es.lr), "es.lr", f"must be >= 0, got {es.lr}")
+    from .shaping import SHAPINGS
+
+    _require(es.shaping in SHAPINGS, "es.shaping", f"{es.shaping!r} is not one of {SHAPINGS}")
+    _require(es.eval_mode in EVAL_MODES, "es.eval_mode", f"{es.eval_mode!r} is not one of {EVAL_MODES}")
+    g = cfg.grpo
+    _require(g.steps >= 0, "grpo.steps", f"must be >= 0, got {g.steps}")
+    _require(g.num_generations >= 2, "grpo.num_generations", f"must be at least 2, got {g.num_generations}")
+    _require(g.temperature > 0, "grpo.temperature", f"GRPO samples, so it must be > 0, got {g.temperature}")
+    _require(0 < g.top_p <= 1, "grpo.top_p", f"must be in (0, 1], got {g.top_p}")
+    _require(g.lr > 0, "grpo.lr", f"must be > 0, got {g.lr}")
+    _require(g.beta >= 0, "grpo.beta", f"must be >= 0, got {g.beta}")
+    _require(0 <= g.epsilon < 1, "grpo.epsilon", f"must be in [0, 1), got {g.epsilon}")
+    _require(g.loss_type in LOSS_TYPES, "grpo.loss_type", f"{g.loss_type!r} is not one of {LOSS_TYPES}")
+    _require(g.max_grad_norm > 0, "grpo.max_grad_norm", f"must be > 0, got {g.max_grad_norm}")
+    return cfg
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """Defaults, then the TOML file at `path`, then `overrides` ({"es.sigma": 0.01, ...}); validated."""
+    cfg = TrainConfig()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            values = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as error:
+            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {error}") from None
+        _merge(cfg, values)
+    for dotted, value in (overrides or {}).items():
+        *sections, key = dotted.split(".")
+        nested: dict[str, Any] = {key: value}
+        for section in reversed(sections):
+            nested = {section: nested}
+        _merge(cfg, nested)
+    return validate(cfg)
+
+
+def config_dict(cfg: TrainConfig) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def flag_specs() -> list[tuple[str, type]]:
+    """("es.sigma", float), ...: every leaf key, for building command-line flags."""
+    specs = []
+
+    def walk(obj: Any, prefix: str) -> None:
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                walk(value, f"{prefix}{f.name}.")
+            else:
+                specs.append((f"{prefix}{f.name}", type(value)))
+
+    walk(TrainConfig(), "")
+    return specs

@@ -1,0 +1,351 @@
+"""Post-training loops: ES and GRPO on a verifiable task, or GRPO then ES, in one resumable run.
+
+A run directory holds config.json, metrics.jsonl (one line per step), checkpoints/ and, at the end,
+final/ (a Hugging Face model directory). Everything random is derived from (seed, phase, step), so a run
+resumed from a checkpoint continues exactly as the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from . import ES, linear_weights
+from .analysis.diversity import js_diversity
+from .analysis.entropy import token_entropy
+from .checkpoint import latest_checkpoint, save_checkpoint
+from .config import TrainConfig, config_dict
+from .generation import generate
+from .models import format_prompt, load_model, save_model, tiny_model_path
+from .tasks import Example, Task, get_task
+
+PHASES = {"es": ("es",), "grpo": ("grpo",), "grpo_es": ("grpo", "es")}
+
+
+@dataclass
+class Run:
+    """What every phase needs: the config, the policy, the task and where to write."""
+
+    cfg: TrainConfig
+    model: torch.nn.Module
+    tokenizer: Any
+    task: Task
+    out_dir: Path
+    metrics: list[dict] = field(default_factory=list)
+
+    def log(self, record: dict) -> None:
+        self.metrics.append(record)
+        with (self.out_dir / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def prompts(self, examples: list[Example]) -> list[str]:
+        return [format_prompt(self.tokenizer, ex.prompt) for ex in examples]
+
+
+def batch_for(run: Run, phase: str, step: int) -> list[Example]:
+    """The training prompts of (phase, step): a pure function of the seed, so resume sees the same ones."""
+    rng = random.Random(f"{run.cfg.seed}:{phase}:{step}")
+    train = run.task.split("train")
+    return rng.sample(train, min(run.cfg.batch_size, len(train)))
+
+
+@torch.no_grad()
+def evaluate(run: Run, examples: list[Example], batch_size: int = 256) -> dict[str, float]:
+    """Greedy accuracy and format rate of the current weights on `examples`."""
+    answer = fmt = 0.0
+    for start in range(0, len(examples), batch_size):
+        chunk = examples[start : start + batch_size]
+        gen = generate(run.model, run.tokenizer, run.prompts(chunk), max_new_tokens=run.cfg.max_new_tokens)
+        scores = [run.task.score(ex, text) for ex, text in zip(chunk, gen.texts)]
+        answer += sum(s.answer for s in scores)
+        fmt += sum(s.format for s in scores)
+    return {"accuracy": answer / len(examples), "format": fmt / len(examples)}
+
+
+# --- ES ---------------------------------------------------------------------------------------------
+
+
+def make_es(run: Run) -> ES:
+    c = run.cfg.es
+    return ES(
+        linear_weights(run.model),
+        sigma=c.sigma,
+        lr=c.lr,
+        population=c.population,
+        antithetic=c.antithetic,
+        shaping=c.shaping,
+        seed=run.cfg.seed,
+        weight_decay=c.weight_decay,
+        stochastic_rounding=c.stochastic_rounding,
+        backend=run.cfg.backend,
+    )
+
+
+def es_iteration(run: Run, es: ES, step: int) -> dict[str, float]:
+    """Score every member on one batch of prompts (greedy), then take the ES step."""
+    examples = batch_for(run, "es", step)
+    prompts = run.prompts(examples)
+    answers, tokens = [], 0
+
+    def member_rewards() -> list[float]:
+        nonlocal tokens
+        gen = generate(run.model, run.tokenizer, prompts, max_new_tokens=run.cfg.max_new_tokens)
+        tokens += gen.num_tokens
+        scores = [run.task.score(ex, text) for ex, text in zip(examples, gen.texts)]
+        answers.append([s.answer for s in scores])
+        return [s.reward(run.cfg.format_weight) for s in scores]
+
+    start = time.perf_counter()
+    rewards = es.step(member_rewards)  # [members, prompts]
+    seconds = time.perf_counter() - start
+    per_member = rewards.mean(dim=1)
+    diversity = js_diversity(torch.tensor(answers))
+    return {
+        "reward": float(per_member.mean()),
+        "reward_std": float(per_member.std(correction=0)),
+        "reward_max": float(per_member.max()),
+        "js_diversity": float(diversity.normalized),
+        "members_agree": float(diversity.agreement),
+        "seconds": seconds,
+        "tokens_per_second": tokens / seconds,
+    }
+
+
+# --- GRPO -------------------------------------------------------------------------------------------
+
+
+def completion_logprobs(
+    model, input_ids, attention_mask, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probabilities of input_ids[:, 1:] and the temperature-scaled logits predicting them."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float() / temperature
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    return logp, logits
+
+
+def grpo_step(run: Run, optimizer: torch.optim.Optimizer, reference, step: int) -> dict[str, float]:
+    """Sample G completions per prompt, normalise rewards per group, one clipped-surrogate update."""
+    g = run.cfg.grpo
+    examples = batch_for(run, "grpo", step)
+    start = time.perf_counter()
+    run.model.eval()
+    gen = generate(
+        run.model,
+        run.tokenizer,
+        run.prompts(examples),
+        max_new_tokens=run.cfg.max_new_tokens,
+        temperature=g.temperature,
+        top_p=g.top_p,
+        seed=run.cfg.seed * 1_000_003 + step,
+        num_return_sequences=g.num_generations,
+    )
+    repeated = [ex for ex in examples for _ in range(g.num_generations)]
+    rewards = torch.tensor(
+        [run.task.score(ex, t).reward(run.cfg.format_weight) for ex, t in zip(repeated, gen.texts)]
+    ).view(len(examples), g.num_generations)
+    group_std = rewards.std(dim=1, keepdim=True)  # Bessel-corrected, as TRL
+    advantages = ((rewards - rewards.mean(dim=1, keepdim=True)) / (group_std + 1e-4)).view(-1)
+
+    # Right-padded prompt + completion rows; the mask keeps completion tokens (EOS included).
+    rows = [p + c for p, c in zip(gen.prompt_ids, gen.completion_ids)]
+    width = max(map(len, rows))
+    pad = run.tokenizer.pad_token_id
+    input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=run.model.device)
+    attention = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=run.model.device)
+    completion = torch.zeros_like(input_ids, dtype=torch.bool)
+    for i, (p, c) in enumerate(zip(gen.prompt_ids, gen.completion_ids)):
+        completion[i, len(p) : len(p) + len(c)] = True
+    mask = completion[:, 1:].float()
+
+    run.model.train()
+    logp, logits = completion_logprobs(run.model, input_ids, attention, g.temperature)
+    ratio = torch.exp(logp - logp.detach())  # one optimisation step per batch: old policy = current
+    adv = advantages[:, None].to(logp.device)
+    clipped = torch.clamp(ratio, 1 - g.epsilon, 1 + g.epsilon)
+    per_token = -torch.min(ratio * adv, clipped * adv)
+    kl = torch.zeros(())
+    if reference is not None:
+        with torch.no_grad():
+            ref_logp, _ = completion_logprobs(reference, input_ids, attention, g.temperature)
+        delta = ref_logp - logp
+        k3 = torch.exp(delta) - delta - 1  # unbiased, always >= 0
+        per_token = per_token + g.beta * k3
+        kl = (k3 * mask).sum() / mask.sum()
+    if g.loss_type == "grpo":
+        loss = ((per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
+    elif g.loss_type == "dapo":
+        loss = (per_token * mask).sum() / mask.sum().clamp(min=1)
+    else:  # dr_grpo: a constant normaliser, no length bias
+        loss = (per_token * mask).sum() / (mask.shape[0] * run.cfg.max_new_tokens)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), g.max_grad_norm)
+    optimizer.step()
+    run.model.eval()
+
+    seconds = time.perf_counter() - start
+    return {
+        "reward": float(rewards.mean()),
+        "reward_std": float(rewards.std(dim=1).mean()),
+        "frac_reward_zero_std": float((group_std.squeeze(1) == 0).float().mean()),
+        "entropy": float(token_entropy(logits.detach(), completion[:, 1:])),
+        "kl": float(kl),
+        "loss": float(loss),
+        "grad_norm": float(grad_norm),
+        "clip_ratio": float(
+            (((ratio < 1 - g.epsilon) | (ratio > 1 + g.epsilon)).float() * mask).sum() / mask.sum()
+        ),
+        "completion_length": sum(gen.lengths) / len(gen.lengths),
+        "seconds": seconds,
+        "tokens_per_second": gen.num_tokens / seconds,
+    }
+
+
+def make_grpo_optimizer(run: Run) -> torch.optim.Optimizer:
+    g = run.cfg.grpo
+    return torch.optim.AdamW(run.model.parameters(), lr=g.lr, weight_decay=g.weight_decay)
+
+
+# --- the run ----------------------------------------------------------------------------------------
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    """AdamW state split into tensors (for safetensors) and plain JSON (param groups, tensor names)."""
+    state = optimizer.state_dict()
+    tensors, layout = {}, {}
+    for index, values in state["state"].items():
+        for name, value in values.items():
+            tensors[f"optimizer.{index}.{name}"] = value
+            layout.setdefault(str(index), []).append(name)
+    return tensors, {"param_groups": state["param_groups"], "layout": layout}
+
+
+def _load_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], saved: dict) -> None:
+    state = {
+        int(i): {n: tensors[f"optimizer.{i}.{n}"] for n in names} for i, names in saved["layout"].items()
+    }
+    optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+
+
+def _checkpoint(run: Run, global_step: int, phase_index: int, step: int, es: ES | None, optimizer) -> None:
+    tensors = {f"model.{k}": v for k, v in run.model.state_dict().items()}
+    state: dict[str, Any] = {"phase_index": phase_index, "step": step, "config": config_dict(run.cfg)}
+    if es is not None:
+        state["es"] = es.state_dict()
+    if optimizer is not None:
+        opt_tensors, state["optimizer"] = _optimizer_tensors(optimizer)
+        tensors.update(opt_tensors)
+    save_checkpoint(run.out_dir, global_step, tensors, state)
+
+
+def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
+    """Run the configured post-training; returns base and final test metrics."""
+    out_dir = Path(cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    model, tokenizer = load_model(cfg.model or tiny_model_path(), dtype=cfg.dtype, device=cfg.device)
+    run = Run(cfg, model, tokenizer, get_task(cfg.task, seed=cfg.task_seed), out_dir)
+    test = run.task.split("test")[: cfg.eval_size]
+    phases = PHASES[cfg.algorithm]
+    lengths = [cfg.grpo.steps if p == "grpo" else cfg.es.iterations for p in phases]
+
+    # Where to start: from scratch, or just after the newest checkpoint.
+    first_phase, first_step, saved = 0, 0, None
+    found = latest_checkpoint(out_dir) if resume else None
+    if found is not None:
+        global_step, tensors, saved = found
+        model.load_state_dict({k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")})
+        first_phase, first_step = saved["phase_index"], saved["step"]
+        kept = [m for m in _read_metrics(out_dir) if m["global_step"] <= global_step]
+        _write_metrics(out_dir, kept)
+        run.metrics = kept
+    else:
+        _write_metrics(out_dir, [])
+        (out_dir / "config.json").write_text(json.dumps(config_dict(cfg), indent=2))
+        base = evaluate(run, test)
+        run.log(
+            {
+                "global_step": 0,
+                "phase": "base",
+                "step": 0,
+                "test_accuracy": base["accuracy"],
+                "test_format": base["format"],
+            }
+        )
+
+    global_step = sum(lengths[:first_phase]) + first_step
+    bar = tqdm(total=sum(lengths), initial=global_step, disable=not cfg.progress, desc=cfg.algorithm)
+    for phase_index in range(first_phase, len(phases)):
+        phase = phases[phase_index]
+        es = make_es(run) if phase == "es" else None
+        optimizer = make_grpo_optimizer(run) if phase == "grpo" else None
+        reference = None
+        if phase == "grpo" and cfg.grpo.beta > 0:
+            reference = copy.deepcopy(model).eval().requires_grad_(False)
+        start_step = first_step if phase_index == first_phase else 0
+        if saved is not None and phase_index == first_phase:
+            if es is not None:
+                es.load_state_dict(saved["es"])
+            if optimizer is not None:
+                _load_optimizer(optimizer, tensors, saved["optimizer"])
+        for step in range(start_step, lengths[phase_index]):
+            record = (
+                es_iteration(run, es, step) if es is not None else grpo_step(run, optimizer, reference, step)
+            )
+            global_step += 1
+            record = {"global_step": global_step, "phase": phase, "step": step + 1, **record}
+            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 or step + 1 == lengths[phase_index]:
+                result = evaluate(run, test)
+                record.update(test_accuracy=result["accuracy"], test_format=result["format"])
+            run.log(record)
+            bar.update(1)
+            bar.set_postfix(
+                phase=phase,
+                reward=f"{record['reward']:.3f}",
+                test=f"{record.get('test_accuracy', float('nan')):.3f}",
+            )
+            if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+                _checkpoint(run, global_step, phase_index, step + 1, es, optimizer)
+        if phase_index + 1 < len(phases):  # a phase boundary is a checkpoint: the next phase starts fresh
+            _checkpoint(run, global_step, phase_index + 1, 0, None, None)
+        saved = None
+    bar.close()
+    save_model(model, tokenizer, out_dir / "final")
+    base_accuracy = run.metrics[0]["test_accuracy"]
+    final = [m for m in run.metrics if "test_accuracy" in m][-1]["test_accuracy"]
+    summary = {
+        "base_test_accuracy": base_accuracy,
+        "final_test_accuracy": final,
+        "steps": global_step,
+        "out_dir": str(out_dir),
+        "model_dir": str(out_dir / "final"),
+    }
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _read_metrics(out_dir: Path) -> list[dict]:
+    path = out_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    lines = []
+    for line in path.read_text().splitlines():
+        try:
+            lines.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut short by a crash: everything after it is redone
+            break
+    return lines
+
+
+def _write_metrics(out_dir: Path, records: list[dict]) -> None:
+    tmp = out_dir / "metrics.jsonl.tmp"
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    tmp.replace(out_dir / "metrics.jsonl")
