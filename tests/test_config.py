@@ -1,0 +1,55 @@
+"""Configuration: defaults, TOML, flags, and clear errors for every kind of mistake."""
+
+import pytest
+
+from fastes.cli import main
+from fastes.config import ConfigError, load_config
+
+
+def test_defaults_are_valid_and_overrides_apply(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text(
+        'algorithm = "grpo_es"\nseed = 3\n[es]\nsigma = 0.01\npopulation = 8\n[grpo]\nlr = 1e-5\n'
+    )
+    cfg = load_config(path, {"es.population": 4, "batch_size": 7})
+    assert (cfg.algorithm, cfg.seed, cfg.es.sigma, cfg.grpo.lr) == ("grpo_es", 3, 0.01, 1e-5)
+    assert cfg.es.population == 4 and cfg.batch_size == 7  # flags override the file
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"populaton": 4}, "unknown config key 'populaton'"),
+        ({"es.popsize": 4}, "unknown config key 'es.popsize'"),
+        ({"es.population": 1}, "es.population: must be at least 2"),
+        ({"es.population": 5}, "even population"),
+        ({"es.sigma": 0.0}, "es.sigma: must be > 0"),
+        ({"es.sigma": "big"}, "es.sigma must be float"),
+        ({"es.antithetic": 1}, "es.antithetic must be bool"),
+        ({"batch_size": True}, "batch_size must be int"),
+        ({"task": "sudoku"}, "task: 'sudoku' does not exist"),
+        ({"model": "/nonexistent/model"}, "model directory '/nonexistent/model' does not exist"),
+        ({"algorithm": "ppo"}, "algorithm: 'ppo' is not one of"),
+        ({"grpo.loss_type": "ppo"}, "grpo.loss_type"),
+        ({"grpo.temperature": 0.0}, "grpo.temperature"),
+        ({"dtype": "int8"}, "dtype"),
+        ({"es": 3}, "es must be a table"),
+    ],
+)
+def test_bad_values_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.toml")
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[es\nsigma = ")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(broken)
+
+
+def test_cli_reports_config_errors_without_a_traceback(capsys):
+    assert main(["train", "--es.population", "1"]) == 2
+    assert "es.population: must be at least 2" in capsys.readouterr().err
