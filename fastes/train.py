@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from . import ES, linear_weights
 from .analysis.diversity import js_diversity
 from .analysis.entropy import token_entropy
+from .batched import population_batched
 from .checkpoint import latest_checkpoint, save_checkpoint
 from .config import TrainConfig, config_dict
 from .generation import generate
@@ -90,24 +91,34 @@ def make_es(run: Run) -> ES:
 
 
 def es_iteration(run: Run, es: ES, step: int) -> dict[str, float]:
-    """Score every member on one batch of prompts (greedy), then take the ES step."""
+    """Score every member on one batch of prompts (greedy), then take the ES step.
+
+    eval_mode "member" generates member by member under each member's perturbation; "batched" generates
+    for the whole population in one call (fastes.batched), rows grouped by member.
+    """
     examples = batch_for(run, "es", step)
     prompts = run.prompts(examples)
-    answers, tokens = [], 0
-
-    def member_rewards() -> list[float]:
-        nonlocal tokens
-        gen = generate(run.model, run.tokenizer, prompts, max_new_tokens=run.cfg.max_new_tokens)
-        tokens += gen.num_tokens
-        scores = [run.task.score(ex, text) for ex, text in zip(examples, gen.texts)]
-        answers.append([s.answer for s in scores])
-        return [s.reward(run.cfg.format_weight) for s in scores]
-
+    max_new = run.cfg.max_new_tokens
     start = time.perf_counter()
-    rewards = es.step(member_rewards)  # [members, prompts]
+    if run.cfg.es.eval_mode == "batched":
+        with population_batched(es, run.model) as members:
+            gen = generate(run.model, run.tokenizer, prompts * len(members), max_new_tokens=max_new)
+        texts = [gen.texts[i * len(prompts) : (i + 1) * len(prompts)] for i in range(len(members))]
+        tokens = gen.num_tokens
+    else:
+        texts, tokens = [], 0
+        for member in es.members():
+            with member:
+                gen = generate(run.model, run.tokenizer, prompts, max_new_tokens=max_new)
+            texts.append(gen.texts)
+            tokens += gen.num_tokens
+    scores = [[run.task.score(ex, t) for ex, t in zip(examples, member_texts)] for member_texts in texts]
+    rewards = es.step(
+        torch.tensor([[s.reward(run.cfg.format_weight) for s in row] for row in scores], dtype=torch.float64)
+    )
     seconds = time.perf_counter() - start
     per_member = rewards.mean(dim=1)
-    diversity = js_diversity(torch.tensor(answers))
+    diversity = js_diversity(torch.tensor([[s.answer for s in row] for row in scores]))
     return {
         "reward": float(per_member.mean()),
         "reward_std": float(per_member.std(correction=0)),

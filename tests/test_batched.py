@@ -1,0 +1,77 @@
+"""Population-batched evaluation equals member-by-member evaluation of the same members."""
+
+import pytest
+import torch
+
+import fastes
+from fastes.batched import PopulationLinear, population_batched
+from fastes.generation import generate
+from fastes.models import build_tiny_model, build_tokenizer
+
+PROMPTS = ["cd 2 4 8 > 24:", "12+34=", "rev 123:", "cmp 5 7:"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    tokenizer = build_tokenizer()
+    return build_tiny_model("tiny", tokenizer).eval(), tokenizer
+
+
+def make_es(model, population=4, seed=0):
+    return fastes.ES(fastes.linear_weights(model), sigma=0.05, lr=0.01, population=population, seed=seed)
+
+
+@torch.no_grad()
+def test_batched_logits_equal_member_by_member(tiny):
+    model, tokenizer = tiny
+    es = make_es(model)
+    batch = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    expected = []
+    for member in es.members():
+        with member:
+            expected.append(model(**batch).logits)
+    grouped = {k: v.repeat(es.population, 1) for k, v in batch.items()}  # rows grouped by member
+    with population_batched(es, model) as members:
+        assert [m.index for m in members] == list(range(es.population))
+        logits = model(**grouped).logits
+    torch.testing.assert_close(logits, torch.cat(expected), rtol=1e-4, atol=1e-5)
+    # The members really differ from each other, so the comparison above is not vacuous.
+    assert (expected[0] - expected[1]).abs().max() > 1e-3
+
+
+def test_batched_greedy_generations_are_identical(tiny):
+    model, tokenizer = tiny
+    es = make_es(model, population=6, seed=3)
+    expected = []
+    for member in es.members():
+        with member:
+            expected += generate(model, tokenizer, PROMPTS, max_new_tokens=8).texts
+    with population_batched(es, model) as members:
+        got = generate(model, tokenizer, PROMPTS * len(members), max_new_tokens=8).texts
+    assert got == expected
+
+
+def test_modules_are_put_back_and_weights_untouched(tiny):
+    model, _ = tiny
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    modules = dict(model.named_modules())
+    es = make_es(model)
+    with pytest.raises(RuntimeError, match="inside"), population_batched(es, model):
+        assert any(isinstance(m, PopulationLinear) for m in model.modules())
+        raise RuntimeError("inside")
+    assert not any(isinstance(m, PopulationLinear) for m in model.modules())
+    assert all(modules[name] is m for name, m in model.named_modules())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])
+
+
+def test_batched_mode_refuses_non_linear_parameters_and_bad_row_counts(tiny):
+    model, tokenizer = tiny
+    es = fastes.ES(fastes.linear_weights(model, include_norms=True), sigma=0.05, lr=0.01, population=2)
+    with pytest.raises(ValueError, match="nn.Linear weights only"), population_batched(es, model):
+        pass
+    es = make_es(model)
+    batch = tokenizer(PROMPTS[:3], return_tensors="pt", padding=True)
+    with pytest.raises(ValueError, match="multiple of 4 rows"), population_batched(es, model):
+        model(**batch)
