@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from .philox import normal_tile
+from .rounding import round_to
 from .table import TileTable, addresses
 
 
@@ -36,7 +37,7 @@ def perturb_kernel(
     # Upcast right after the load: bf16 arithmetic is wrong under the interpreter and imprecise anyway.
     theta = tl.load(src + offsets, mask=mask).to(tl.float32)
     eps = normal_tile(k0, k1, tl.load(tensor_ids + t), 0, start, BLOCK)
-    tl.store(dst + offsets, (theta + scale * eps).to(DTYPE), mask=mask)
+    tl.store(dst + offsets, round_to(theta + scale * eps, DTYPE), mask=mask)
 
 
 def launch_perturb(

@@ -10,28 +10,12 @@ import triton
 import triton.language as tl
 
 from .philox import normal_tile, uniform_tile
+from .rounding import round_to, stochastic_round
 from .table import TileTable, addresses
 
 MODE_APPLY = 0  # theta <- theta * decay + coef * sum, round to nearest
 MODE_APPLY_STOCHASTIC = 1  # the same, stochastic rounding to a 16-bit dtype
 MODE_GRADIENT = 2  # out <- coef * sum, theta untouched
-
-
-@triton.jit
-def _stochastic_round(value, u, DTYPE: tl.constexpr):
-    """Same rule as fastes.noise.stochastic_round: the neighbour of the nearest value when u*gap < dist."""
-    nearest = value.to(DTYPE)
-    magnitude_bits = nearest.to(tl.int16, bitcast=True).to(tl.int32) & 0x7FFF
-    magnitude = magnitude_bits.to(tl.int16).to(DTYPE, bitcast=True).to(tl.float32)
-    towards_zero = magnitude > tl.abs(value)
-    neighbour_bits = magnitude_bits + tl.where(towards_zero, -1, 1)
-    neighbour = neighbour_bits.to(tl.int16).to(DTYPE, bitcast=True).to(tl.float32)
-    gap = tl.abs(neighbour - magnitude)
-    distance = tl.abs(tl.abs(value) - magnitude)
-    bits = tl.where(u * gap < distance, neighbour_bits, magnitude_bits)
-    bits = tl.where(value < 0, bits | 0x8000, bits)
-    rounded = bits.to(tl.int16).to(DTYPE, bitcast=True)
-    return tl.where(tl.abs(value) < float("inf"), rounded, nearest)
 
 
 @triton.jit
@@ -70,15 +54,15 @@ def update_kernel(
         total += tl.load(weights + j) * normal_tile(k0, k1, tensor_id, 0, start, BLOCK)
 
     if MODE == 2:
-        tl.store(out + offsets, (coef * total).to(DTYPE), mask=mask)
+        tl.store(out + offsets, round_to(coef * total, DTYPE), mask=mask)
     else:
         theta = tl.load(param + offsets, mask=mask).to(tl.float32)
         new = theta * decay + coef * total
         if MODE == 1:
             u = uniform_tile(rounding_k0, rounding_k1, tensor_id, 1, start, BLOCK)
-            tl.store(out + offsets, _stochastic_round(new, u, DTYPE), mask=mask)
+            tl.store(out + offsets, stochastic_round(new, u, DTYPE), mask=mask)
         else:
-            tl.store(out + offsets, new.to(DTYPE), mask=mask)
+            tl.store(out + offsets, round_to(new, DTYPE), mask=mask)
 
 
 def launch_update(

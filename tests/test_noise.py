@@ -1,0 +1,400 @@
+"""The noise contract: Philox4x32-10 bits, counter layout, normals and uniforms (docs/noise.md).
+
+The reference (`fastes.noise`) is pinned by Random123's published known-answer vectors; the interpreted
+Triton stream (`fastes.kernels.launch_fill`) must give the same raw bits, and normals to float tolerance.
+"""
+
+import hashlib
+import math
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from fastes import kernels, noise
+
+launch_fill = kernels.launch_fill
+philox4x32_10 = kernels.philox.philox4x32_10
+
+MASK32 = 0xFFFFFFFF
+
+# Random123 kat_vectors for philox4x32_10: (counter c0..c3, key k0 k1) -> output words x0..x3.
+PHILOX_KAT = [
+    ((0x00000000, 0x00000000, 0x00000000, 0x00000000), (0x00000000, 0x00000000),
+     (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0xFFFFFFFF), (0xFFFFFFFF, 0xFFFFFFFF),
+     (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]  # fmt: skip
+
+KEYS = [
+    noise.member_key(0, 0, 0),
+    noise.member_key(1234, 7, 5),
+    (0, 0),
+    (MASK32, MASK32),
+    (0x80000000, 0x7FFFFFFF),  # one word above 2^31, one below: kernel scalar arguments of both kinds
+]
+TENSOR_IDS = [0, noise.tensor_id("model.layers.0.mlp.up_proj.weight"), MASK32]
+
+
+def expected_words(key, tensor, stream, first, numel):
+    """The raw word of elements first .. first+numel-1, computed element by element from the spec:
+    element e is output word e % 4 of Philox counter (e//4 mod 2^32, e//4 >> 32, tensor, stream)."""
+    elements = [first + i for i in range(numel)]
+    c0 = torch.tensor([(e // 4) & MASK32 for e in elements], dtype=torch.int64)
+    c1 = torch.tensor([(e // 4) >> 32 for e in elements], dtype=torch.int64)
+    words = torch.stack(noise.philox4x32(c0, c1, tensor, stream, key[0], key[1]), dim=1)
+    lanes = torch.tensor([e % 4 for e in elements], dtype=torch.int64)
+    return words.gather(1, lanes[:, None])[:, 0]
+
+
+def fill(numel, key, tensor, offset, stream=noise.STREAM_NOISE, raw_bits=False, block=1024):
+    out = torch.full((numel,), -1, dtype=torch.int64 if raw_bits else torch.float32)
+    launch_fill(out, key, tensor, offset, stream, raw_bits, block)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Philox4x32-10 known answers
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("counter, key, expected", PHILOX_KAT)
+def test_reference_philox_known_answers(counter, key, expected):
+    words = noise.philox4x32(*counter, *key)
+    assert tuple(int(w) for w in words) == expected
+    # Tensor arguments broadcast and give the same words.
+    batch = noise.philox4x32(*(torch.tensor([c, c]) for c in counter), *key)
+    assert all(w.tolist() == [x, x] for w, x in zip(batch, expected))
+
+
+@triton.jit
+def _philox_kat_kernel(counters, keys, out, N: tl.constexpr):
+    i = tl.arange(0, N)
+    c0 = tl.load(counters + 4 * i).to(tl.uint32)
+    c1 = tl.load(counters + 4 * i + 1).to(tl.uint32)
+    c2 = tl.load(counters + 4 * i + 2).to(tl.uint32)
+    c3 = tl.load(counters + 4 * i + 3).to(tl.uint32)
+    k0 = tl.load(keys + 2 * i).to(tl.uint32)
+    k1 = tl.load(keys + 2 * i + 1).to(tl.uint32)
+    x0, x1, x2, x3 = philox4x32_10(c0, c1, c2, c3, k0, k1)
+    tl.store(out + 4 * i, x0.to(tl.int64))
+    tl.store(out + 4 * i + 1, x1.to(tl.int64))
+    tl.store(out + 4 * i + 2, x2.to(tl.int64))
+    tl.store(out + 4 * i + 3, x3.to(tl.int64))
+
+
+def test_kernel_philox_known_answers():
+    rows = PHILOX_KAT + [PHILOX_KAT[0]]  # tl.arange needs a power of two
+    counters = torch.tensor([list(c) for c, _, _ in rows], dtype=torch.int64)
+    keys = torch.tensor([list(k) for _, k, _ in rows], dtype=torch.int64)
+    out = torch.full((len(rows), 4), -1, dtype=torch.int64)
+    _philox_kat_kernel[(1,)](counters, keys, out, N=len(rows))
+    assert [tuple(r) for r in out.tolist()] == [e for _, _, e in rows]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Counter layout: 64-bit element offsets
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("base", [0, 2**32 - 3, 2**32 + 1, 2**34 - 9, 2**40 + 2])
+def test_reference_counter_words_split_block_index(base):
+    numel = 23
+    c0, c1, start, n_blocks = noise._counter_words(numel, base, "cpu")
+    blocks = list(range(base // 4, (base + numel - 1) // 4 + 1))
+    assert start == 4 * (base // 4)
+    assert n_blocks == len(blocks)
+    assert c0.tolist() == [b & MASK32 for b in blocks]
+    assert c1.tolist() == [b >> 32 for b in blocks]
+
+
+def test_reference_counter_words_carry_into_high_word():
+    # Elements 2^34 - 4 .. 2^34 + 3 are blocks 2^32 - 1 and 2^32: the low word wraps, the high word carries.
+    c0, c1, _, _ = noise._counter_words(8, 2**34 - 4, "cpu")
+    assert c0.tolist() == [MASK32, 0]
+    assert c1.tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("base", [2**32 - 5, 2**32 + 6, 2**34 - 7, 2**36 + 1, 2**65 - 6, 2**66 - 13])
+@pytest.mark.parametrize("key", KEYS[:2])
+def test_reference_element_value_does_not_depend_on_offset(key, base):
+    tid = TENSOR_IDS[1]
+    numel = 13
+    span_u = noise.uniform(key, tid, numel, offset=base, stream=noise.STREAM_NOISE)
+    span_z = noise.normal(key, tid, numel, offset=base)
+    expected_u = (expected_words(key, tid, noise.STREAM_NOISE, base, numel) >> 9) * 2 + 1
+    assert torch.equal(span_u, expected_u.to(torch.float32) * 2.0**-24)
+    for i in range(numel):
+        alone_u = noise.uniform(key, tid, 1, offset=base + i, stream=noise.STREAM_NOISE)
+        alone_z = noise.normal(key, tid, 1, offset=base + i)
+        assert alone_u.shape == (1,) and alone_z.shape == (1,)
+        assert alone_u.item() == span_u[i].item()
+        assert abs(alone_z.item() - span_z[i].item()) <= 1e-6
+
+
+def test_reference_offsets_out_of_range_are_rejected():
+    with pytest.raises(ValueError, match="outside"):
+        noise.normal((1, 2), 3, 4, offset=-4)
+    with pytest.raises(ValueError, match="outside"):
+        noise.normal((1, 2), 3, 8, offset=2**66 - 4)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Interpreted kernel stream == reference stream
+# ---------------------------------------------------------------------------------------------------
+
+FILL_CASES = [
+    # (key, tensor id, element offset, numel)
+    (KEYS[0], TENSOR_IDS[0], 0, 1),
+    (KEYS[1], TENSOR_IDS[1], 0, 7),
+    (KEYS[2], TENSOR_IDS[2], 0, 4097),
+    (KEYS[3], TENSOR_IDS[1], 2**32 + 4, 7),
+    (KEYS[4], TENSOR_IDS[2], 2**32 - 2048, 4097),  # crosses element 2^32
+    (KEYS[1], TENSOR_IDS[1], 2**34 - 2048, 4097),  # crosses block 2^32: counter word 1 becomes 1
+    (KEYS[0], TENSOR_IDS[2], 2**34 + 12, 1),
+    (KEYS[3], TENSOR_IDS[0], 2**44 + 4, 33),
+]
+
+
+@pytest.mark.parametrize("key, tid, offset, numel", FILL_CASES)
+def test_kernel_raw_bits_match_reference(key, tid, offset, numel):
+    bits = fill(numel, key, tid, offset, raw_bits=True)
+    assert torch.equal(bits, expected_words(key, tid, noise.STREAM_NOISE, offset, numel))
+
+
+@pytest.mark.parametrize("key, tid, offset, numel", FILL_CASES)
+def test_kernel_normals_match_reference(key, tid, offset, numel):
+    z = fill(numel, key, tid, offset)
+    ref = noise.normal(key, tid, numel, offset=offset)
+    assert torch.isfinite(z).all()
+    assert (z - ref).abs().max().item() <= 1e-6
+
+
+def test_kernel_rounding_stream_bits_match_reference():
+    key = noise.rounding_key(99, 3)
+    tid = TENSOR_IDS[1]
+    bits = fill(1030, key, tid, 2**33 + 8, stream=noise.STREAM_ROUNDING, raw_bits=True)
+    assert torch.equal(bits, expected_words(key, tid, noise.STREAM_ROUNDING, 2**33 + 8, 1030))
+    # The uniform stream is the documented mapping of exactly these bits.
+    u = noise.uniform(key, tid, 1030, offset=2**33 + 8)
+    assert torch.equal(u, ((bits >> 9) * 2 + 1).to(torch.float32) * 2.0**-24)
+
+
+def test_reference_normals_follow_box_muller_lane_assignment():
+    # Lanes (0, 1) come from words (x0, x1), lanes (2, 3) from (x2, x3): z = r cos / r sin, computed in
+    # float64 here as an independent check of the mapping (the reference computes in fp32).
+    key, tid, numel = KEYS[1], TENSOR_IDS[1], 4096
+    words = expected_words(key, tid, noise.STREAM_NOISE, 0, numel).view(-1, 4).to(torch.float64)
+    u = (torch.floor(words / 512) * 2 + 1) * 2.0**-24
+    r01, r23 = torch.sqrt(-2 * torch.log(u[:, 0])), torch.sqrt(-2 * torch.log(u[:, 2]))
+    a01, a23 = 2 * math.pi * u[:, 1], 2 * math.pi * u[:, 3]
+    z = torch.stack(
+        (r01 * torch.cos(a01), r01 * torch.sin(a01), r23 * torch.cos(a23), r23 * torch.sin(a23)), 1
+    )
+    ref = noise.normal(key, tid, numel).to(torch.float64)
+    assert (ref - z.reshape(-1)).abs().max().item() < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------------
+# Invariance: block size, chunking, other tensors (the multi-tensor case is in test_perturb.py)
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("raw_bits", [True, False])
+def test_kernel_stream_does_not_depend_on_block_size(raw_bits):
+    key, tid, offset = KEYS[1], TENSOR_IDS[2], 2**32 + 1000
+    small = fill(1501, key, tid, offset, raw_bits=raw_bits, block=256)
+    large = fill(1501, key, tid, offset, raw_bits=raw_bits, block=1024)
+    assert torch.equal(small, large)
+
+
+def test_kernel_stream_does_not_depend_on_chunking():
+    key, tid = KEYS[0], TENSOR_IDS[1]
+    whole = fill(1500, key, tid, 2**34 - 600, raw_bits=True)
+    parts = [
+        fill(n, key, tid, 2**34 - 600 + start, raw_bits=True) for start, n in ((0, 4), (4, 596), (600, 900))
+    ]
+    assert torch.equal(torch.cat(parts), whole)
+
+
+def test_kernel_fill_rejects_unaligned_offset():
+    with pytest.raises(ValueError, match="multiple of 4"):
+        launch_fill(torch.zeros(4), KEYS[0], 1, 6, noise.STREAM_NOISE, False)
+
+
+@pytest.mark.parametrize("base", [0, 2**32 - 11])
+def test_reference_stream_does_not_depend_on_chunking(base):
+    key, tid = KEYS[1], TENSOR_IDS[1]
+    cuts = [0, 1, 6, 7, 100, 333, 334, 1000]  # chunk boundaries deliberately not multiples of 4
+    whole_u = noise.uniform(key, tid, 1000, offset=base)
+    whole_z = noise.normal(key, tid, 1000, offset=base)
+    parts_u = [noise.uniform(key, tid, b - a, offset=base + a) for a, b in zip(cuts, cuts[1:])]
+    parts_z = [noise.normal(key, tid, b - a, offset=base + a) for a, b in zip(cuts, cuts[1:])]
+    assert torch.equal(torch.cat(parts_u), whole_u)
+    assert (torch.cat(parts_z) - whole_z).abs().max().item() <= 1e-6
+
+
+# ---------------------------------------------------------------------------------------------------
+# Independence and statistics
+# ---------------------------------------------------------------------------------------------------
+
+N_CORR = 1 << 16
+
+
+def correlation(a, b):
+    a, b = a.double() - a.double().mean(), b.double() - b.double().mean()
+    return (a @ b / (a.norm() * b.norm())).item()
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        "tensor id",
+        "direction index",
+        "generation",
+        "seed",
+        "stream",
+        "next chunk of the same tensor",
+    ],
+)
+def test_streams_are_independent(other):
+    seed, generation, index = 5, 2, 3
+    tid = noise.tensor_id("layers.0.attn.q_proj.weight")
+    base = noise.normal(noise.member_key(seed, generation, index), tid, N_CORR)
+    key = noise.member_key(seed, generation, index)
+    if other == "tensor id":
+        alt = noise.normal(key, noise.tensor_id("layers.0.attn.k_proj.weight"), N_CORR)
+    elif other == "direction index":
+        alt = noise.normal(noise.member_key(seed, generation, index + 1), tid, N_CORR)
+    elif other == "generation":
+        alt = noise.normal(noise.member_key(seed, generation + 1, index), tid, N_CORR)
+    elif other == "seed":
+        alt = noise.normal(noise.member_key(seed + 1, generation, index), tid, N_CORR)
+    elif other == "stream":
+        alt = noise.normal(key, tid, N_CORR, stream=noise.STREAM_ROUNDING)
+    else:
+        alt = noise.normal(key, tid, N_CORR, offset=N_CORR)
+    assert not torch.equal(base, alt)
+    # |corr| of independent samples is ~ N(0, 1/n): 5 standard deviations.
+    assert abs(correlation(base, alt)) < 5 / math.sqrt(N_CORR)
+    # Also no lag-one relation between the two streams.
+    assert abs(correlation(base[1:], alt[:-1])) < 5 / math.sqrt(N_CORR)
+
+
+def test_lanes_within_a_block_are_uncorrelated():
+    z = noise.normal(KEYS[1], TENSOR_IDS[1], N_CORR).view(-1, 4)
+    for i in range(4):
+        for j in range(i + 1, 4):
+            assert abs(correlation(z[:, i], z[:, j])) < 5 / math.sqrt(z.shape[0])
+
+
+N_STATS = 1 << 20
+
+
+def test_normal_statistics():
+    z = noise.normal(noise.member_key(2024, 0, 1), noise.tensor_id("w"), N_STATS).double()
+    n = z.numel()
+    assert torch.isfinite(z).all()
+    # Box-Muller on 24-bit uniforms: |z| <= sqrt(-2 ln 2^-24) ~= 5.77.
+    assert z.abs().max().item() <= math.sqrt(-2 * math.log(2.0**-24)) + 1e-5
+    mean, var = z.mean().item(), z.var().item()
+    assert abs(mean) < 5 / math.sqrt(n)  # sd of the mean: 1/sqrt(n)
+    assert abs(var - 1) < 5 * math.sqrt(2 / n)  # sd of the sample variance: sqrt(2/n)
+    kurtosis = ((z - mean) ** 4).mean().item() / var**2
+    assert abs(kurtosis - 3) < 5 * math.sqrt(24 / n)
+    # Kolmogorov-Smirnov against the standard normal CDF; 1.95/sqrt(n) is the 0.1% critical value.
+    x, _ = torch.sort(z)
+    cdf = 0.5 * (1 + torch.erf(x / math.sqrt(2)))
+    i = torch.arange(1, n + 1, dtype=torch.float64)
+    ks = max((i / n - cdf).max().item(), (cdf - (i - 1) / n).max().item())
+    assert ks < 1.95 / math.sqrt(n)
+
+
+def test_ks_statistic_detects_a_wrong_distribution():
+    # The KS check above can fail: uniforms rescaled to variance 1 are far from normal.
+    n = N_STATS // 16
+    z = (noise.uniform(KEYS[0], 1, n).double() - 0.5) * math.sqrt(12)
+    x, _ = torch.sort(z)
+    cdf = 0.5 * (1 + torch.erf(x / math.sqrt(2)))
+    i = torch.arange(1, n + 1, dtype=torch.float64)
+    ks = max((i / n - cdf).max().item(), (cdf - (i - 1) / n).max().item())
+    assert ks > 1.95 / math.sqrt(n)
+
+
+def test_uniforms_are_strictly_inside_the_unit_interval():
+    u = noise.uniform(noise.member_key(3, 1, 4), noise.tensor_id("b"), N_STATS // 4)
+    assert u.dtype == torch.float32
+    assert u.min().item() > 0 and u.max().item() < 1
+    # Odd multiples of 2^-24: exact in fp32.
+    scaled = (u.double() * 2**24).round()
+    assert torch.equal(scaled, u.double() * 2**24)
+    assert (scaled.long() % 2 == 1).all()
+    n = u.numel()
+    assert abs(u.double().mean().item() - 0.5) < 5 * math.sqrt(1 / 12 / n)
+    assert abs(u.double().var().item() - 1 / 12) < 5 * math.sqrt(1 / 180 / n)
+    # The extreme words map to the extreme uniforms, not to 0 or 1.
+    ends = noise._uniform(torch.tensor([0, MASK32], dtype=torch.int64))
+    assert ends.tolist() == [2.0**-24, 1 - 2.0**-24]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tensor ids and member keys
+# ---------------------------------------------------------------------------------------------------
+
+NAMES = ["", "w", "model.embed_tokens.weight", "model.layers.11.self_attn.o_proj.weight", "couche.é.poids"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_tensor_id_is_first_four_sha256_bytes_little_endian(name):
+    tid = noise.tensor_id(name)
+    assert tid == int.from_bytes(hashlib.sha256(name.encode("utf-8")).digest()[:4], "little")
+    assert 0 <= tid <= MASK32
+    assert noise.tensor_id(name) == tid
+
+
+def test_tensor_ids_differ_between_names():
+    names = NAMES + [f"model.layers.{i}.mlp.down_proj.weight" for i in range(64)]
+    assert len({noise.tensor_id(n) for n in names}) == len(names)
+
+
+def test_member_keys_are_deterministic_and_distinct():
+    # ES with antithetic sampling uses key j for members 2j (+sigma) and 2j+1 (-sigma): a key names a
+    # direction, so keys must differ across direction index, generation and seed.
+    args = [(s, g, i) for s in (0, 1, 2**64 - 1) for g in (0, 1, 2**40) for i in (0, 1, 2, MASK32)]
+    keys = [noise.member_key(*a) for a in args]
+    assert keys == [noise.member_key(*a) for a in args]
+    assert len(set(keys)) == len(keys)
+    for k0, k1 in keys:
+        assert 0 <= k0 <= MASK32 and 0 <= k1 <= MASK32
+
+
+def test_member_key_derivation_matches_spec():
+    seed, generation, index = 2**40 + 17, 2**33 + 5, 9
+    w = noise.philox4x32(
+        index, generation & MASK32, generation >> 32, noise.DOMAIN_MEMBER_KEY, seed & MASK32, seed >> 32
+    )
+    assert noise.member_key(seed, generation, index) == (int(w[0]), int(w[1]))
+    r = noise.philox4x32(
+        0, generation & MASK32, generation >> 32, noise.DOMAIN_ROUNDING_KEY, seed & MASK32, seed >> 32
+    )
+    assert noise.rounding_key(seed, generation) == (int(r[0]), int(r[1]))
+
+
+def test_rounding_keys_are_separate_from_member_keys():
+    members = {noise.member_key(s, g, i) for s in range(3) for g in range(3) for i in range(8)}
+    rounding = {noise.rounding_key(s, g) for s in range(3) for g in range(3)}
+    assert len(rounding) == 9
+    assert not members & rounding
+    assert noise.rounding_key(4, 5) == noise.rounding_key(4, 5)
+
+
+@pytest.mark.parametrize(
+    "seed, generation, index",
+    [(-1, 0, 0), (2**64, 0, 0), (0, -1, 0), (0, 2**64, 0), (0, 0, -1), (0, 0, 2**32)],
+)
+def test_member_key_rejects_out_of_range_arguments(seed, generation, index):
+    with pytest.raises(ValueError, match="expected an integer|member index"):
+        noise.member_key(seed, generation, index)
