@@ -70,6 +70,7 @@ class TrainConfig:
     dtype: str = "float32"
     device: str = "cpu"
     backend: str = "auto"
+    threads: int = 0  # CPU threads for torch; 0 = auto (1 for models under 5M parameters, else torch's)
     progress: bool = True
     es: ESConfig = field(default_factory=ESConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
@@ -119,7 +120,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         _require(Path(cfg.model).is_dir(), "model", f"model directory {cfg.model!r} does not exist")
     for key in ("batch_size", "max_new_tokens", "eval_size"):
         _require(getattr(cfg, key) >= 1, key, f"must be at least 1, got {getattr(cfg, key)}")
-    for key in ("eval_every", "checkpoint_every"):
+    for key in ("eval_every", "checkpoint_every", "threads"):
         _require(getattr(cfg, key) >= 0, key, f"must be >= 0 (0 = never), got {getattr(cfg, key)}")
     _require(cfg.dtype in ("float32", "bfloat16", "float16"), "dtype", "choose float32, bfloat16 or float16")
     _require(cfg.backend in ("auto", "triton", "torch"), "backend", "choose auto, triton or torch")

@@ -263,6 +263,9 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     model, tokenizer = load_model(cfg.model or tiny_model_path(), dtype=cfg.dtype, device=cfg.device)
+    # A tiny model's matmuls are too small to share: extra threads only add synchronisation.
+    small = sum(p.numel() for p in model.parameters()) < 5_000_000
+    torch.set_num_threads(cfg.threads or (1 if small else torch.get_num_threads()))
     run = Run(cfg, model, tokenizer, get_task(cfg.task, seed=cfg.task_seed), out_dir)
     test = run.task.split("test")[: cfg.eval_size]
     phases = PHASES[cfg.algorithm]

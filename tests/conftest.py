@@ -7,3 +7,9 @@ The Triton kernels are tested under the interpreter on CPU tensors. TRITON_INTER
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+
+# The models under test are tiny: a second thread costs more in synchronisation than it gives, and on a
+# shared 2-core machine it makes every test several times slower.
+torch.set_num_threads(1)

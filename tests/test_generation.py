@@ -1,0 +1,91 @@
+import pytest
+import torch
+
+from fastes.generation import generate
+from fastes.models import build_tiny_model, build_tokenizer, load_model, tiny_model_path
+
+PROMPTS = ["12+34=", "7*8=", "(1+2)*3=", "a b c"]
+
+
+@pytest.fixture(scope="module")
+def model_and_tok():
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = build_tiny_model().eval()
+    return model, build_tokenizer()
+
+
+def test_greedy_is_deterministic_and_matches_manual_argmax(model_and_tok):
+    model, tok = model_and_tok
+    steps = 4
+    out = generate(model, tok, PROMPTS[:1], max_new_tokens=steps)
+    assert out.completion_ids == generate(model, tok, PROMPTS[:1], max_new_tokens=steps).completion_ids
+
+    ids = tok(PROMPTS[0], return_tensors="pt")["input_ids"]
+    manual = []
+    with torch.no_grad():
+        for _ in range(steps):
+            nxt = model(ids).logits[0, -1].argmax().item()
+            manual.append(nxt)
+            if nxt == tok.eos_token_id:
+                break
+            ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+    assert out.completion_ids == [manual]
+    assert out.texts == [tok.decode(manual, skip_special_tokens=True)]
+    assert out.prompt_ids == [tok(PROMPTS[0])["input_ids"]]
+    assert out.num_tokens == len(manual) and out.lengths == [len(manual)]
+
+
+def test_sampling_same_seed_same_text_different_seed_differs(model_and_tok):
+    model, tok = model_and_tok
+    kw = dict(max_new_tokens=6, temperature=1.0, num_return_sequences=3)
+    torch.manual_seed(123)
+    before = torch.random.get_rng_state()
+    a = generate(model, tok, PROMPTS, seed=1, **kw)
+    assert torch.equal(torch.random.get_rng_state(), before)  # the caller's RNG is untouched
+    b = generate(model, tok, PROMPTS, seed=1, **kw)
+    c = generate(model, tok, PROMPTS, seed=2, **kw)
+    assert a.texts == b.texts and a.completion_ids == b.completion_ids
+    assert a.texts != c.texts
+    assert len(a.texts) == len(PROMPTS) * 3
+    # rows are grouped by prompt: sample j of prompt i is row 3 * i + j
+    assert a.prompt_ids[3:6] == [tok(PROMPTS[1])["input_ids"]] * 3
+    # without a seed the global RNG is used and advanced, so two calls differ
+    assert generate(model, tok, PROMPTS, **kw).texts != generate(model, tok, PROMPTS, **kw).texts
+
+
+def test_top_p_tiny_is_greedy(model_and_tok):
+    model, tok = model_and_tok
+    greedy = generate(model, tok, PROMPTS, max_new_tokens=8)
+    nucleus = generate(model, tok, PROMPTS, max_new_tokens=8, temperature=1.0, top_p=1e-6, seed=0)
+    assert nucleus.completion_ids == greedy.completion_ids
+
+
+def test_left_padding_does_not_change_the_completion(model_and_tok):
+    model, tok = model_and_tok
+    short = "7*8="
+    alone = generate(model, tok, [short], max_new_tokens=10)
+    batch = generate(model, tok, ["(12+34)*(56-7)=", short, "1+2+3+4+5+6="], max_new_tokens=10)
+    assert batch.completion_ids[1] == alone.completion_ids[0]
+    assert batch.texts[1] == alone.texts[0]
+
+
+def test_stops_at_eos_and_strips_special_tokens():
+    # the shipped checkpoint was trained to end each solution with <eos>
+    from fastes.tasks import get_task
+
+    model, tok = load_model(tiny_model_path())
+    examples = get_task("countdown", seed=0).split("test")[:8]
+    out = generate(model, tok, [ex.prompt for ex in examples], max_new_tokens=40)
+    assert all(ids[-1] == tok.eos_token_id for ids in out.completion_ids)
+    assert all(n < 40 for n in out.lengths)
+    # the text is the completion minus its <eos>, and no prompt
+    assert out.texts == [tok.decode(ids[:-1]) for ids in out.completion_ids]
+
+
+def test_bad_arguments(model_and_tok):
+    model, tok = model_and_tok
+    with pytest.raises(ValueError, match="temperature"):
+        generate(model, tok, PROMPTS, max_new_tokens=2, temperature=-1.0)
+    with pytest.raises(ValueError, match="identical"):
+        generate(model, tok, PROMPTS, max_new_tokens=2, num_return_sequences=2)
