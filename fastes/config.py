@@ -28,10 +28,10 @@ class ConfigError(ValueError):
 
 @dataclass
 class ESConfig:
-    iterations: int = 40
-    population: int = 16
-    sigma: float = 0.02
-    lr: float = 0.002  # alpha in theta += alpha / (N sigma) sum_i w_i eps_i
+    iterations: int = 60
+    population: int = 32
+    sigma: float = 0.002
+    lr: float = 5e-5  # alpha in theta += alpha / (N sigma) sum_i w_i eps_i
     shaping: str = "centered_rank"
     antithetic: bool = True
     weight_decay: float = 0.0
@@ -61,7 +61,7 @@ class TrainConfig:
     task_seed: int = 0
     seed: int = 0
     out_dir: str = "runs/es"
-    batch_size: int = 32  # training prompts per iteration
+    batch_size: int = 64  # training prompts per iteration
     max_new_tokens: int = 12
     format_weight: float = 0.1  # reward = format_weight * format + answer
     eval_every: int = 10

@@ -20,6 +20,7 @@ from transformers import (
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
 )
+from transformers.utils import logging as hf_logging
 
 from fastes.tasks.base import ALPHABET
 
@@ -130,6 +131,7 @@ def load_model(
             )
         raise FileNotFoundError(f"{path} has no *.safetensors weights")
     torch_dtype = _resolve_dtype(dtype)
+    hf_logging.disable_progress_bar()  # a bar per load is noise next to fastes' own progress
 
     model = AutoModelForCausalLM.from_pretrained(
         path,

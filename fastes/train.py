@@ -208,7 +208,7 @@ def grpo_step(run: Run, optimizer: torch.optim.Optimizer, reference, step: int) 
         "reward_std": float(rewards.std(dim=1).mean()),
         "frac_reward_zero_std": float((group_std.squeeze(1) == 0).float().mean()),
         "entropy": float(token_entropy(logits.detach(), completion[:, 1:])),
-        "kl": float(kl),
+        "kl": float(kl.detach()),
         "loss": float(loss),
         "grad_norm": float(grad_norm),
         "clip_ratio": float(
@@ -306,9 +306,10 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
             reference = copy.deepcopy(model).eval().requires_grad_(False)
         start_step = first_step if phase_index == first_phase else 0
         if saved is not None and phase_index == first_phase:
-            if es is not None:
+            # A checkpoint at a phase boundary carries no optimizer state: the next phase starts fresh.
+            if es is not None and "es" in saved:
                 es.load_state_dict(saved["es"])
-            if optimizer is not None:
+            if optimizer is not None and "optimizer" in saved:
                 _load_optimizer(optimizer, tensors, saved["optimizer"])
         for step in range(start_step, lengths[phase_index]):
             record = (

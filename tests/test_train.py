@@ -1,0 +1,150 @@
+"""End-to-end training on the shipped tiny model: ES and GRPO learn, and a killed run resumes exactly."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from safetensors.torch import load_file
+
+from fastes.config import load_config
+from fastes.models import load_model
+from fastes.tasks import get_task
+from fastes.train import train
+
+TIMING_KEYS = {"seconds", "tokens_per_second"}
+
+
+@pytest.fixture(scope="module")
+def easy_task(tmp_path_factory) -> str:
+    """A fixed set of 24 'compare' problems (the tiny model gets ~60% right): every batch is the whole set."""
+    path = tmp_path_factory.mktemp("task") / "compare.jsonl"
+    examples = get_task("compare").split("train")[:24]
+    rows = [{"prompt": e.prompt, "answer": e.answer, "verifier": "exact", "split": "train"} for e in examples]
+    rows += [
+        {"prompt": e.prompt, "answer": e.answer, "verifier": "exact", "split": "test"}
+        for e in get_task("compare").split("test")[:8]
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return f"jsonl:{path}"
+
+
+def metrics(out_dir) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def common(task: str, out_dir, **extra) -> dict:
+    return {
+        "task": task,
+        "out_dir": str(out_dir),
+        "batch_size": 24,
+        "max_new_tokens": 3,
+        "eval_size": 8,
+        "eval_every": 0,
+        "checkpoint_every": 0,
+        "progress": False,
+        **extra,
+    }
+
+
+def test_es_improves_the_training_reward(easy_task, tmp_path):
+    cfg = load_config(
+        None,
+        common(
+            easy_task, tmp_path, **{"es.iterations": 8, "es.population": 16, "es.sigma": 0.002, "es.lr": 5e-5}
+        ),
+    )
+    summary = train(cfg)
+    rewards = [m["reward"] for m in metrics(tmp_path) if m["phase"] == "es"]
+    assert len(rewards) == 8
+    assert sum(rewards[-2:]) / 2 > rewards[0] + 0.05, rewards
+    model, _ = load_model(summary["model_dir"])  # the result is a normal HF directory
+    assert model.config.model_type == "llama"
+
+
+def test_grpo_improves_the_training_reward(easy_task, tmp_path):
+    cfg = load_config(
+        None,
+        common(
+            easy_task,
+            tmp_path,
+            algorithm="grpo",
+            **{"grpo.steps": 10, "grpo.lr": 3e-4, "grpo.num_generations": 8, "grpo.beta": 0.04},
+        ),
+    )
+    train(cfg)
+    records = [m for m in metrics(tmp_path) if m["phase"] == "grpo"]
+    rewards = [m["reward"] for m in records]
+    assert sum(rewards[-3:]) / 3 > rewards[0] + 0.04, rewards
+    for key in ("entropy", "kl", "frac_reward_zero_std", "clip_ratio", "completion_length"):
+        assert key in records[0]
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo"])
+def test_grpo_loss_types_run(easy_task, tmp_path, loss_type):
+    cfg = load_config(
+        None, common(easy_task, tmp_path, algorithm="grpo", **{"grpo.steps": 1, "grpo.loss_type": loss_type})
+    )
+    train(cfg)
+    assert metrics(tmp_path)[-1]["phase"] == "grpo"
+
+
+def test_sequential_grpo_then_es_is_one_run(easy_task, tmp_path):
+    cfg = load_config(
+        None,
+        common(
+            easy_task,
+            tmp_path,
+            algorithm="grpo_es",
+            **{"grpo.steps": 2, "es.iterations": 2, "es.population": 4},
+        ),
+    )
+    summary = train(cfg)
+    assert [m["phase"] for m in metrics(tmp_path)] == ["base", "grpo", "grpo", "es", "es"]
+    assert summary["steps"] == 4
+
+
+def _run_and_kill(args: list[str], checkpoint_dir, kill_after_step: int) -> None:
+    """Start `fastes train` in a subprocess and SIGKILL it once checkpoint `kill_after_step` exists."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "fastes.cli", "train", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    target = checkpoint_dir / f"step-{kill_after_step:08d}"
+    deadline = time.monotonic() + 300
+    while not target.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert target.exists(), "the run ended before reaching the checkpoint it was to be killed after"
+
+
+@pytest.mark.parametrize("algorithm", ["es", "grpo_es"])
+def test_killed_run_resumes_to_the_uninterrupted_result(easy_task, tmp_path, algorithm):
+    settings = common(
+        easy_task,
+        tmp_path,
+        algorithm=algorithm,
+        checkpoint_every=1,
+        eval_every=2,
+        **{"es.iterations": 4, "es.population": 4, "grpo.steps": 2},
+    )
+    straight = tmp_path / "straight"
+    train(load_config(None, {**settings, "out_dir": str(straight)}))
+
+    crashed = tmp_path / "crashed"
+    flags = [f"--{k}={v}" for k, v in {**settings, "out_dir": str(crashed)}.items()]
+    _run_and_kill(flags, crashed / "checkpoints", kill_after_step=2)
+    train(load_config(None, {**settings, "out_dir": str(crashed)}), resume=True)
+
+    a = load_file(str(straight / "final" / "model.safetensors"))
+    b = load_file(str(crashed / "final" / "model.safetensors"))
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+    def comparable(records):
+        return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
+
+    assert comparable(metrics(crashed)) == comparable(metrics(straight))
