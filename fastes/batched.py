@@ -1,11 +1,13 @@
 """Population-batched evaluation: every member of a generation in one forward / generate call.
 
-Inside `population_batched(es, model)`, each nn.Linear whose weight ES evolves is swapped for a
-`PopulationLinear` holding all members' perturbed weights in one [members, out, in] buffer (built by the
-perturb kernel, one launch per member), and the batch is read as `members` equal groups of rows: row r
-belongs to member r // (batch / members). A batched matmul then applies every member's weights to its
-own rows, so `generate` with its KV cache works unchanged. On exit the original modules are put back;
-the base weights are never written, so nothing needs restoring.
+Inside `population_batched(es, model, mode)`, each nn.Linear whose weight ES evolves is swapped for a
+population layer, and the batch is read as `members` equal groups of rows: row r belongs to member
+r // (batch / members). `generate` with its KV cache works unchanged. Two modes:
+- "materialised": `PopulationLinear` holds all members' perturbed weights in one [members, out, in]
+  buffer (built by the perturb kernel) and applies them with a batched matmul. Any device.
+- "virtual": `VirtualLinear` runs the Triton kernel that regenerates each member's noise tile in
+  registers inside the matmul: no per-member weights exist, memory stays that of plain inference.
+On exit the original modules are put back; the base weights are never written, so nothing needs restoring.
 """
 
 from __future__ import annotations
@@ -42,44 +44,103 @@ class PopulationLinear(torch.nn.Module):
         return y.reshape(*x.shape[:-1], self.weights.shape[1])
 
 
+class VirtualLinear(torch.nn.Module):
+    """A linear layer whose members' weights W + scale_m * eps_m exist only inside the kernel."""
+
+    def __init__(
+        self, base: torch.nn.Linear, tensor_id: int, keys: torch.Tensor, scales: torch.Tensor
+    ) -> None:
+        super().__init__()
+        self.base = base
+        self.tensor_id = tensor_id
+        self.keys = keys  # int64 [members, 2]
+        self.scales = scales  # fp32 [members]: sign * sigma
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from .kernels import launch_virtual_linear
+
+        members = self.keys.shape[0]
+        weight = self.base.weight
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        if flat.shape[0] % members:
+            raise ValueError(
+                f"population-batched input must have a multiple of {members} rows (rows grouped "
+                f"by member), got {x.shape[0]}"
+            )
+        y = torch.empty(flat.shape[0], weight.shape[0], dtype=weight.dtype, device=weight.device)
+        launch_virtual_linear(
+            flat.to(weight.dtype),
+            weight,
+            y,
+            self.keys,
+            self.scales,
+            self.tensor_id,
+            flat.shape[0] // members,
+            ops.triton_dtype(weight.dtype),
+        )
+        if self.base.bias is not None:
+            y = y + self.base.bias
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
 def _linear_owners(model: torch.nn.Module) -> dict[int, tuple[str, torch.nn.Linear]]:
     """id(weight) -> (module path, module) for every nn.Linear of the model."""
     return {id(m.weight): (name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
 
 
+MODES = ("materialised", "virtual")
+
+
+def _population_layers(es: ES, group: dict, members: list[Member], linears: list, mode: str) -> list:
+    """One population layer per evolved weight of `group`; `linears` are the weights' nn.Linear modules."""
+    if mode == "virtual":
+        device = group["params"][0].device
+        if ops.resolve_backend(group["params"], es.backend) != "triton":
+            raise ValueError(
+                "eval mode 'virtual' runs a Triton kernel: it needs CUDA tensors (or TRITON_INTERPRET=1 "
+                "with backend='triton'); use 'materialised' on CPU"
+            )
+        keys = torch.tensor([m.key for m in members], dtype=torch.int64, device=device)
+        scales = torch.tensor([m.sign * group["sigma"] for m in members], dtype=torch.float32, device=device)
+        return [VirtualLinear(linear, tid, keys, scales) for linear, tid in zip(linears, group["ids"])]
+    buffers = [torch.empty((len(members), *p.shape), dtype=p.dtype, device=p.device) for p in group["params"]]
+    for index, member in enumerate(members):
+        ops.perturb(
+            group["params"],
+            [b[index] for b in buffers],
+            group["ids"],
+            member.key,
+            member.sign * group["sigma"],
+            backend=es.backend,
+        )
+    return [PopulationLinear(linear, buffer) for linear, buffer in zip(linears, buffers)]
+
+
 @contextmanager
-def population_batched(es: ES, model: torch.nn.Module) -> Iterator[list[Member]]:
+def population_batched(es: ES, model: torch.nn.Module, mode: str = "materialised") -> Iterator[list[Member]]:
     """Swap the evolved linear layers of `model` for population-batched ones; yields the members.
 
     Feed the model `len(members) * b` rows, member i's rows being i * b ... (i + 1) * b - 1.
     """
+    if mode not in MODES:
+        raise ValueError(f"unknown batched mode {mode!r}; choose one of {MODES}")
     members = list(es.members())
     owners = _linear_owners(model)
     swapped: list[tuple[torch.nn.Module, str, torch.nn.Linear]] = []
     try:
         for group in es.param_groups:
-            buffers = []
             for name, p in zip(group["names"], group["params"]):
                 if id(p) not in owners:
                     raise ValueError(
                         f"batched evaluation evolves nn.Linear weights only; {name!r} is not one "
                         "(use eval_mode 'member' to evolve embeddings or norms)"
                     )
-                buffers.append(torch.empty((len(members), *p.shape), dtype=p.dtype, device=p.device))
-            for index, member in enumerate(members):
-                ops.perturb(
-                    group["params"],
-                    [b[index] for b in buffers],
-                    group["ids"],
-                    member.key,
-                    member.sign * group["sigma"],
-                    backend=es.backend,
-                )
-            for p, buffer in zip(group["params"], buffers):
-                path, linear = owners[id(p)]
+            linears = [owners[id(p)] for p in group["params"]]
+            layers = _population_layers(es, group, members, [linear for _, linear in linears], mode)
+            for (path, linear), layer in zip(linears, layers):
                 parent_path, _, attribute = path.rpartition(".")
                 parent = model.get_submodule(parent_path)
-                setattr(parent, attribute, PopulationLinear(linear, buffer))
+                setattr(parent, attribute, layer)
                 swapped.append((parent, attribute, linear))
         yield members
     finally:

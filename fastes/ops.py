@@ -210,7 +210,8 @@ def _tile_table(tensors: Sequence[torch.Tensor], tensor_ids: Sequence[int]):
     return table
 
 
-def _triton_dtype(dtype: torch.dtype):
+def triton_dtype(dtype: torch.dtype):
+    """The triton.language dtype of a supported torch dtype."""
     import triton.language as tl
 
     return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
@@ -260,7 +261,7 @@ def perturb(
     in_place = all(s.data_ptr() == d.data_ptr() for s, d in zip(sources, destinations))
     for dtype, (srcs, dsts, ids) in _by_dtype(sources, destinations, tensor_ids).items():
         table = _tile_table(srcs, ids)
-        launch_perturb(table, srcs, srcs if in_place else dsts, key, scale, _triton_dtype(dtype))
+        launch_perturb(table, srcs, srcs if in_place else dsts, key, scale, triton_dtype(dtype))
 
 
 def es_update(
@@ -328,5 +329,5 @@ def es_update(
             decay,
             rounding_key or (0, 0),
             mode,
-            _triton_dtype(dtype),
+            triton_dtype(dtype),
         )

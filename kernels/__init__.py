@@ -1,4 +1,5 @@
-"""Triton kernels of fastes: the Philox noise stream, multi-tensor perturb, fused ES update.
+"""Triton kernels of fastes: the Philox noise stream, multi-tensor perturb, fused ES update, and the
+population-batched linear layer with in-register noise.
 
 Kernels know nothing of models or tasks; `fastes.ops` chooses between them and the torch reference.
 """
@@ -7,6 +8,7 @@ from .noise import launch_fill
 from .perturb import launch_perturb
 from .table import TileTable, build_tile_table
 from .update import MODE_APPLY, MODE_APPLY_STOCHASTIC, MODE_GRADIENT, launch_update
+from .virtual_linear import launch_virtual_linear
 
 __all__ = [
     "MODE_APPLY",
@@ -17,4 +19,5 @@ __all__ = [
     "launch_fill",
     "launch_perturb",
     "launch_update",
+    "launch_virtual_linear",
 ]

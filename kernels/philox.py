@@ -85,3 +85,23 @@ def bits_tile(k0, k1, tensor_id, STREAM: tl.constexpr, start, BLOCK: tl.constexp
     """The raw uint32 stream of elements [start, start + BLOCK), for bit-exact tests against the reference."""
     x0, x1, x2, x3 = _block_words(k0, k1, tensor_id, STREAM, start, BLOCK)
     return _interleave4(x0, x1, x2, x3, BLOCK)
+
+
+@triton.jit
+def normal_at(k0, k1, tensor_id, STREAM: tl.constexpr, elements):
+    """fp32 normals of arbitrary int64 element indices (any shape): lane e % 4 of Philox block e // 4.
+
+    Used where a tile's elements are not 4-aligned runs (e.g. a [BN, BK] tile of a weight matrix whose
+    row length is not a multiple of 4); each element computes its block's four words and keeps its lane.
+    """
+    blocks = elements >> 2
+    lane = elements & 3
+    c0 = (blocks & 0xFFFFFFFF).to(tl.uint32)
+    c1 = (blocks >> 32).to(tl.uint32)
+    c2 = tl.zeros_like(c0) + tensor_id.to(tl.uint32)
+    c3 = tl.full(c0.shape, STREAM, tl.uint32)
+    x0, x1, x2, x3 = philox4x32_10(c0, c1, c2, c3, k0.to(tl.uint32), k1.to(tl.uint32))
+    first_pair = lane < 2
+    radius = tl.sqrt(-2.0 * tl.log(uniform_from_bits(tl.where(first_pair, x0, x2))))
+    angle = TWO_PI * uniform_from_bits(tl.where(first_pair, x1, x3))
+    return radius * tl.where((lane & 1) == 0, tl.cos(angle), tl.sin(angle))

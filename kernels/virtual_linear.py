@@ -1,0 +1,107 @@
+"""A population-batched linear layer whose noise never touches memory.
+
+y[rows of member m] = x W_m^T with W_m = round(W + scale_m * eps_m): each program regenerates its
+[BLOCK_N, BLOCK_K] tile of member m's noise in registers from the noise contract, adds it to the weight
+tile and multiplies. The base weights are only read, no per-member copy exists, and the perturbed tile is
+rounded to the weight dtype first, so a member sees exactly the weights member-by-member evaluation
+would give it (up to the matmul's summation order).
+"""
+
+import os
+
+import triton
+import triton.language as tl
+
+from .philox import normal_at
+from .rounding import round_to
+
+
+@triton.jit
+def virtual_linear_kernel(
+    x,
+    weight,
+    y,
+    keys,
+    scales,
+    tensor_id,
+    rows_per_member,
+    K,
+    N,
+    stride_x,
+    stride_w,
+    stride_y,
+    DTYPE: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    member = tl.program_id(2)
+    k0 = tl.load(keys + 2 * member)
+    k1 = tl.load(keys + 2 * member + 1)
+    scale = tl.load(scales + member)
+
+    local_rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = member.to(tl.int64) * rows_per_member + local_rows
+    cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    row_ok = local_rows < rows_per_member
+    col_ok = cols < N
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k_start in range(0, K, BLOCK_K):
+        ks = (k_start + tl.arange(0, BLOCK_K)).to(tl.int64)
+        k_ok = ks < K
+        a = tl.load(
+            x + rows[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
+        )
+        w_mask = col_ok[:, None] & k_ok[None, :]
+        w = tl.load(weight + cols[:, None] * stride_w + ks[None, :], mask=w_mask, other=0.0).to(tl.float32)
+        eps = normal_at(k0, k1, tensor_id, 0, cols[:, None] * K + ks[None, :])
+        # Round like a stored perturbed weight; masked lanes stay 0 so they add nothing.
+        b = tl.where(w_mask, round_to(w + scale * eps, DTYPE).to(tl.float32), 0.0)
+        if DOT_IN_FP32:  # fp32 weights (no tf32 shortcut), or the interpreter (its 16-bit dot is wrong)
+            acc += tl.dot(a.to(tl.float32), tl.trans(b), input_precision="ieee")
+        else:  # 16-bit operands multiply exactly into the fp32 accumulator: same result, tensor cores
+            acc += tl.dot(a, tl.trans(b.to(DTYPE)))
+    out_mask = row_ok[:, None] & col_ok[None, :]
+    tl.store(y + rows[:, None] * stride_y + cols[None, :], round_to(acc, DTYPE), mask=out_mask)
+
+
+def launch_virtual_linear(
+    x,
+    weight,
+    y,
+    keys,
+    scales,
+    tensor_id: int,
+    rows_per_member: int,
+    dtype,
+    block_m: int = 32,
+    block_n: int = 32,
+    block_k: int = 32,
+) -> None:
+    """y = per-member perturbed x W^T; x [members * rows_per_member, K], weight [N, K], y [rows, N]."""
+    members = keys.shape[0]
+    n_out, k_in = weight.shape
+    grid = (triton.cdiv(rows_per_member, block_m), triton.cdiv(n_out, block_n), members)
+    virtual_linear_kernel[grid](
+        x,
+        weight,
+        y,
+        keys,
+        scales,
+        tensor_id,
+        rows_per_member,
+        k_in,
+        n_out,
+        x.stride(0),
+        weight.stride(0),
+        y.stride(0),
+        DTYPE=dtype,
+        DOT_IN_FP32=dtype == tl.float32 or os.environ.get("TRITON_INTERPRET") == "1",
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+    )
