@@ -19,7 +19,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 ALGORITHMS = ("es", "grpo", "grpo_es")
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
-EVAL_MODES = ("batched", "member")
+EVAL_MODES = ("materialised", "virtual", "member")
 
 
 class ConfigError(ValueError):
@@ -36,7 +36,8 @@ class ESConfig:
     antithetic: bool = True
     weight_decay: float = 0.0
     stochastic_rounding: bool = False
-    eval_mode: str = "batched"  # "batched": the whole population in one generate call; "member"
+    # materialised / virtual: the whole population in one generate call (fastes.batched); member: one by one
+    eval_mode: str = "materialised"
 
 
 @dataclass

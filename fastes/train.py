@@ -93,15 +93,15 @@ def make_es(run: Run) -> ES:
 def es_iteration(run: Run, es: ES, step: int) -> dict[str, float]:
     """Score every member on one batch of prompts (greedy), then take the ES step.
 
-    eval_mode "member" generates member by member under each member's perturbation; "batched" generates
-    for the whole population in one call (fastes.batched), rows grouped by member.
+    eval_mode "member" generates member by member under each member's perturbation; "materialised" and
+    "virtual" generate for the whole population in one call (fastes.batched), rows grouped by member.
     """
     examples = batch_for(run, "es", step)
     prompts = run.prompts(examples)
     max_new = run.cfg.max_new_tokens
     start = time.perf_counter()
-    if run.cfg.es.eval_mode == "batched":
-        with population_batched(es, run.model) as members:
+    if run.cfg.es.eval_mode != "member":
+        with population_batched(es, run.model, mode=run.cfg.es.eval_mode) as members:
             gen = generate(run.model, run.tokenizer, prompts * len(members), max_new_tokens=max_new)
         texts = [gen.texts[i * len(prompts) : (i + 1) * len(prompts)] for i in range(len(members))]
         tokens = gen.num_tokens
