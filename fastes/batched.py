@@ -7,6 +7,8 @@ r // (batch / members). `generate` with its KV cache works unchanged. Two modes:
   buffer (built by the perturb kernel) and applies them with a batched matmul. Any device.
 - "virtual": `VirtualLinear` runs the Triton kernel that regenerates each member's noise tile in
   registers inside the matmul: no per-member weights exist, memory stays that of plain inference.
+- "lowrank" (for ES(noise_type="lowrank")): `LowRankLinear` adds sigma (x B_m) A_m^T / sqrt(r) to
+  x W^T; only the members' factors exist, (out + in) r numbers each.
 On exit the original modules are put back; the base weights are never written, so nothing needs restoring.
 """
 
@@ -17,7 +19,7 @@ from contextlib import contextmanager
 
 import torch
 
-from . import ops
+from . import lowrank, ops
 from .es import ES, Member
 
 
@@ -83,17 +85,45 @@ class VirtualLinear(torch.nn.Module):
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
+class LowRankLinear(torch.nn.Module):
+    """y_m = x_m W^T + scale_m / sqrt(r) * (x_m B_m) A_m^T: the members' rank-r noise is never formed."""
+
+    def __init__(
+        self, base: torch.nn.Linear, factors: list[tuple[torch.Tensor, torch.Tensor]], scales: list[float]
+    ) -> None:
+        super().__init__()
+        self.base = base
+        rank = factors[0][0].shape[1]
+        dtype = base.weight.dtype
+        self.a = torch.stack([a for a, _ in factors]).to(dtype)  # [members, out, r]
+        self.b = torch.stack([b for _, b in factors]).to(dtype)  # [members, in, r]
+        self.scales = (torch.tensor(scales) / rank**0.5).to(device=base.weight.device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        members = self.a.shape[0]
+        if x.shape[0] % members:
+            raise ValueError(
+                f"population-batched input must have a multiple of {members} rows (rows grouped "
+                f"by member), got {x.shape[0]}"
+            )
+        grouped = x.reshape(members, -1, x.shape[-1])
+        low = torch.bmm(torch.bmm(grouped, self.b), self.a.transpose(1, 2)) * self.scales[:, None, None]
+        return (self.base(grouped) + low).reshape(*x.shape[:-1], self.a.shape[1])
+
+
 def _linear_owners(model: torch.nn.Module) -> dict[int, tuple[str, torch.nn.Linear]]:
     """id(weight) -> (module path, module) for every nn.Linear of the model."""
     return {id(m.weight): (name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
 
 
-MODES = ("materialised", "virtual")
+MODES = ("materialised", "virtual", "lowrank")
 
 
 def _population_layers(es: ES, group: dict, members: list[Member], linears: list, mode: str) -> list:
     """One population layer per evolved weight of `group`; `linears` are the weights' nn.Linear modules."""
     if mode == "virtual":
+        if es.noise_type != "full":
+            raise ValueError("eval mode 'virtual' generates full-rank noise; use 'lowrank' or 'materialised'")
         device = group["params"][0].device
         if ops.resolve_backend(group["params"], es.backend) != "triton":
             raise ValueError(
@@ -103,16 +133,24 @@ def _population_layers(es: ES, group: dict, members: list[Member], linears: list
         keys = torch.tensor([m.key for m in members], dtype=torch.int64, device=device)
         scales = torch.tensor([m.sign * group["sigma"] for m in members], dtype=torch.float32, device=device)
         return [VirtualLinear(linear, tid, keys, scales) for linear, tid in zip(linears, group["ids"])]
+    if mode == "lowrank":
+        if es.noise_type != "lowrank":
+            raise ValueError("eval mode 'lowrank' needs ES(noise_type='lowrank')")
+        scales = [m.sign * group["sigma"] for m in members]
+        return [
+            LowRankLinear(
+                linear,
+                [
+                    lowrank.factors(m.key, tid, linear.weight.shape, es.rank, linear.weight.device)
+                    for m in members
+                ],
+                scales,
+            )
+            for linear, tid in zip(linears, group["ids"])
+        ]
     buffers = [torch.empty((len(members), *p.shape), dtype=p.dtype, device=p.device) for p in group["params"]]
     for index, member in enumerate(members):
-        ops.perturb(
-            group["params"],
-            [b[index] for b in buffers],
-            group["ids"],
-            member.key,
-            member.sign * group["sigma"],
-            backend=es.backend,
-        )
+        es.perturb_into(group, [b[index] for b in buffers], member)
     return [PopulationLinear(linear, buffer) for linear, buffer in zip(linears, buffers)]
 
 

@@ -19,7 +19,8 @@ except ModuleNotFoundError:  # Python 3.10
 
 ALGORITHMS = ("es", "grpo", "grpo_es")
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
-EVAL_MODES = ("materialised", "virtual", "member")
+EVAL_MODES = ("materialised", "virtual", "lowrank", "member")
+MAX_SEED = 2**32  # seeds are in [0, 2^32): ES takes up to 2^64, GRPO samples with seed * 1_000_003 + step
 
 
 class ConfigError(ValueError):
@@ -38,6 +39,8 @@ class ESConfig:
     stochastic_rounding: bool = False
     # materialised / virtual: the whole population in one generate call (fastes.batched); member: one by one
     eval_mode: str = "materialised"
+    noise_type: str = "full"  # "lowrank": matrices get eps = A B^T / sqrt(rank) (EGGROLL-style)
+    rank: int = 1
 
 
 @dataclass
@@ -107,18 +110,80 @@ def _require(condition: bool, key: str, problem: str) -> None:
         raise ConfigError(f"{key}: {problem}")
 
 
+def _floats(obj: Any, prefix: str = "") -> list[tuple[str, float]]:
+    """(dotted key, value) of every float leaf of the config tree."""
+    found = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            found += _floats(value, f"{prefix}{f.name}.")
+        elif isinstance(value, float):
+            found.append((f"{prefix}{f.name}", value))
+    return found
+
+
+def _task_exists(name: str) -> bool:
+    """A built-in task name exactly, or a prefixed form ("jsonl:<path>") with something after the colon."""
+    from .tasks import available_tasks
+
+    kind, colon, rest = name.partition(":")
+    prefixed = {t.partition(":")[0] for t in available_tasks() if ":" in t}
+    return (not colon and name in available_tasks()) or (kind in prefixed and rest != "")
+
+
+def _check_out_dir(cfg: TrainConfig) -> None:
+    """The run directory. Every file a run writes has a fixed name under it, so only its own value matters.
+
+    Refused: an empty value, a NUL byte, an existing file, and the directory of the model the run starts
+    from, or its parent when out_dir/final is that model (the run would overwrite its own starting model).
+    """
+    out = cfg.out_dir
+    _require(out.strip() != "", "out_dir", "must name a run directory, got an empty value")
+    _require("\0" not in out, "out_dir", f"contains a NUL byte: {out!r}")
+    path = Path(out)
+    _require(not path.exists() or path.is_dir(), "out_dir", f"{out!r} exists and is not a directory")
+    from .models import tiny_model_path
+
+    model = (Path(cfg.model) if cfg.model else tiny_model_path()).resolve()
+    resolved = path.resolve()
+    _require(
+        model not in (resolved, resolved / "final"),
+        "out_dir",
+        f"{out!r} would overwrite the model directory {str(model)!r} the run starts from; choose another",
+    )
+
+
+def _check_device(device: str) -> None:
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError) as error:
+        raise ConfigError(f"device: {device!r} is not a torch device ({error}); e.g. cpu, cuda:1") from None
+    _require(
+        parsed.type != "cuda" or torch.cuda.is_available(),
+        "device",
+        f"{device!r} asked for, but torch sees no CUDA device; use cpu",
+    )
+
+
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Check every value's range; returns cfg for chaining."""
     from .tasks import available_tasks
 
+    for key, value in _floats(cfg):  # TOML has nan and inf literals; no key means anything by them
+        _require(math.isfinite(value), key, f"must be a finite number, got {value}")
     _require(cfg.algorithm in ALGORITHMS, "algorithm", f"{cfg.algorithm!r} is not one of {ALGORITHMS}")
     _require(
-        cfg.task.split(":")[0] in {t.split(":")[0] for t in available_tasks()},
+        _task_exists(cfg.task),
         "task",
         f"{cfg.task!r} does not exist; available: {', '.join(available_tasks())}",
     )
     if cfg.model:
         _require(Path(cfg.model).is_dir(), "model", f"model directory {cfg.model!r} does not exist")
+    _require(0 <= cfg.seed < MAX_SEED, "seed", f"must be in [0, 2^32), got {cfg.seed}")
+    _check_out_dir(cfg)
+    _check_device(cfg.device)
     for key in ("batch_size", "max_new_tokens", "eval_size"):
         _require(getattr(cfg, key) >= 1, key, f"must be at least 1, got {getattr(cfg, key)}")
     for key in ("eval_every", "checkpoint_every", "threads"):
@@ -136,10 +201,25 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     )
     _require(es.sigma > 0 and math.isfinite(es.sigma), "es.sigma", f"must be > 0, got {es.sigma}")
     _require(es.lr >= 0 and math.isfinite(es.lr), "es.lr", f"must be >= 0, got {es.lr}")
+    _require(es.weight_decay >= 0, "es.weight_decay", f"must be >= 0, got {es.weight_decay}")
     from .shaping import SHAPINGS
 
     _require(es.shaping in SHAPINGS, "es.shaping", f"{es.shaping!r} is not one of {SHAPINGS}")
     _require(es.eval_mode in EVAL_MODES, "es.eval_mode", f"{es.eval_mode!r} is not one of {EVAL_MODES}")
+    _require(
+        es.noise_type in ("full", "lowrank"), "es.noise_type", f"{es.noise_type!r}: choose full or lowrank"
+    )
+    _require(es.rank >= 1, "es.rank", f"must be at least 1, got {es.rank}")
+    _require(
+        es.eval_mode != "lowrank" or es.noise_type == "lowrank",
+        "es.eval_mode",
+        "'lowrank' evaluation needs es.noise_type = 'lowrank'",
+    )
+    _require(
+        es.eval_mode != "virtual" or es.noise_type == "full",
+        "es.eval_mode",
+        "'virtual' evaluation generates full-rank noise; set es.noise_type = 'full'",
+    )
     g = cfg.grpo
     _require(g.steps >= 0, "grpo.steps", f"must be >= 0, got {g.steps}")
     _require(g.num_generations >= 2, "grpo.num_generations", f"must be at least 2, got {g.num_generations}")
@@ -150,6 +230,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _require(0 <= g.epsilon < 1, "grpo.epsilon", f"must be in [0, 1), got {g.epsilon}")
     _require(g.loss_type in LOSS_TYPES, "grpo.loss_type", f"{g.loss_type!r} is not one of {LOSS_TYPES}")
     _require(g.max_grad_norm > 0, "grpo.max_grad_norm", f"must be > 0, got {g.max_grad_norm}")
+    _require(g.weight_decay >= 0, "grpo.weight_decay", f"must be >= 0, got {g.weight_decay}")
     return cfg
 
 

@@ -14,6 +14,7 @@ from the keys (see fastes.ops). Nothing random is stored: the whole run is (seed
 
 from __future__ import annotations
 
+import datetime
 import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -21,10 +22,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import noise, ops
+from . import lowrank, noise, ops
 from .shaping import SHAPINGS, shape_rewards
 
 NONFINITE_POLICIES = ("error", "drop")
+NOISE_TYPES = ("full", "lowrank")
 _GROUP_DEFAULT_KEYS = ("sigma", "lr", "weight_decay")
 
 
@@ -69,6 +71,11 @@ class ES:
         nonfinite: "error" (default) raises on NaN/inf rewards; "drop" leaves out the members with a
             non-finite reward (the whole pair when antithetic) and shapes the rest.
         backend: "auto", "triton" or "torch" (see fastes.ops).
+        checksum_every: compare a checksum of the weights across processes every this many generations.
+        timeout: seconds each cross-process collective (rewards, checksum) may wait for the other
+            processes before raising; None (default) leaves it to the process group's own timeout.
+        noise_type: "full" (default) or "lowrank": matrices get eps = A B^T / sqrt(rank) (fastes.lowrank),
+            other tensors full-rank noise.
     """
 
     def __init__(
@@ -87,6 +94,9 @@ class ES:
         nonfinite: str = "error",
         backend: str = "auto",
         checksum_every: int = 10,
+        timeout: float | None = None,
+        noise_type: str = "full",
+        rank: int = 1,
     ) -> None:
         if population < 2:
             raise ValueError(f"population must be at least 2, got {population}")
@@ -94,6 +104,10 @@ class ES:
             raise ValueError(f"antithetic sampling needs an even population, got {population}")
         if shaping not in SHAPINGS:
             raise ValueError(f"unknown shaping {shaping!r}; choose one of {SHAPINGS}")
+        if noise_type not in NOISE_TYPES:
+            raise ValueError(f"unknown noise_type {noise_type!r}; choose one of {NOISE_TYPES}")
+        if rank < 1:
+            raise ValueError(f"rank must be at least 1, got {rank}")
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"unknown nonfinite policy {nonfinite!r}; choose one of {NONFINITE_POLICIES}")
         if inner_optimizer is not None and weight_decay:
@@ -112,7 +126,12 @@ class ES:
         self.stochastic_rounding = stochastic_rounding
         self.nonfinite = nonfinite
         self.backend = backend
+        self.noise_type = noise_type
+        self.rank = rank
         self.checksum_every = checksum_every
+        if timeout is not None and not (timeout > 0 and math.isfinite(timeout)):
+            raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout}")
+        self.timeout = timeout
         self.generation = 0
         self.history: list[dict[str, Any]] = []
         self._check_ids()
@@ -177,6 +196,26 @@ class ES:
         for index in range(rank, self.population, world):
             yield Member(self, index)
 
+    def _is_lowrank(self, p: torch.Tensor) -> bool:
+        return self.noise_type == "lowrank" and p.dim() == 2
+
+    def perturb_into(self, group: dict, destinations: list[torch.Tensor], member: Member) -> None:
+        """Write `member`'s perturbed weights of param group `group` into `destinations`."""
+        scale = member.sign * group["sigma"]
+        full = [i for i, p in enumerate(group["params"]) if not self._is_lowrank(p)]
+        if full:  # one launch per dtype for every full-rank tensor
+            ops.perturb(
+                [group["params"][i] for i in full],
+                [destinations[i] for i in full],
+                [group["ids"][i] for i in full],
+                member.key,
+                scale,
+                backend=self.backend,
+            )
+        for p, destination, tid in zip(group["params"], destinations, group["ids"]):
+            if self._is_lowrank(p):
+                lowrank.perturb(p, destination, tid, member.key, scale, self.rank)
+
     def _apply(self, member: Member) -> None:
         if self._applied is not None:
             raise RuntimeError("a member is already applied; exit its context before entering another")
@@ -185,14 +224,7 @@ class ES:
         if self._buffers is None:  # one work buffer per evolved tensor, reused by every member
             self._buffers = [[torch.empty_like(p) for p in g["params"]] for g in self.param_groups]
         for group, buffers in zip(self.param_groups, self._buffers):
-            ops.perturb(
-                group["params"],
-                buffers,
-                group["ids"],
-                member.key,
-                member.sign * group["sigma"],
-                backend=self.backend,
-            )
+            self.perturb_into(group, buffers, member)
         self._applied = [[p.data for p in g["params"]] for g in self.param_groups]
         for group, buffers in zip(self.param_groups, self._buffers):
             for p, buffer in zip(group["params"], buffers):
@@ -243,18 +275,42 @@ class ES:
         """The whole population's rewards: each process contributes its members' rows (a few floats)."""
         rank, world = _rank_and_world()
         expected = len(range(rank, self.population, world))
-        if local.dim() not in (1, 2) or local.shape[0] != expected:
+        if local.dim() not in (1, 2) or local.shape[0] != expected or (expected and local.numel() == 0):
             raise ValueError(
                 f"expected rewards for {expected} members (shape [{expected}] or "
-                f"[{expected}, prompts]), got shape {tuple(local.shape)}"
+                f"[{expected}, prompts] with at least one prompt), got shape {tuple(local.shape)}"
             )
         if world == 1:
             return local
         device = self.param_groups[0]["params"][0].device  # nccl reduces device tensors only
         full = torch.zeros((self.population, *local.shape[1:]), dtype=torch.float64, device=device)
         full[rank::world] = local.to(device)
-        dist.all_reduce(full)  # every row is non-zero on one rank only, so the sum is exact
+        # Every row is non-zero on one rank only, so the sum is exact.
+        self._collective(lambda: dist.all_reduce(full, async_op=True), "the all-reduce of the rewards")
         return full.cpu()
+
+    def _collective(self, launch: Callable[[], Any], what: str) -> None:
+        """Run one asynchronous collective and wait for it, at most `timeout` seconds when one is set.
+
+        A process that died or stopped answering makes the others fail here with a message saying so,
+        instead of hanging or surfacing a bare transport error.
+        """
+        rank, world = _rank_and_world()
+        try:
+            work = launch()
+            if self.timeout is None:
+                done = work.wait()
+            else:
+                done = work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+            if done is False:
+                raise RuntimeError("the wait timed out")
+        except RuntimeError as error:  # torch.distributed.DistBackendError is a RuntimeError
+            limit = "the process group's timeout" if self.timeout is None else f"{self.timeout:g} s"
+            raise RuntimeError(
+                f"ES generation {self.generation}, rank {rank} of {world}: {what} failed: another process "
+                f"died or did not answer within {limit} ({error}). The process group cannot be used "
+                "any more: stop every process and resume from the last checkpoint"
+            ) from error
 
     def _finite_members(self, rewards: torch.Tensor) -> torch.Tensor:
         finite = torch.isfinite(rewards).reshape(self.population, -1).all(dim=1)
@@ -280,28 +336,31 @@ class ES:
         keys = [noise.member_key(self.seed, self.generation, j) for j in range(self.directions)]
         rounding = noise.rounding_key(self.seed, self.generation) if self.stochastic_rounding else None
         for group in self.param_groups:
-            if self.inner is not None:
-                grads = [_grad_buffer(p) for p in group["params"]]
-                ops.es_update(
-                    group["params"],
-                    group["ids"],
-                    keys,
-                    direction_weights,
-                    coef=-1.0 / (n_members * group["sigma"]),
-                    grads=grads,
-                    backend=self.backend,
-                )
+            params = group["params"]
+            if self.inner is not None:  # gradient mode: -1/(N sigma) sum_i w_i eps_i into .grad
+                grads = [_grad_buffer(p) for p in params]
+                options = {"coef": -1.0 / (n_members * group["sigma"]), "decay": 1.0, "rounding_key": None}
             else:
+                grads = [None] * len(params)
+                options = {
+                    "coef": group["lr"] / (n_members * group["sigma"]),
+                    "decay": 1.0 - group["lr"] * group["weight_decay"],
+                    "rounding_key": rounding,
+                }
+            full = [i for i, p in enumerate(params) if not self._is_lowrank(p)]
+            if full:  # the fused kernel: one launch per dtype for every full-rank tensor
                 ops.es_update(
-                    group["params"],
-                    group["ids"],
+                    [params[i] for i in full],
+                    [group["ids"][i] for i in full],
                     keys,
                     direction_weights,
-                    coef=group["lr"] / (n_members * group["sigma"]),
-                    decay=1.0 - group["lr"] * group["weight_decay"],
-                    rounding_key=rounding,
+                    grads=None if self.inner is None else [grads[i] for i in full],
                     backend=self.backend,
+                    **options,
                 )
+            for p, tid, grad in zip(params, group["ids"], grads):
+                if self._is_lowrank(p):
+                    lowrank.update(p, tid, keys, direction_weights, rank=self.rank, grad=grad, **options)
         if self.inner is not None:
             self.inner.step()
             self.inner.zero_grad(set_to_none=True)
@@ -317,6 +376,8 @@ class ES:
             "antithetic": self.antithetic,
             "shaping": self.shaping,
             "stochastic_rounding": self.stochastic_rounding,
+            "noise_type": self.noise_type,
+            "rank": self.rank,
             "param_groups": [{k: g[k] for k in (*_GROUP_DEFAULT_KEYS, "names")} for g in self.param_groups],
             "history": [dict(h) for h in self.history],
             "inner_optimizer": None if self.inner is None else self.inner.state_dict(),
@@ -333,7 +394,15 @@ class ES:
             )
         if (state["inner_optimizer"] is None) != (self.inner is None):
             raise ValueError("ES state and this ES disagree on gradient mode (inner_optimizer)")
-        for key in ("seed", "population", "antithetic", "shaping", "stochastic_rounding"):
+        for key in (
+            "seed",
+            "population",
+            "antithetic",
+            "shaping",
+            "stochastic_rounding",
+            "noise_type",
+            "rank",
+        ):
             setattr(self, key, state[key])
         for group, saved in zip(self.param_groups, state["param_groups"]):
             group.update({k: saved[k] for k in _GROUP_DEFAULT_KEYS})
@@ -358,8 +427,19 @@ class ES:
         rank, world = _rank_and_world()
         if world == 1:
             return
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, self.checksum())
+        # The checksum as four 32-bit words (two's complement, 128 bits) in an int64 tensor, so that it
+        # travels by a plain all-gather, which takes a timeout (all_gather_object does not).
+        device = self.param_groups[0]["params"][0].device  # nccl gathers device tensors only
+        value = self.checksum() % 2**128
+        words = torch.tensor([(value >> (32 * k)) & 0xFFFFFFFF for k in range(4)], dtype=torch.int64)
+        slots = [torch.zeros(4, dtype=torch.int64, device=device) for _ in range(world)]
+        self._collective(
+            lambda: dist.all_gather(slots, words.to(device), async_op=True), "the all-gather of the checksums"
+        )
+        gathered = []
+        for slot in slots:
+            unsigned = sum(int(w) << (32 * k) for k, w in enumerate(slot.cpu().tolist()))
+            gathered.append(unsigned - 2**128 if unsigned >= 2**127 else unsigned)
         if len(set(gathered)) > 1:
             raise RuntimeError(
                 f"ES weights diverged across processes at generation {self.generation}: "
@@ -406,6 +486,8 @@ def replay(
         shaping=state["shaping"],
         seed=state["seed"],
         stochastic_rounding=state["stochastic_rounding"],
+        noise_type=state["noise_type"],
+        rank=state["rank"],
         inner_optimizer=inner_optimizer,
         backend=backend,
         checksum_every=0,

@@ -87,6 +87,8 @@ def make_es(run: Run) -> ES:
         weight_decay=c.weight_decay,
         stochastic_rounding=c.stochastic_rounding,
         backend=run.cfg.backend,
+        noise_type=c.noise_type,
+        rank=c.rank,
     )
 
 

@@ -1,0 +1,81 @@
+"""Low-rank (EGGROLL-style) noise: a matrix's perturbation is eps = A B^T / sqrt(r).
+
+A [out, r] and B [in, r] are standard normals from the noise contract (fastes.noise) on their own
+streams, STREAM_LOWRANK_A and STREAM_LOWRANK_B, under the member's key and the tensor's id, so they are as
+reproducible as the full-rank noise. A rank-r perturbation costs (out + in) r normals instead of out * in,
+a population-batched forward adds sigma (x B) A^T / sqrt(r) to x W^T without forming eps, and the ES
+update sum_j w_j A_j B_j^T / sqrt(r) is one GEMM. Tensors that are not matrices (biases, norms) keep
+full-rank noise.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from . import noise
+
+Key = tuple[int, int]
+
+
+def factors(
+    key: Key, tensor_id: int, shape: torch.Size, rank: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A [out, r], B [in, r]) fp32 factors of member `key`'s noise for a weight of `shape`."""
+    out_features, in_features = shape
+    a = noise.normal(key, tensor_id, out_features * rank, stream=noise.STREAM_LOWRANK_A, device=device)
+    b = noise.normal(key, tensor_id, in_features * rank, stream=noise.STREAM_LOWRANK_B, device=device)
+    return a.view(out_features, rank), b.view(in_features, rank)
+
+
+def noise_matrix(
+    key: Key, tensor_id: int, shape: torch.Size, rank: int, device: torch.device
+) -> torch.Tensor:
+    """eps = A B^T / sqrt(r), materialised (fp32): entries have unit variance, like full-rank noise."""
+    a, b = factors(key, tensor_id, shape, rank, device)
+    return a @ b.T / math.sqrt(rank)
+
+
+@torch.no_grad()
+def perturb(
+    source: torch.Tensor, destination: torch.Tensor, tensor_id: int, key: Key, scale: float, rank: int
+) -> None:
+    """destination = source + scale * A B^T / sqrt(r), rounded to the weight's dtype."""
+    eps = noise_matrix(key, tensor_id, source.shape, rank, source.device)
+    destination.copy_((source.to(torch.float32) + scale * eps).to(source.dtype))
+
+
+@torch.no_grad()
+def update(
+    param: torch.Tensor,
+    tensor_id: int,
+    keys: Sequence[Key],
+    weights: Sequence[float],
+    *,
+    coef: float,
+    decay: float,
+    rank: int,
+    rounding_key: Key | None = None,
+    grad: torch.Tensor | None = None,
+) -> None:
+    """theta = theta * decay + coef * sum_j w_j A_j B_j^T / sqrt(r), as one [out, P r] x [P r, in] GEMM.
+
+    With `grad`, coef * sum is written there instead; `rounding_key` rounds 16-bit results
+    stochastically (uniforms from the rounding stream, as the full-rank update).
+    """
+    pairs = [factors(key, tensor_id, param.shape, rank, param.device) for key in keys]
+    scale = torch.tensor(list(weights), dtype=torch.float32, device=param.device).repeat_interleave(rank)
+    a_all = torch.cat([a for a, _ in pairs], dim=1) * scale  # [out, P r], column j*r+i scaled by w_j
+    b_all = torch.cat([b for _, b in pairs], dim=1)  # [in, P r]
+    step = coef / math.sqrt(rank) * (a_all @ b_all.T)
+    if grad is not None:
+        grad.copy_(step.to(grad.dtype))
+        return
+    new = param.to(torch.float32) * decay + step
+    if rounding_key is not None and param.dtype != torch.float32:
+        u = noise.uniform(rounding_key, tensor_id, param.numel(), device=param.device).view(param.shape)
+        param.copy_(noise.stochastic_round(new, param.dtype, u))
+    else:
+        param.copy_(new.to(param.dtype))
