@@ -32,7 +32,7 @@ class ESConfig:
     iterations: int = 60
     population: int = 32
     sigma: float = 0.002
-    lr: float = 5e-5  # alpha in theta += alpha / (N sigma) sum_i w_i eps_i
+    lr: float = 2e-5  # alpha in theta += alpha / (N sigma) sum_i w_i eps_i
     shaping: str = "centered_rank"
     antithetic: bool = True
     weight_decay: float = 0.0
