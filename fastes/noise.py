@@ -35,15 +35,15 @@ _UNIFORM_SCALE = 2.0**-24
 TWO_PI = 6.283185307179586
 
 
-def _mulhilo(m: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """High and low 32-bit words of the 64-bit product m * x (m a uint32 constant, x a uint32 value)."""
-    x_lo = x & 0xFFFF
-    x_hi = x >> 16
-    p_lo = m * x_lo  # < 2^48
-    p_hi = m * x_hi  # < 2^48; the full product is p_hi * 2^16 + p_lo
-    lo = (p_lo + ((p_hi & 0xFFFF) << 16)) & MASK32
-    hi = (p_hi + (p_lo >> 16)) >> 16
-    return hi, lo
+def _mulhilo(m: int, x: torch.Tensor | int) -> tuple[torch.Tensor | int, torch.Tensor | int]:
+    """High and low 32-bit words of the 64-bit product m * x (m a uint32 constant, x a uint32 value).
+
+    The product can exceed int64. Tensors: int64 multiplication wraps modulo 2^64 (two's complement),
+    which keeps the low 64 bits exact, and both words are read from those bits; the known-answer tests
+    pin this. Python ints are unbounded, so the same masks give the same words.
+    """
+    product = m * x
+    return (product >> 32) & MASK32, product & MASK32
 
 
 def _philox_rounds(c0, c1, c2, c3, k0, k1):

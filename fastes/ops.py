@@ -21,7 +21,8 @@ from . import noise
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BACKENDS = ("auto", "triton", "torch")
-_REFERENCE_CHUNK = 1 << 22  # elements per reference pass: bounds the int64 temporaries to ~200 MB
+_REFERENCE_CHUNK = 1 << 18  # elements per reference pass: int64 temporaries of 2 MB stay in cache
+_CACHED_PLAN_ELEMENTS = 1 << 22  # larger layouts rebuild their counters per call rather than hold them
 _BLOCK = 1024  # elements per Triton program (a multiple of 4: whole Philox blocks)
 
 Key = tuple[int, int]
@@ -126,9 +127,10 @@ def _reference_plan(tensors: Sequence[torch.Tensor], tensor_ids: Sequence[int]) 
             lanes += 4 * n_blocks
             elements += n
     flush()
-    _plans[signature] = pieces
-    if len(_plans) > 16:
-        _plans.popitem(last=False)
+    if sum(t.numel() for t in tensors) <= _CACHED_PLAN_ELEMENTS:  # counters cost 6 bytes per element
+        _plans[signature] = pieces
+        if len(_plans) > 16:
+            _plans.popitem(last=False)
     return pieces
 
 
@@ -210,6 +212,22 @@ def _tile_table(tensors: Sequence[torch.Tensor], tensor_ids: Sequence[int]):
     return table
 
 
+_columns: OrderedDict = OrderedDict()  # address columns of recent destination sets (ES work buffers)
+
+
+def _address_column(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The device-side address column of `tensors`, cached: ES perturbs into the same buffers every time."""
+    from .kernels.table import addresses
+
+    signature = tuple(t.data_ptr() for t in tensors)
+    column = _columns.get(signature)
+    if column is None:
+        column = _columns[signature] = addresses(tensors, tensors[0].device)
+        if len(_columns) > 16:
+            _columns.popitem(last=False)
+    return column
+
+
 def triton_dtype(dtype: torch.dtype):
     """The triton.language dtype of a supported torch dtype."""
     import triton.language as tl
@@ -261,7 +279,8 @@ def perturb(
     in_place = all(s.data_ptr() == d.data_ptr() for s, d in zip(sources, destinations))
     for dtype, (srcs, dsts, ids) in _by_dtype(sources, destinations, tensor_ids).items():
         table = _tile_table(srcs, ids)
-        launch_perturb(table, srcs, srcs if in_place else dsts, key, scale, triton_dtype(dtype))
+        dst_addresses = table.addresses if in_place else _address_column(dsts)
+        launch_perturb(table, dst_addresses, key, scale, triton_dtype(dtype))
 
 
 def es_update(

@@ -9,7 +9,7 @@ import triton.language as tl
 
 from .philox import normal_tile
 from .rounding import round_to
-from .table import TileTable, addresses
+from .table import TileTable
 
 
 @triton.jit
@@ -40,12 +40,11 @@ def perturb_kernel(
     tl.store(dst + offsets, round_to(theta + scale * eps, DTYPE), mask=mask)
 
 
-def launch_perturb(
-    table: TileTable, sources, destinations, key: tuple[int, int], scale: float, dtype
-) -> None:
-    """dst_i = src_i + scale * eps_i for every tensor of `table` (all of one dtype), in one launch."""
-    device = table.addresses.device
-    dst_addresses = table.addresses if destinations is sources else addresses(destinations, device)
+def launch_perturb(table: TileTable, dst_addresses, key: tuple[int, int], scale: float, dtype) -> None:
+    """dst_i = src_i + scale * eps_i for every tensor of `table` (all of one dtype), in one launch.
+
+    `dst_addresses` is the int64 address column of the destinations (`table.addresses` for in place).
+    """
     perturb_kernel[(table.n_tiles,)](
         table.addresses,
         dst_addresses,

@@ -111,6 +111,6 @@ def test_virtual_mode_needs_the_triton_backend(tiny):
         pass
     with (
         pytest.raises(ValueError, match="unknown batched mode"),
-        population_batched(es, model, mode="lowrank"),
+        population_batched(es, model, mode="sparse"),
     ):
         pass
