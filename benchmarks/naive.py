@@ -1,0 +1,100 @@
+"""The naive ES baselines fastes is measured against (the pattern of the public ES-for-LLMs code).
+
+Noise: per tensor, a fresh torch.Generator seeded with the member seed, `torch.randn` of the tensor's
+shape and dtype. (So two tensors of the same shape get the same noise: a bug of the original, kept
+because it is what its cost is made of.) Perturb adds sigma * noise in place; restore regenerates the
+noise and subtracts it, which in finite precision does not give the weights back exactly. The update is
+N passes: per seed, regenerate, scale and add. The ES loop evaluates the members one after another.
+
+These are written plainly on purpose; they are the reference point, not something to optimise.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import torch
+
+from fastes.generation import generate
+from fastes.tasks import Example, Task
+
+
+def naive_noise(tensor: torch.Tensor, seed: int) -> torch.Tensor:
+    """torch.randn shaped like `tensor`, from a fresh generator seeded with `seed`."""
+    generator = torch.Generator(device=tensor.device).manual_seed(seed)
+    return torch.randn(tensor.shape, generator=generator, device=tensor.device, dtype=tensor.dtype)
+
+
+@torch.no_grad()
+def naive_perturb(tensors: Sequence[torch.Tensor], seed: int, sigma: float) -> None:
+    """theta += sigma * eps, in place, tensor by tensor."""
+    for t in tensors:
+        t.add_(sigma * naive_noise(t, seed))
+
+
+@torch.no_grad()
+def naive_restore(tensors: Sequence[torch.Tensor], seed: int, sigma: float) -> None:
+    """theta -= sigma * eps with the noise regenerated: inexact in finite precision."""
+    for t in tensors:
+        t.sub_(sigma * naive_noise(t, seed))
+
+
+@torch.no_grad()
+def naive_update(
+    tensors: Sequence[torch.Tensor], seeds: Sequence[int], weights: Sequence[float], coef: float
+) -> None:
+    """theta += coef * sum_i w_i eps_i as N sequential passes: regenerate, multiply, add, per seed."""
+    for seed, w in zip(seeds, weights):
+        for t in tensors:
+            t.add_(naive_noise(t, seed) * (coef * w))
+
+
+@torch.no_grad()
+def copy_weights(tensors: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]) -> None:
+    """buffer <- theta for every tensor: the same bytes a perturbation reads and writes, no arithmetic."""
+    for t, b in zip(tensors, buffers):
+        b.copy_(t)
+
+
+def member_seeds(seed: int, iteration: int, population: int) -> list[int]:
+    """The naive loop's seeds: random integers drawn per iteration, one per member."""
+    rng = random.Random(seed * 1_000_003 + iteration)
+    return [rng.randrange(2**30) for _ in range(population)]
+
+
+@torch.no_grad()
+def naive_es_iteration(
+    model: torch.nn.Module,
+    tokenizer,
+    tensors: Sequence[torch.Tensor],
+    examples: Sequence[Example],
+    prompts: list[str],
+    task: Task,
+    *,
+    population: int,
+    sigma: float,
+    lr: float,
+    max_new_tokens: int,
+    seed: int = 0,
+    iteration: int = 0,
+    format_weight: float = 0.1,
+) -> dict[str, float]:
+    """One iteration of the naive loop: member by member perturb, generate, score, restore; then update.
+
+    Rewards are z-scored, (r - mean) / (std + 1e-8), and the update is theta += lr / N * sum_i z_i eps_i
+    (1 / sigma folded into lr, as in the original).
+    """
+    seeds = member_seeds(seed, iteration, population)
+    rewards, tokens = [], 0
+    for s in seeds:
+        naive_perturb(tensors, s, sigma)
+        gen = generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens)
+        tokens += gen.num_tokens
+        scores = [task.score(ex, text).reward(format_weight) for ex, text in zip(examples, gen.texts)]
+        rewards.append(sum(scores) / len(scores))
+        naive_restore(tensors, s, sigma)
+    r = torch.tensor(rewards, dtype=torch.float64)
+    z = (r - r.mean()) / (r.std(correction=0) + 1e-8)
+    naive_update(tensors, seeds, z.tolist(), lr / population)
+    return {"reward": float(r.mean()), "tokens": tokens}

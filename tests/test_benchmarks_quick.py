@@ -1,0 +1,70 @@
+"""The benchmark harness in quick mode, so that it never rots. Checks the output's shape, never timings."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` lives at the repo root
+
+from benchmarks import run  # noqa: E402
+from benchmarks.suites import SUITES  # noqa: E402
+
+
+def positive(value: float) -> bool:
+    return isinstance(value, float) and math.isfinite(value) and value > 0
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    # CPU whatever the machine: this checks the harness, and the kernels are interpreted in the tests.
+    data, paths = run(quick=True, out=out, device="cpu", threads=1, log=lambda _: None)
+    return data, paths, out
+
+
+def test_every_suite_reports_positive_ratios(quick):
+    data, _, _ = quick
+    results = data["results"]
+    assert set(results) == set(SUITES)
+    assert all(results[s] for s in SUITES), "every suite has at least one record"
+    for r in results["noise"]:
+        assert positive(r["ratio_vs_randn"]) and positive(r["fastes_normals_per_s"])
+    for r in results["perturb"]:
+        assert positive(r["speedup_vs_naive"]) and positive(r["fraction_of_copy_bandwidth"])
+        assert r["fastes_exact"] is True  # the pointer swap restores bit for bit, by construction
+    assert {r["population"] for r in results["update"]} == {8, 30}
+    for r in results["update"]:
+        assert positive(r["speedup_vs_naive"]) and positive(r["fastes_element_members_per_s"])
+    (iteration,) = results["iteration"]
+    assert positive(iteration["speedup_vs_naive"])
+    assert iteration["fastes"]["tokens"] > 0 and iteration["naive"]["tokens"] > 0
+    for r in results["memory"]:
+        assert r["inference"]["peak_bytes"] > 0 and positive(r["es_vs_inference"])
+
+
+def test_targets_are_judged_not_asserted(quick):
+    data, _, _ = quick
+    targets = data["targets"]
+    assert {t["target"] for t in targets} >= {
+        "perturb+restore vs naive",
+        "fused update at N=30 vs naive",
+        "whole ES iteration vs naive loop",
+        "ES peak memory vs plain inference",
+    }
+    assert all(isinstance(t["hit"], bool) for t in targets)
+
+
+def test_files_written(quick):
+    data, paths, out = quick
+    env = data["environment"]
+    for key in ("date", "device_name", "torch", "triton", "cpu_model"):
+        assert env[key]
+    assert set(paths) == {"json", "md", "png", "latest"}
+    assert json.loads(paths["json"].read_text())["results"].keys() == data["results"].keys()
+    assert paths["latest"].name == "latest-cpu-quick.md"
+    text = paths["md"].read_text()
+    assert "## Targets" in text and ("**hit**" in text or "**miss**" in text)
+    assert paths["png"].stat().st_size > 0 and paths["png"].parent == out
