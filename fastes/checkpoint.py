@@ -35,6 +35,25 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(step, directory) of every step-N directory under `root`, oldest first (by number, not by name)."""
+    found = []
+    for path in root.glob("step-*") if root.is_dir() else []:
+        digits = path.name[len("step-") :]
+        if digits.isascii() and digits.isdigit() and path.is_dir():
+            found.append((int(digits), path))
+    return sorted(found)
+
+
+def _discard(path: Path) -> None:
+    """Delete a checkpoint directory: renamed out of the step-* names first (atomic), then removed, so a
+    crash midway never leaves a half-deleted directory that a resume would take for a checkpoint."""
+    trash = path.with_name(f".trash-{path.name}")
+    shutil.rmtree(trash, ignore_errors=True)
+    os.replace(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -46,11 +65,21 @@ def _fsync_dir(path: Path) -> None:
 def save_checkpoint(
     run_dir: str | Path, step: int, tensors: dict[str, torch.Tensor], state: dict[str, Any], keep: int = 2
 ) -> Path:
-    """Atomically write checkpoint `step` and delete all but the newest `keep` checkpoints."""
+    """Atomically write checkpoint `step` and delete all but the newest `keep` checkpoints.
+
+    Checkpoints of later steps than `step` belong to a run that this one replaced (a run resumes from its
+    newest checkpoint, so its own later steps cannot exist yet): they are deleted first, so that a resume
+    can never pick them up instead of this run's own.
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"checkpoint step must be a non-negative integer, got {step!r}")
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:08d}"
     tmp = root / f".tmp-step-{step:08d}"
+    for later, stale in _checkpoints(root):
+        if later > step:
+            _discard(stale)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     # Tied or shared tensors are stored once per name: safetensors refuses aliased storage.
@@ -62,12 +91,12 @@ def save_checkpoint(
         os.fsync(f.fileno())
     with (tmp / TENSORS_FILE).open("rb") as f:
         os.fsync(f.fileno())
-    if final.exists():
-        shutil.rmtree(final)
+    if final.exists():  # the same step again (a phase boundary); a crash between the two lines
+        _discard(final)  # leaves no step-N at all, and a resume takes the previous checkpoint
     os.replace(tmp, final)
     _fsync_dir(root)
-    for old in sorted(root.glob("step-*"))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    for _, old in _checkpoints(root)[:-keep]:
+        _discard(old)
     return final
 
 
@@ -94,8 +123,7 @@ def latest_checkpoint(run_dir: str | Path) -> tuple[int, dict[str, torch.Tensor]
     A damaged newest checkpoint raises CheckpointError rather than silently falling back, so that a
     user learns about it; the message says how to resume from the previous one.
     """
-    root = Path(run_dir) / "checkpoints"
-    candidates = sorted(root.glob("step-*")) if root.is_dir() else []
+    candidates = _checkpoints(Path(run_dir) / "checkpoints")
     if not candidates:
         return None
-    return load_checkpoint(candidates[-1])
+    return load_checkpoint(candidates[-1][1])

@@ -4,6 +4,7 @@ fastes demo                       ES on the built-in tiny model and countdown, w
 fastes train --config run.toml    ES, GRPO or GRPO then ES; any key as a flag: --es.sigma 0.01
 fastes eval --model DIR           accuracy and Pass@K of a model directory on a task
 fastes pretrain --out DIR         rebuild the tiny model by supervised training
+fastes experiment --preset tiny   ES vs GRPO vs GRPO then ES at equal budgets: plots and report.md
 """
 
 from __future__ import annotations
@@ -118,6 +119,16 @@ def cmd_pretrain(args: argparse.Namespace) -> dict:
     return metrics
 
 
+def cmd_experiment(args: argparse.Namespace) -> dict:
+    from .experiment import run_experiment
+
+    metrics = run_experiment(args.preset, args.out, model=args.model)
+    print(f"\nreport: {Path(args.out) / 'report.md'}   metrics: {Path(args.out) / 'metrics.json'}")
+    for finding in metrics["findings"]:
+        print(f"- {finding['claim']}: {finding['verdict']}")
+    return metrics
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fastes", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -149,6 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--size", default="tiny", choices=["tiny", "small"])
     pre.add_argument("--steps", type=int, default=1500)
     pre.add_argument("--seed", type=int, default=0)
+
+    exp = sub.add_parser("experiment", help="ES vs GRPO vs GRPO then ES at equal budgets, with a report")
+    exp.add_argument("--preset", default="tiny", choices=["tiny", "quick"], help="quick: a smoke run")
+    exp.add_argument("--out", type=Path, default=Path("runs/experiment"), help="the report directory")
+    exp.add_argument("--model", default=None, help="a local HF model directory (default: the tiny model)")
     return parser
 
 
@@ -161,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
             cmd_train(args)
         elif args.command == "eval":
             cmd_eval(args)
+        elif args.command == "experiment":
+            cmd_experiment(args)
         else:
             cmd_pretrain(args)
     except ConfigError as error:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import (
     AutoModelForCausalLM,
@@ -133,13 +134,19 @@ def load_model(
     torch_dtype = _resolve_dtype(dtype)
     hf_logging.disable_progress_bar()  # a bar per load is noise next to fastes' own progress
 
-    model = AutoModelForCausalLM.from_pretrained(
-        path,
-        dtype=torch_dtype,
-        use_safetensors=True,
-        local_files_only=True,
-        trust_remote_code=trust_remote_code,
-    )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=torch_dtype,
+            use_safetensors=True,
+            local_files_only=True,
+            trust_remote_code=trust_remote_code,
+        )
+    except SafetensorError as error:  # the library's message names neither the file nor the cause
+        raise ValueError(
+            f"{path}: the safetensors weights cannot be read ({error}); the file is truncated, damaged "
+            "or not a safetensors file"
+        ) from None
     tokenizer = AutoTokenizer.from_pretrained(
         path, local_files_only=True, trust_remote_code=trust_remote_code
     )
