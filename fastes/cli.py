@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -70,8 +71,12 @@ def cmd_train(args: argparse.Namespace, defaults: dict[str, Any] | None = None) 
     summary = train(cfg, resume=args.resume)
     metrics = [json.loads(line) for line in (Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()]
     summary["plot"] = str(_curve_plot(metrics, Path(cfg.out_dir) / "curve.png"))
-    print(f"\nbase model test accuracy:    {summary['base_test_accuracy']:.1%}")
-    print(f"trained model test accuracy: {summary['final_test_accuracy']:.1%}")
+    base, final = summary["base_test_accuracy"], summary["final_test_accuracy"]
+    # The standard error of an accuracy on n problems says how large a change must be to mean anything.
+    stderr = math.sqrt(max(base * (1 - base), 1e-12) / cfg.eval_size)
+    print(f"\nbase model test accuracy:    {base:.1%}")
+    print(f"trained model test accuracy: {final:.1%}   (change {final - base:+.1%}; one standard error on "
+          f"{cfg.eval_size} test problems is {stderr:.1%})")
     print(
         f"trained model: {summary['model_dir']}   metrics: {cfg.out_dir}/metrics.jsonl   "
         f"plot: {summary['plot']}"
