@@ -211,7 +211,7 @@ def grpo_step(run: Run, optimizer: torch.optim.Optimizer, reference, step: int) 
         "frac_reward_zero_std": float((group_std.squeeze(1) == 0).float().mean()),
         "entropy": float(token_entropy(logits.detach(), completion[:, 1:])),
         "kl": float(kl.detach()),
-        "loss": float(loss),
+        "loss": float(loss.detach()),
         "grad_norm": float(grad_norm),
         "clip_ratio": float(
             (((ratio < 1 - g.epsilon) | (ratio > 1 + g.epsilon)).float() * mask).sum() / mask.sum()
