@@ -1,6 +1,7 @@
 """End-to-end training on the shipped tiny model: ES and GRPO learn, and a killed run resumes exactly."""
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -143,6 +144,27 @@ def test_killed_run_resumes_to_the_uninterrupted_result(easy_task, tmp_path, alg
     a = load_file(str(straight / "final" / "model.safetensors"))
     b = load_file(str(crashed / "final" / "model.safetensors"))
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+    def comparable(records):
+        return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
+
+    assert comparable(metrics(crashed)) == comparable(metrics(straight))
+
+
+def test_resume_cuts_metrics_back_to_the_checkpoint(easy_task, tmp_path):
+    """A crash after metrics lines were written but before their checkpoint: resume redoes those steps."""
+    settings = common(easy_task, tmp_path, checkpoint_every=2, **{"es.iterations": 4, "es.population": 4})
+    straight = tmp_path / "straight"
+    train(load_config(None, {**settings, "out_dir": str(straight)}))
+    crashed = tmp_path / "crashed"
+    train(load_config(None, {**settings, "out_dir": str(crashed), "es.iterations": 3}))
+    # Steps 1-3 are logged, the newest checkpoint is step 2: step 3's line is ahead of it.
+    assert [m["global_step"] for m in metrics(crashed)] == [0, 1, 2, 3]
+    shutil.rmtree(crashed / "final")
+    train(load_config(None, {**settings, "out_dir": str(crashed)}), resume=True)
+    a = load_file(str(straight / "final" / "model.safetensors"))
+    b = load_file(str(crashed / "final" / "model.safetensors"))
+    assert all((a[k] == b[k]).all() for k in a)
 
     def comparable(records):
         return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]

@@ -158,6 +158,11 @@ def load_jsonl_examples(path: str | Path, strict_alphabet: bool = True) -> list[
                 f"{where}: malformed JSON ({error.msg} at column {error.colno}); each line must be one "
                 "complete JSON object"
             ) from None
+        except (RecursionError, ValueError) as error:  # hostile nesting depth, integers too long to parse
+            raise JsonlTaskError(
+                f"{where}: unreadable JSON ({type(error).__name__}: {str(error)[:80]}); keep lines to plain "
+                "objects with short strings and numbers"
+            ) from None
         example, split = _parse_row(row, where, strict_alphabet)
         earlier = first_line_of.get(example.prompt)
         if earlier is not None:
