@@ -1,0 +1,213 @@
+"""`fastes experiment`: the equal-budget arithmetic, the ES entropy probe, and the quick preset end to end."""
+
+import json
+import math
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fastes import experiment
+from fastes.cli import main
+from fastes.config import load_config
+from fastes.experiment import (
+    PLOTS,
+    PRESETS,
+    Context,
+    completion_entropy,
+    plan_budget,
+    segment_ends,
+    sweep_iterations,
+)
+from fastes.generation import Generation
+from fastes.models import tiny_model_path
+from fastes.tasks import get_task
+from fastes.train import train
+
+# --- equal budgets ----------------------------------------------------------------------------------
+
+
+def test_plan_budget_gives_every_arm_the_same_number_of_completions():
+    plan = plan_budget(es_iterations=40, population=32, es_batch=64, grpo_batch=32, num_generations=8)
+    assert plan.es_samples_per_iteration == 32 * 64
+    assert plan.grpo_samples_per_step == 32 * 8
+    assert plan.grpo_steps == 320
+    assert plan.total_samples == 81920
+    lengths = plan.arm_lengths()
+    assert lengths == {"es": (0, 40), "grpo": (320, 0), "grpo_es": (160, 20)}
+    assert {arm: plan.samples(*steps) for arm, steps in lengths.items()} == {
+        "es": 81920,
+        "grpo": 81920,
+        "grpo_es": 81920,
+    }
+
+
+def test_plan_budget_refuses_budgets_that_cannot_be_matched():
+    with pytest.raises(ValueError, match="not a whole number of GRPO steps"):
+        plan_budget(es_iterations=2, population=4, es_batch=8, grpo_batch=5, num_generations=2)
+    with pytest.raises(ValueError, match="must both be even"):
+        plan_budget(es_iterations=3, population=4, es_batch=8, grpo_batch=4, num_generations=2)
+    with pytest.raises(ValueError, match="must both be even"):  # 2 x 32 = 64 completions = 1 GRPO step
+        plan_budget(es_iterations=2, population=4, es_batch=8, grpo_batch=16, num_generations=4)
+    with pytest.raises(ValueError, match="at least 1"):
+        plan_budget(es_iterations=0, population=4, es_batch=8, grpo_batch=4, num_generations=2)
+
+
+def test_sweep_iterations_and_segment_ends():
+    assert [sweep_iterations(40960, n, 64) for n in (8, 16, 32)] == [80, 40, 20]
+    with pytest.raises(ValueError, match="not a whole number"):
+        sweep_iterations(1000, 8, 64)
+    assert segment_ends(320, 40, extra=(160,)) == [40, 80, 120, 160, 200, 240, 280, 320]
+    assert segment_ends(10, 4, extra=(5, 0, 10, 99)) == [4, 5, 8, 10]
+
+
+def test_presets_have_matching_budgets():
+    for preset in PRESETS.values():
+        plan_budget(
+            preset.es_iterations,
+            preset.population,
+            preset.es_batch,
+            preset.grpo_batch,
+            preset.num_generations,
+        )
+        for population in preset.sweep_populations:
+            sweep_iterations(preset.sweep_budget, population, preset.sweep_batch)
+
+
+def test_paired_difference_needs_a_consistent_gap():
+    a = [1, 0, 1, 1, 0, 1, 0, 1] * 25
+    assert experiment.paired_difference(a, a) == 0
+    better = [1] * 200
+    assert experiment.paired_difference(better, a) == 1 and experiment.paired_difference(a, better) == -1
+    one_flip = a[:-1] + [1 - a[-1]]  # a single prompt differs: not evidence of anything
+    assert experiment.paired_difference(one_flip, a) == 0
+
+
+# --- the entropy probe ------------------------------------------------------------------------------
+
+
+class _FakeLM(torch.nn.Module):
+    """Logits of a chosen function of the position: a stand-in for a causal LM's forward."""
+
+    def __init__(self, vocab: int, logits_at) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.logits_at = logits_at
+        self.anchor = torch.nn.Parameter(torch.zeros(()))  # so the probe can find the device
+
+    def forward(self, input_ids, attention_mask):
+        batch, width = input_ids.shape
+        rows = [[self.logits_at(t) for t in range(width)] for _ in range(batch)]
+        return SimpleNamespace(logits=torch.tensor(rows, dtype=torch.float32))
+
+
+def _generation(prompt_lengths, completion_lengths):
+    return Generation(
+        texts=["" for _ in prompt_lengths],
+        completion_ids=[[5] * n for n in completion_lengths],
+        prompt_ids=[[1] + [3] * (n - 1) for n in prompt_lengths],
+    )
+
+
+def test_completion_entropy_of_uniform_logits_is_log_vocabulary():
+    vocab = 11
+    model = _FakeLM(vocab, lambda t: [0.0] * vocab)
+    entropy = completion_entropy(model, _generation([3, 5], [4, 2]), pad_token_id=0)
+    assert entropy == pytest.approx(math.log(vocab), rel=1e-6)
+
+
+def test_completion_entropy_reads_the_positions_that_predicted_the_completion():
+    # At position t the fake model is uniform over the first t + 1 tokens: entropy ln(t + 1). Completion
+    # token j of a row with a prompt of length P was predicted at position P + j - 1.
+    vocab = 16
+
+    def logits_at(t):
+        return [0.0 if v <= t else -math.inf for v in range(vocab)]
+
+    model = _FakeLM(vocab, logits_at)
+    prompts, completions = [2, 4], [3, 1]
+    expected = [math.log(p + j) for p, c in zip(prompts, completions) for j in range(c)]
+    entropy = completion_entropy(model, _generation(prompts, completions), pad_token_id=0, rows_per_forward=1)
+    assert entropy == pytest.approx(sum(expected) / len(expected), rel=1e-6)
+
+
+def test_completion_entropy_uses_the_temperature():
+    model = _FakeLM(2, lambda t: [0.0, 2.0])
+    gen = _generation([2], [3])
+    cold, hot = completion_entropy(model, gen, 0, temperature=0.5), completion_entropy(model, gen, 0, 100.0)
+    assert cold < hot < math.log(2)
+    assert hot == pytest.approx(math.log(2), abs=1e-3)
+
+
+# --- the GRPO -> ES arm ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_segmented_arms_equal_uninterrupted_train_runs(tmp_path):
+    # With equal batch sizes, the GRPO -> ES arm (the GRPO arm's half-way model, then ES) must be the
+    # algorithm "grpo_es" run, and the segmented ES arm the uninterrupted ES run, bit for bit.
+    preset = replace(PRESETS["quick"], grpo_batch=8, num_generations=4, probe_prompts=2, probe_samples=1)
+    plan = plan_budget(preset.es_iterations, preset.population, preset.es_batch, 8, 4)
+    ctx = Context(preset, tmp_path, tiny_model_path(), "cpu", get_task("countdown"), plan, False, {})
+    experiment.train_arms(ctx)
+
+    def weights(run_dir):
+        return load_file(str(run_dir / "final" / "model.safetensors"))
+
+    grpo_steps, es_iterations = plan.arm_lengths()["grpo_es"]
+    direct = experiment._train_overrides(ctx, "grpo_es", tiny_model_path(), tmp_path / "direct")
+    train(load_config(None, {**direct, "grpo.steps": grpo_steps, "es.iterations": es_iterations}))
+    es = experiment._train_overrides(ctx, "es", tiny_model_path(), tmp_path / "direct_es")
+    train(load_config(None, {**es, "es.iterations": plan.es_iterations}))
+    base = load_file(str(tiny_model_path() / "model.safetensors"))
+    for arm, reference in [("grpo_es", "direct"), ("es", "direct_es")]:
+        ours, theirs = weights(tmp_path / "runs" / arm), weights(tmp_path / reference)
+        assert any(not torch.equal(ours[k], base[k]) for k in ours), f"{arm} did not train"
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours), arm
+
+
+# --- the quick preset end to end --------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_quick_preset_writes_the_whole_report(tmp_path, capsys):
+    out = tmp_path / "experiment"
+    assert main(["experiment", "--preset", "quick", "--out", str(out)]) == 0
+    assert "report:" in capsys.readouterr().out
+
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert set(metrics["models"]) == {"base", "es", "grpo", "grpo_es"}
+    for name, model in metrics["models"].items():
+        assert set(model["pass_at_k"]) == {"1", "2", "4"}, name
+        assert all(0 <= v <= 1 for v in model["pass_at_k"].values())
+        assert set(model["heldout_accuracy"]) == {"reverse", "compare"}
+        assert model["heldout_perplexity"] >= 1
+        assert math.isfinite(model["probe_entropy"]) and model["probe_entropy"] > 0
+    assert metrics["models"]["base"]["heldout_kl_to_base"] == 0
+    assert metrics["models"]["grpo"]["heldout_kl_to_base"] > 0
+
+    budget = metrics["budget"]
+    samples = {arm: info["samples"] for arm, info in metrics["training"].items()}
+    assert samples == {arm: budget["samples_per_arm"] for arm in ("es", "grpo", "grpo_es")}
+    assert metrics["training"]["grpo"]["logged_entropy"]
+    assert metrics["training"]["es"]["js_diversity"]
+    assert set(metrics["gain_retained"]["gain_retained"]) == {"top", "random", "bottom"}
+    assert set(metrics["population_sweep"]["tiny"]["runs"]) == {"4", "8"}
+    assert len(metrics["findings"]) >= 6
+
+    report = (out / "report.md").read_text()
+    for name in PLOTS.values():
+        png = out / name
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+        assert png.stat().st_size > 1000, name
+        assert f"]({name})" in report, f"report.md does not embed {name}"
+    for heading in ("## What the numbers say", "## Sample budgets", "## Results"):
+        assert heading in report
+    assert f"{budget['samples_per_arm']:,}" in report
+
+
+def test_experiment_refuses_a_missing_model(tmp_path, capsys):
+    assert main(["experiment", "--preset", "quick", "--model", str(tmp_path / "nope")]) == 2
+    assert "does not exist" in capsys.readouterr().err
