@@ -248,9 +248,15 @@ class BenchModel:
 
 def load_bench_model(name: str, device: torch.device, dtype: torch.dtype) -> BenchModel:
     """The tiny checkpoint (or a random tiny model when it is not shipped) or a synthetic Llama."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    from fastes.models import MAX_POSITIONS, build_tiny_model, build_tokenizer, load_model, tiny_model_path
+    from fastes.models import (
+        build_tiny_model,
+        build_tokenizer,
+        char_llama_config,
+        load_model,
+        tiny_model_path,
+    )
 
     if name == "tiny":
         path = tiny_model_path()
@@ -263,15 +269,7 @@ def load_bench_model(name: str, device: torch.device, dtype: torch.dtype) -> Ben
             source = "random"
     elif name in SYNTHETIC_MODELS:
         tokenizer = build_tokenizer()  # the character vocabulary: generated ids always decode
-        config = LlamaConfig(
-            vocab_size=len(tokenizer),
-            max_position_embeddings=MAX_POSITIONS,
-            tie_word_embeddings=True,
-            pad_token_id=tokenizer.pad_token_id,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            **SYNTHETIC_MODELS[name],
-        )
+        config = char_llama_config(tokenizer, **SYNTHETIC_MODELS[name])
         with torch.device(device):  # initialise where it will live: a 1B model inits in seconds on a GPU
             model = LlamaForCausalLM(config)
         model = model.to(dtype).eval()

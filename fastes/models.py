@@ -70,6 +70,19 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
+def char_llama_config(tokenizer: PreTrainedTokenizerBase, **shape: int) -> LlamaConfig:
+    """A Llama config for the character tokenizer; `shape` sets hidden_size, num_hidden_layers, ..."""
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=MAX_POSITIONS,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **shape,
+    )
+
+
 def build_tiny_model(
     size: str = "tiny", tokenizer: PreTrainedTokenizerBase | None = None
 ) -> LlamaForCausalLM:
@@ -77,16 +90,7 @@ def build_tiny_model(
     if size not in MODEL_SIZES:
         raise ValueError(f"unknown model size {size!r}; choose one of {sorted(MODEL_SIZES)}")
     tokenizer = tokenizer or build_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        max_position_embeddings=MAX_POSITIONS,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        **MODEL_SIZES[size],
-    )
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(char_llama_config(tokenizer, **MODEL_SIZES[size]))
     model.generation_config = GenerationConfig(
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
