@@ -368,6 +368,9 @@ def iteration_variants(
 ) -> tuple[dict[str, Callable[[], object]], dict[str, dict]]:
     """fastes.train.es_iteration (each eval mode) vs the naive loop vs generation alone.
 
+    Also plain batched inference of members x prompts rows in one generate call: each mode's
+    tokens/s over its tokens/s is the share of plain inference throughput that mode reaches.
+
     Every variant gets its own copy of the model, so all start from the same weights and see the same
     prompts (step 0's batch). The second dict receives each variant's last output (tokens, ...).
     """
@@ -416,8 +419,16 @@ def iteration_variants(
             ).num_tokens
         outputs["generate-only"] = {"tokens": tokens}
 
+    def batched_inference() -> None:
+        # Plain inference at the same total batch: the throughput ceiling of population-batched ES.
+        gen = generate(
+            bench.model, bench.tokenizer, prompts * setting.population, max_new_tokens=setting.max_new_tokens
+        )
+        outputs["batched-inference"] = {"tokens": gen.num_tokens}
+
     variants["naive"] = naive_call
     variants["generate-only"] = generate_only
+    variants["batched-inference"] = batched_inference
     return variants, outputs
 
 
@@ -447,6 +458,10 @@ def run_iteration(ctx: Context, plan: Plan, models: dict[str, BenchModel]) -> li
         if label.startswith("fastes-"):
             record[f"speedup_vs_naive_{label[len('fastes-') :]}"] = ratio(t["naive"].median, t[label].median)
     record["generate_only_share_of_naive"] = t["generate-only"].median / t["naive"].median
+    plain = record["batched-inference"]["tokens_per_s"]
+    for label in t:
+        if label.startswith("fastes"):
+            record[f"{label}_share_of_batched_inference"] = record[label]["tokens_per_s"] / plain
     ctx.log(f"iteration tiny N={setting.population} vs naive loop {record['speedup_vs_naive']:.2f}x")
     return [record]
 
