@@ -9,7 +9,7 @@ import triton.language as tl
 
 from .philox import normal_tile
 from .rounding import round_to
-from .table import TileTable
+from .table import TileTable, read_tile
 
 
 @triton.jit
@@ -26,17 +26,12 @@ def perturb_kernel(
     DTYPE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    t = tl.load(tile_tensor + pid)
-    start = tl.load(tile_start + pid)
-    numel = tl.load(numels + t)
-    src = tl.load(src_addresses + t).to(tl.pointer_type(DTYPE))
-    dst = tl.load(dst_addresses + t).to(tl.pointer_type(DTYPE))
-    offsets = start + tl.arange(0, BLOCK).to(tl.int64)
-    mask = offsets < numel
+    start, tensor_id, src, dst, offsets, mask = read_tile(
+        src_addresses, dst_addresses, numels, tensor_ids, tile_tensor, tile_start, DTYPE, BLOCK
+    )
     # Upcast right after the load: bf16 arithmetic is wrong under the interpreter and imprecise anyway.
     theta = tl.load(src + offsets, mask=mask).to(tl.float32)
-    eps = normal_tile(k0, k1, tl.load(tensor_ids + t), 0, start, BLOCK)
+    eps = normal_tile(k0, k1, tensor_id, 0, start, BLOCK)
     tl.store(dst + offsets, round_to(theta + scale * eps, DTYPE), mask=mask)
 
 

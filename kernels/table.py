@@ -1,4 +1,4 @@
-"""Host-side description of a multi-tensor launch: which tile of which tensor each program handles.
+"""A multi-tensor launch: which tile of which tensor each program handles, written and read in one place.
 
 All evolved tensors go through a single kernel launch. Rather than copying them into one flat buffer
 (which would change how the model owns its parameters), the kernels read a small table of raw
@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 
 
 @dataclass(frozen=True)
@@ -52,3 +54,24 @@ def build_tile_table(tensors: Sequence[torch.Tensor], tensor_ids: Sequence[int],
         tile_start=tile_start.to(device),
         block=block,
     )
+
+
+@triton.jit
+def read_tile(
+    addresses,
+    out_addresses,
+    numels,
+    tensor_ids,
+    tile_tensor,
+    tile_start,
+    DTYPE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """This program's tile: (start, tensor id, source and output pointers, int64 offsets, mask)."""
+    pid = tl.program_id(0)
+    t = tl.load(tile_tensor + pid)
+    start = tl.load(tile_start + pid)
+    source = tl.load(addresses + t).to(tl.pointer_type(DTYPE))
+    out = tl.load(out_addresses + t).to(tl.pointer_type(DTYPE))
+    offsets = start + tl.arange(0, BLOCK).to(tl.int64)
+    return start, tl.load(tensor_ids + t), source, out, offsets, offsets < tl.load(numels + t)

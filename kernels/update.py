@@ -11,7 +11,7 @@ import triton.language as tl
 
 from .philox import normal_tile, uniform_tile
 from .rounding import round_to, stochastic_round
-from .table import TileTable, addresses
+from .table import TileTable, addresses, read_tile
 
 MODE_APPLY = 0  # theta <- theta * decay + coef * sum, round to nearest
 MODE_APPLY_STOCHASTIC = 1  # the same, stochastic rounding to a 16-bit dtype
@@ -37,15 +37,9 @@ def update_kernel(
     MODE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    t = tl.load(tile_tensor + pid)
-    start = tl.load(tile_start + pid)
-    numel = tl.load(numels + t)
-    tensor_id = tl.load(tensor_ids + t)
-    param = tl.load(param_addresses + t).to(tl.pointer_type(DTYPE))
-    out = tl.load(out_addresses + t).to(tl.pointer_type(DTYPE))
-    offsets = start + tl.arange(0, BLOCK).to(tl.int64)
-    mask = offsets < numel
+    start, tensor_id, param, out, offsets, mask = read_tile(
+        param_addresses, out_addresses, numels, tensor_ids, tile_tensor, tile_start, DTYPE, BLOCK
+    )
 
     total = tl.zeros((BLOCK,), dtype=tl.float32)
     for j in range(n_directions):
