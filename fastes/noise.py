@@ -25,10 +25,18 @@ MASK32 = 0xFFFFFFFF
 # The fourth counter word says what a stream is for, so that no two uses ever share counters.
 STREAM_NOISE = 0  # perturbation noise eps
 STREAM_ROUNDING = 1  # uniforms for stochastic rounding of the update
-STREAM_LOWRANK_A = 2  # reserved: low-rank factors
+STREAM_LOWRANK_A = 2  # low-rank factors A and B (fastes.lowrank)
 STREAM_LOWRANK_B = 3
+STREAM_SIGN = 4  # Rademacher (sign) noise: never shares a counter with the Gaussian streams
+STREAM_LOWRANK_SIGN_A = 5  # Rademacher low-rank factors A and B
+STREAM_LOWRANK_SIGN_B = 6
 DOMAIN_MEMBER_KEY = 0x4D454D42  # "MEMB": counter word 3 when deriving member keys from the run seed
 DOMAIN_ROUNDING_KEY = 0x524F554E  # "ROUN": counter word 3 when deriving the stochastic-rounding key
+
+# The distributions of eps: "gaussian" (Box-Muller, 4 elements per Philox block) or "rademacher" (+-1, one
+# bit per element, 128 elements per Philox block).
+NOISES = ("gaussian", "rademacher")
+SIGN_BLOCK = 128  # elements per Philox block of sign noise: 4 words x 32 bits
 
 # u = (2 * (x >> 9) + 1) * 2^-24: odd multiples of 2^-24, exact in fp32, strictly inside (0, 1).
 _UNIFORM_SCALE = 2.0**-24
@@ -126,16 +134,20 @@ def _box_muller(u_radius: torch.Tensor, u_angle: torch.Tensor) -> tuple[torch.Te
 
 
 def _counter_words(
-    numel: int, offset: int, device: torch.device | str
+    numel: int, offset: int, device: torch.device | str, per_block: int = 4
 ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """Block counters covering elements [offset, offset + numel): block b holds elements 4b .. 4b+3."""
+    """Block counters covering elements [offset, offset + numel): block b holds elements
+    per_block * b .. per_block * (b + 1) - 1 (4 for normals and uniforms, SIGN_BLOCK for signs).
+
+    Returns (low words, high words, first element of the first block, number of blocks).
+    """
     if offset < 0 or numel < 0 or offset + numel > 2**66:
         raise ValueError(f"element range [{offset}, {offset + numel}) is outside [0, 2^66)")
-    first_block = offset // 4
-    n_blocks = (offset + numel + 3) // 4 - first_block
+    first_block = offset // per_block
+    n_blocks = (offset + numel + per_block - 1) // per_block - first_block
     blocks = first_block + torch.arange(n_blocks, dtype=torch.int64, device=device)
     # Block indices above 2^63 would not fit int64; 2^64 blocks is far beyond any tensor anyway.
-    return blocks & MASK32, blocks >> 32, first_block * 4, n_blocks
+    return blocks & MASK32, blocks >> 32, first_block * per_block, n_blocks
 
 
 def normal_from_counters(
@@ -189,6 +201,67 @@ def uniform(
     """fp32 uniforms for elements [offset, offset + numel) of tensor id `tensor` under `key`."""
     c0, c1, start, _ = _counter_words(numel, offset, device)
     return uniform_from_counters(key, c0, c1, tensor, stream)[offset - start : offset - start + numel]
+
+
+def sign_from_counters(
+    key: tuple[int, int], c0: torch.Tensor, c1: torch.Tensor, tensor: torch.Tensor | int, stream: int
+) -> torch.Tensor:
+    """The 128 signs (+-1, fp32) of each sign block (c0, c1, tensor, stream), flattened: [128 * blocks].
+
+    Element 128 b + 32 w + i takes bit i (least significant first) of output word w of block b; a set
+    bit means -1, a clear bit +1 (the bit is the IEEE sign bit of eps).
+    """
+    words = torch.stack(philox4x32(c0, c1, tensor, stream, key[0], key[1]), dim=1)  # [blocks, 4]
+    shifts = torch.arange(32, dtype=torch.int64, device=words.device)
+    bits = (words[:, :, None] >> shifts) & 1  # [blocks, word, bit]
+    return (1 - 2 * bits).to(torch.float32).reshape(-1)
+
+
+def rademacher(
+    key: tuple[int, int],
+    tensor: int,
+    numel: int,
+    *,
+    offset: int = 0,
+    stream: int = STREAM_SIGN,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """Rademacher signs eps[offset : offset + numel] (+1 or -1, fp32) of tensor id `tensor` under `key`.
+
+    Element e is bit e % 32 of word (e % 128) // 32 of Philox counter (e // 128 low word, e // 128 high
+    word, tensor, stream): one Philox call gives 128 elements.
+    """
+    c0, c1, start, _ = _counter_words(numel, offset, device, SIGN_BLOCK)
+    return sign_from_counters(key, c0, c1, tensor, stream)[offset - start : offset - start + numel]
+
+
+def noise_from_counters(
+    kind: str, key: tuple[int, int], c0: torch.Tensor, c1: torch.Tensor, tensor: torch.Tensor | int
+) -> torch.Tensor:
+    """eps of distribution `kind` for the blocks (c0, c1) on its perturbation stream (4 or 128 per block)."""
+    if kind == "rademacher":
+        return sign_from_counters(key, c0, c1, tensor, STREAM_SIGN)
+    return normal_from_counters(key, c0, c1, tensor, STREAM_NOISE)
+
+
+def elements_per_block(kind: str) -> int:
+    """How many elements of distribution `kind` one Philox block gives: 4 normals or 128 signs."""
+    return SIGN_BLOCK if kind == "rademacher" else 4
+
+
+def check_noise(kind: str) -> str:
+    if kind not in NOISES:
+        raise ValueError(f"unknown noise {kind!r}; choose one of {NOISES}")
+    return kind
+
+
+def sample(
+    kind: str, key: tuple[int, int], tensor: int, numel: int, *, offset: int = 0, device="cpu"
+) -> torch.Tensor:
+    """eps[offset : offset + numel] of distribution `kind` ("gaussian" or "rademacher"), fp32."""
+    if check_noise(kind) == "rademacher":
+        return rademacher(key, tensor, numel, offset=offset, device=device)
+    return normal(key, tensor, numel, offset=offset, device=device)
 
 
 def stochastic_round(value: torch.Tensor, dtype: torch.dtype, u: torch.Tensor) -> torch.Tensor:

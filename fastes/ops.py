@@ -23,7 +23,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BACKENDS = ("auto", "triton", "torch")
 _REFERENCE_CHUNK = 1 << 18  # elements per reference pass: int64 temporaries of 2 MB stay in cache
 _CACHED_PLAN_ELEMENTS = 1 << 22  # larger layouts rebuild their counters per call rather than hold them
-_BLOCK = 1024  # elements per Triton program (a multiple of 4: whole Philox blocks)
+_BLOCK = 1024  # elements per Triton program (a multiple of 128: whole Philox blocks of either noise)
 
 Key = tuple[int, int]
 
@@ -99,9 +99,16 @@ class _Piece:
 _plans: OrderedDict = OrderedDict()  # the last few reference plans, keyed by tensor layout
 
 
-def _reference_plan(tensors: Sequence[torch.Tensor], tensor_ids: Sequence[int]) -> list[_Piece]:
+def _reference_plan(
+    tensors: Sequence[torch.Tensor], tensor_ids: Sequence[int], per_block: int = 4
+) -> list[_Piece]:
+    """Pieces of at most _REFERENCE_CHUNK elements, with counters of `per_block`-element Philox blocks.
+
+    Which slices go into which piece depends on the sizes alone, not on `per_block`, so plans for the
+    noise (4 or 128 elements per block) and for the rounding uniforms (4) line up piece by piece.
+    """
     device = tensors[0].device
-    signature = (str(device), tuple((t.numel(), tid) for t, tid in zip(tensors, tensor_ids)))
+    signature = (str(device), per_block, tuple((t.numel(), tid) for t, tid in zip(tensors, tensor_ids)))
     if signature in _plans:
         return _plans[signature]
     pieces: list[_Piece] = []
@@ -116,15 +123,15 @@ def _reference_plan(tensors: Sequence[torch.Tensor], tensor_ids: Sequence[int]) 
         parts.clear()
 
     for index, (tensor, tid) in enumerate(zip(tensors, tensor_ids)):
-        for start in range(0, tensor.numel(), _REFERENCE_CHUNK):
+        for start in range(0, tensor.numel(), _REFERENCE_CHUNK):  # chunk starts are multiples of 128
             n = min(_REFERENCE_CHUNK, tensor.numel() - start)
             if parts and elements + n > _REFERENCE_CHUNK:
                 flush()
                 lanes = elements = 0
-            c0, c1, first, n_blocks = noise._counter_words(n, start, device)
+            c0, c1, first, n_blocks = noise._counter_words(n, start, device, per_block)
             counters.append((c0, c1, torch.full_like(c0, tid)))
             parts.append((index, start, n, lanes + start - first))
-            lanes += 4 * n_blocks
+            lanes += per_block * n_blocks
             elements += n
     flush()
     if sum(t.numel() for t in tensors) <= _CACHED_PLAN_ELEMENTS:  # counters cost 6 bytes per element
@@ -141,10 +148,11 @@ def perturb_reference(
     tensor_ids: Sequence[int],
     key: Key,
     scale: float,
+    noise_kind: str = "gaussian",
 ) -> None:
     """dst = (float32(src) + scale * eps(key, tensor id)) rounded to the tensor's dtype."""
-    for piece in _reference_plan(sources, tensor_ids):
-        eps = noise.normal_from_counters(key, piece.c0, piece.c1, piece.tensor_ids, noise.STREAM_NOISE)
+    for piece in _reference_plan(sources, tensor_ids, noise.elements_per_block(noise_kind)):
+        eps = noise.noise_from_counters(noise_kind, key, piece.c0, piece.c1, piece.tensor_ids)
         for index, start, n, at in piece.parts:
             theta = sources[index].view(-1)[start : start + n].to(torch.float32)
             perturbed = theta + scale * eps[at : at + n]
@@ -162,23 +170,29 @@ def es_update_reference(
     decay: float = 1.0,
     rounding_key: Key | None = None,
     grads: Sequence[torch.Tensor] | None = None,
+    noise_kind: str = "gaussian",
 ) -> None:
     """theta = theta * decay + coef * sum_j w_j eps_j (or grad = coef * sum_j w_j eps_j).
 
     The sum is accumulated in fp32 in direction order; with `rounding_key` a 16-bit result is rounded
     stochastically with uniforms from the rounding stream, otherwise to nearest.
     """
-    for piece in _reference_plan(params, tensor_ids):
-        total = torch.zeros(4 * piece.c0.numel(), dtype=torch.float32, device=params[0].device)
+    noise_plan = _reference_plan(params, tensor_ids, noise.elements_per_block(noise_kind))
+    stochastic = rounding_key is not None and grads is None
+    # The rounding stream has 4 elements per block: for sign noise its counters come from a second plan.
+    rounding_plan = _reference_plan(params, tensor_ids) if stochastic else noise_plan
+    for piece, rounding_piece in zip(noise_plan, rounding_plan):
+        total = torch.zeros(piece.c0.numel() * noise.elements_per_block(noise_kind), device=params[0].device)
         for key, w in zip(keys, weights):
-            eps = noise.normal_from_counters(key, piece.c0, piece.c1, piece.tensor_ids, noise.STREAM_NOISE)
+            eps = noise.noise_from_counters(noise_kind, key, piece.c0, piece.c1, piece.tensor_ids)
             total += torch.tensor(w, dtype=torch.float32) * eps
         u = None
-        if rounding_key is not None and grads is None:
+        if stochastic:
             u = noise.uniform_from_counters(
-                rounding_key, piece.c0, piece.c1, piece.tensor_ids, noise.STREAM_ROUNDING
-            )
-        for index, start, n, at in piece.parts:
+                rounding_key, rounding_piece.c0, rounding_piece.c1, rounding_piece.tensor_ids,
+                noise.STREAM_ROUNDING,
+            )  # fmt: skip
+        for (index, start, n, at), (_, _, _, u_at) in zip(piece.parts, rounding_piece.parts):
             param = params[index]
             step = coef * total[at : at + n]
             if grads is not None:
@@ -187,7 +201,7 @@ def es_update_reference(
             flat = param.view(-1)
             new = flat[start : start + n].to(torch.float32) * decay + step
             if u is not None and param.dtype != torch.float32:
-                flat[start : start + n] = noise.stochastic_round(new, param.dtype, u[at : at + n])
+                flat[start : start + n] = noise.stochastic_round(new, param.dtype, u[u_at : u_at + n])
             else:
                 flat[start : start + n] = new.to(param.dtype)
 
@@ -255,12 +269,15 @@ def perturb(
     key: Key,
     scale: float,
     *,
+    noise_kind: str = "gaussian",
     backend: str = "auto",
 ) -> None:
     """Write sources + scale * eps(key) into destinations (may be the sources: in place).
 
-    One kernel launch per dtype covers every tensor.
+    `noise_kind` is the distribution of eps: "gaussian" or "rademacher" (+-1). One kernel launch per
+    dtype covers every tensor.
     """
+    noise.check_noise(noise_kind)
     check_tensors(sources, tensor_ids, "perturb")
     if len(destinations) != len(sources) or any(
         d.shape != s.shape or d.dtype != s.dtype or d.device != s.device or not d.is_contiguous()
@@ -272,7 +289,7 @@ def perturb(
     if not math.isfinite(scale):
         raise ValueError(f"perturb: scale must be finite, got {scale}")
     if resolve_backend(sources, backend) == "torch":
-        perturb_reference(sources, destinations, tensor_ids, key, scale)
+        perturb_reference(sources, destinations, tensor_ids, key, scale, noise_kind)
         return
     from .kernels import launch_perturb
 
@@ -280,7 +297,7 @@ def perturb(
     for dtype, (srcs, dsts, ids) in _by_dtype(sources, destinations, tensor_ids).items():
         table = _tile_table(srcs, ids)
         dst_addresses = table.addresses if in_place else _address_column(dsts)
-        launch_perturb(table, dst_addresses, key, scale, triton_dtype(dtype))
+        launch_perturb(table, dst_addresses, key, scale, triton_dtype(dtype), noise_kind)
 
 
 def es_update(
@@ -293,12 +310,15 @@ def es_update(
     decay: float = 1.0,
     rounding_key: Key | None = None,
     grads: Sequence[torch.Tensor] | None = None,
+    noise_kind: str = "gaussian",
     backend: str = "auto",
 ) -> None:
     """The fused ES update over all tensors (see es_update_reference for the exact formula).
 
-    With `grads`, coef * sum_j w_j eps_j is written there and params are left unchanged.
+    With `grads`, coef * sum_j w_j eps_j is written there and params are left unchanged. `noise_kind`
+    ("gaussian" or "rademacher") must be the one the members were perturbed with.
     """
+    noise.check_noise(noise_kind)
     check_tensors(params, tensor_ids, "es_update")
     if len(keys) != len(weights) or len(keys) == 0:
         raise ValueError(
@@ -323,7 +343,15 @@ def es_update(
         )
     if resolve_backend(params, backend) == "torch":
         es_update_reference(
-            params, tensor_ids, keys, weights, coef=coef, decay=decay, rounding_key=rounding_key, grads=grads
+            params,
+            tensor_ids,
+            keys,
+            weights,
+            coef=coef,
+            decay=decay,
+            rounding_key=rounding_key,
+            grads=grads,
+            noise_kind=noise_kind,
         )
         return
     from .kernels import MODE_APPLY, MODE_APPLY_STOCHASTIC, MODE_GRADIENT, launch_update
@@ -349,4 +377,5 @@ def es_update(
             rounding_key or (0, 0),
             mode,
             triton_dtype(dtype),
+            noise_kind,
         )

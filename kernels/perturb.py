@@ -7,7 +7,7 @@ parameters onto the perturbed buffer and back (see fastes.ops). With dst == src 
 import triton
 import triton.language as tl
 
-from .philox import normal_tile
+from .philox import NOISE_CODES, scaled_noise_tile
 from .rounding import round_to
 from .table import TileTable, read_tile
 
@@ -24,6 +24,7 @@ def perturb_kernel(
     k1,
     scale,
     DTYPE: tl.constexpr,
+    NOISE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     start, tensor_id, src, dst, offsets, mask = read_tile(
@@ -31,12 +32,16 @@ def perturb_kernel(
     )
     # Upcast right after the load: bf16 arithmetic is wrong under the interpreter and imprecise anyway.
     theta = tl.load(src + offsets, mask=mask).to(tl.float32)
-    eps = normal_tile(k0, k1, tensor_id, 0, start, BLOCK)
-    tl.store(dst + offsets, round_to(theta + scale * eps, DTYPE), mask=mask)
+    step = scaled_noise_tile(k0, k1, tensor_id, start, scale, NOISE, BLOCK)
+    tl.store(dst + offsets, round_to(theta + step, DTYPE), mask=mask)
 
 
-def launch_perturb(table: TileTable, dst_addresses, key: tuple[int, int], scale: float, dtype) -> None:
+def launch_perturb(
+    table: TileTable, dst_addresses, key: tuple[int, int], scale: float, dtype, noise: str = "gaussian"
+) -> None:
     """dst_i = src_i + scale * eps_i for every tensor of `table` (all of one dtype), in one launch.
+
+    `noise` is the distribution of eps, "gaussian" or "rademacher" (table.block a multiple of 128).
 
     `dst_addresses` is the int64 address column of the destinations (`table.addresses` for in place).
     """
@@ -51,5 +56,6 @@ def launch_perturb(table: TileTable, dst_addresses, key: tuple[int, int], scale:
         key[1],
         scale,
         DTYPE=dtype,
+        NOISE=NOISE_CODES[noise],
         BLOCK=table.block,
     )

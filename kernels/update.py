@@ -9,7 +9,7 @@ once, whatever the population size. Antithetic pairs arrive as one direction wit
 import triton
 import triton.language as tl
 
-from .philox import normal_tile, uniform_tile
+from .philox import NOISE_CODES, scaled_noise_tile, uniform_tile
 from .rounding import round_to, stochastic_round
 from .table import TileTable, addresses, read_tile
 
@@ -35,6 +35,7 @@ def update_kernel(
     rounding_k1,
     DTYPE: tl.constexpr,
     MODE: tl.constexpr,
+    NOISE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     start, tensor_id, param, out, offsets, mask = read_tile(
@@ -45,7 +46,7 @@ def update_kernel(
     for j in range(n_directions):
         k0 = tl.load(keys + 2 * j)
         k1 = tl.load(keys + 2 * j + 1)
-        total += tl.load(weights + j) * normal_tile(k0, k1, tensor_id, 0, start, BLOCK)
+        total += scaled_noise_tile(k0, k1, tensor_id, start, tl.load(weights + j), NOISE, BLOCK)
 
     if MODE == 2:
         tl.store(out + offsets, round_to(coef * total, DTYPE), mask=mask)
@@ -69,8 +70,12 @@ def launch_update(
     rounding: tuple[int, int],
     mode: int,
     dtype,
+    noise: str = "gaussian",
 ) -> None:
-    """One launch over all tensors of `table`; `keys` int64 [P, 2], `weights` fp32 [P] on the device."""
+    """One launch over all tensors of `table`; `keys` int64 [P, 2], `weights` fp32 [P] on the device.
+
+    `noise` ("gaussian" or "rademacher") is the distribution the members were perturbed with.
+    """
     out_addresses = table.addresses if outputs is None else addresses(outputs, table.addresses.device)
     update_kernel[(table.n_tiles,)](
         table.addresses,
@@ -88,5 +93,6 @@ def launch_update(
         rounding[1],
         DTYPE=dtype,
         MODE=mode,
+        NOISE=NOISE_CODES[noise],
         BLOCK=table.block,
     )
