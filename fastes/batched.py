@@ -50,13 +50,19 @@ class VirtualLinear(torch.nn.Module):
     """A linear layer whose members' weights W + scale_m * eps_m exist only inside the kernel."""
 
     def __init__(
-        self, base: torch.nn.Linear, tensor_id: int, keys: torch.Tensor, scales: torch.Tensor
+        self,
+        base: torch.nn.Linear,
+        tensor_id: int,
+        keys: torch.Tensor,
+        scales: torch.Tensor,
+        noise: str = "gaussian",
     ) -> None:
         super().__init__()
         self.base = base
         self.tensor_id = tensor_id
         self.keys = keys  # int64 [members, 2]
         self.scales = scales  # fp32 [members]: sign * sigma
+        self.noise = noise  # the distribution of eps: "gaussian" or "rademacher"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from .kernels import launch_virtual_linear
@@ -79,6 +85,7 @@ class VirtualLinear(torch.nn.Module):
             self.tensor_id,
             flat.shape[0] // members,
             ops.triton_dtype(weight.dtype),
+            noise=self.noise,
         )
         if self.base.bias is not None:
             y = y + self.base.bias
@@ -132,7 +139,9 @@ def _population_layers(es: ES, group: dict, members: list[Member], linears: list
             )
         keys = torch.tensor([m.key for m in members], dtype=torch.int64, device=device)
         scales = torch.tensor([m.sign * group["sigma"] for m in members], dtype=torch.float32, device=device)
-        return [VirtualLinear(linear, tid, keys, scales) for linear, tid in zip(linears, group["ids"])]
+        return [
+            VirtualLinear(linear, tid, keys, scales, es.noise) for linear, tid in zip(linears, group["ids"])
+        ]
     if mode == "lowrank":
         if es.noise_type != "lowrank":
             raise ValueError("eval mode 'lowrank' needs ES(noise_type='lowrank')")
@@ -141,7 +150,7 @@ def _population_layers(es: ES, group: dict, members: list[Member], linears: list
             LowRankLinear(
                 linear,
                 [
-                    lowrank.factors(m.key, tid, linear.weight.shape, es.rank, linear.weight.device)
+                    lowrank.factors(m.key, tid, linear.weight.shape, es.rank, linear.weight.device, es.noise)
                     for m in members
                 ],
                 scales,

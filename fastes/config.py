@@ -41,6 +41,7 @@ class ESConfig:
     eval_mode: str = "materialised"
     noise_type: str = "full"  # "lowrank": matrices get eps = A B^T / sqrt(rank) (EGGROLL-style)
     rank: int = 1
+    noise: str = "gaussian"  # distribution of eps: "gaussian" or "rademacher" (+-1, docs/noise.md)
 
 
 @dataclass
@@ -210,6 +211,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         es.noise_type in ("full", "lowrank"), "es.noise_type", f"{es.noise_type!r}: choose full or lowrank"
     )
     _require(es.rank >= 1, "es.rank", f"must be at least 1, got {es.rank}")
+    from .noise import NOISES
+
+    _require(es.noise in NOISES, "es.noise", f"{es.noise!r} is not one of {NOISES}")
     _require(
         es.eval_mode != "lowrank" or es.noise_type == "lowrank",
         "es.eval_mode",

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from . import lowrank, noise, ops
+from .noise import NOISES
 from .shaping import SHAPINGS, shape_rewards
 
 NONFINITE_POLICIES = ("error", "drop")
@@ -76,6 +77,9 @@ class ES:
             processes before raising; None (default) leaves it to the process group's own timeout.
         noise_type: "full" (default) or "lowrank": matrices get eps = A B^T / sqrt(rank) (fastes.lowrank),
             other tensors full-rank noise.
+        noise: the distribution of every entry of eps (or of the low-rank factors): "gaussian" (default,
+            standard normals) or "rademacher" (+1 / -1 with equal probability: 128 entries per Philox
+            call instead of 4, see docs/noise.md).
     """
 
     def __init__(
@@ -97,6 +101,7 @@ class ES:
         timeout: float | None = None,
         noise_type: str = "full",
         rank: int = 1,
+        noise: str = "gaussian",
     ) -> None:
         if population < 2:
             raise ValueError(f"population must be at least 2, got {population}")
@@ -108,6 +113,8 @@ class ES:
             raise ValueError(f"unknown noise_type {noise_type!r}; choose one of {NOISE_TYPES}")
         if rank < 1:
             raise ValueError(f"rank must be at least 1, got {rank}")
+        if noise not in NOISES:
+            raise ValueError(f"unknown noise {noise!r}; choose one of {NOISES}")
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"unknown nonfinite policy {nonfinite!r}; choose one of {NONFINITE_POLICIES}")
         if inner_optimizer is not None and weight_decay:
@@ -128,6 +135,7 @@ class ES:
         self.backend = backend
         self.noise_type = noise_type
         self.rank = rank
+        self.noise = noise
         self.checksum_every = checksum_every
         if timeout is not None and not (timeout > 0 and math.isfinite(timeout)):
             raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout}")
@@ -210,11 +218,12 @@ class ES:
                 [group["ids"][i] for i in full],
                 member.key,
                 scale,
+                noise_kind=self.noise,
                 backend=self.backend,
             )
         for p, destination, tid in zip(group["params"], destinations, group["ids"]):
             if self._is_lowrank(p):
-                lowrank.perturb(p, destination, tid, member.key, scale, self.rank)
+                lowrank.perturb(p, destination, tid, member.key, scale, self.rank, self.noise)
 
     def _apply(self, member: Member) -> None:
         if self._applied is not None:
@@ -355,12 +364,22 @@ class ES:
                     keys,
                     direction_weights,
                     grads=None if self.inner is None else [grads[i] for i in full],
+                    noise_kind=self.noise,
                     backend=self.backend,
                     **options,
                 )
             for p, tid, grad in zip(params, group["ids"], grads):
                 if self._is_lowrank(p):
-                    lowrank.update(p, tid, keys, direction_weights, rank=self.rank, grad=grad, **options)
+                    lowrank.update(
+                        p,
+                        tid,
+                        keys,
+                        direction_weights,
+                        rank=self.rank,
+                        grad=grad,
+                        noise_kind=self.noise,
+                        **options,
+                    )
         if self.inner is not None:
             self.inner.step()
             self.inner.zero_grad(set_to_none=True)
@@ -378,6 +397,7 @@ class ES:
             "stochastic_rounding": self.stochastic_rounding,
             "noise_type": self.noise_type,
             "rank": self.rank,
+            "noise": self.noise,
             "param_groups": [{k: g[k] for k in (*_GROUP_DEFAULT_KEYS, "names")} for g in self.param_groups],
             "history": [dict(h) for h in self.history],
             "inner_optimizer": None if self.inner is None else self.inner.state_dict(),
@@ -394,6 +414,12 @@ class ES:
             )
         if (state["inner_optimizer"] is None) != (self.inner is None):
             raise ValueError("ES state and this ES disagree on gradient mode (inner_optimizer)")
+        saved_noise = state.get("noise", "gaussian")  # states from before sign noise existed are Gaussian
+        if saved_noise != self.noise:
+            raise ValueError(
+                f"ES state was saved with noise={saved_noise!r} but this ES uses noise={self.noise!r}; "
+                f"the run's weights came from {saved_noise} noise, so build the ES with noise={saved_noise!r}"
+            )
         for key in (
             "seed",
             "population",
@@ -488,6 +514,7 @@ def replay(
         stochastic_rounding=state["stochastic_rounding"],
         noise_type=state["noise_type"],
         rank=state["rank"],
+        noise=state.get("noise", "gaussian"),
         inner_optimizer=inner_optimizer,
         backend=backend,
         checksum_every=0,

@@ -89,6 +89,7 @@ def make_es(run: Run) -> ES:
         backend=run.cfg.backend,
         noise_type=c.noise_type,
         rank=c.rank,
+        noise=c.noise,
     )
 
 

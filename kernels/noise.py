@@ -47,8 +47,9 @@ def launch_fill(
     Signs ("rademacher") need `offset` and `block` to be multiples of 128 (one Philox block of signs).
     """
     align = 128 if noise == "rademacher" and not raw_bits else 4
-    if offset % align or block % align:
-        raise ValueError(f"offset and block must be multiples of {align} (one Philox block), got {offset}, {block}")
+    for what, value in (("offset", offset), ("block", block)):
+        if value % align:
+            raise ValueError(f"{what} must be a multiple of {align} (one Philox block), got {value}")
     n = out.numel()
     fill_kernel[(triton.cdiv(n, block),)](
         out,

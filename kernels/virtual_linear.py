@@ -12,8 +12,36 @@ import os
 import triton
 import triton.language as tl
 
-from .philox import normal_at
+from .philox import NOISE_CODES, NOISE_RADEMACHER, STREAM_SIGN, normal_at, sign_at, sign_words_at
 from .rounding import round_to
+
+
+@triton.jit
+def _noise_tile(
+    k0,
+    k1,
+    tensor_id,
+    cols,
+    k_start,
+    K,
+    NOISE: tl.constexpr,
+    ROWS_WORD_ALIGNED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """eps of weight elements [cols, k_start : k_start + BLOCK_K] (row-major index n * K + k), fp32."""
+    ks = (k_start + tl.arange(0, BLOCK_K)).to(tl.int64)
+    if NOISE == NOISE_RADEMACHER:
+        if ROWS_WORD_ALIGNED:  # K % 32 == 0: each row's 32 consecutive signs are one Philox word
+            word_starts = cols[:, None] * K + (k_start + 32 * tl.arange(0, BLOCK_K // 32))[None, :]
+            words = sign_words_at(k0, k1, tensor_id, STREAM_SIGN, word_starts)  # [BLOCK_N, BLOCK_K // 32]
+            bits = (words[:, :, None] >> tl.arange(0, 32).to(tl.uint32)[None, None, :]) & 1
+            eps = 1.0 - 2.0 * tl.reshape(bits, (BLOCK_N, BLOCK_K)).to(tl.float32)
+        else:
+            eps = sign_at(k0, k1, tensor_id, STREAM_SIGN, cols[:, None] * K + ks[None, :])
+    else:
+        eps = normal_at(k0, k1, tensor_id, 0, cols[:, None] * K + ks[None, :])
+    return eps
 
 
 @triton.jit
@@ -32,6 +60,8 @@ def virtual_linear_kernel(
     stride_y,
     DTYPE: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
+    NOISE: tl.constexpr,
+    ROWS_WORD_ALIGNED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -58,7 +88,7 @@ def virtual_linear_kernel(
         )
         w_mask = col_ok[:, None] & k_ok[None, :]
         w = tl.load(weight + cols[:, None] * stride_w + ks[None, :], mask=w_mask, other=0.0).to(tl.float32)
-        eps = normal_at(k0, k1, tensor_id, 0, cols[:, None] * K + ks[None, :])
+        eps = _noise_tile(k0, k1, tensor_id, cols, k_start, K, NOISE, ROWS_WORD_ALIGNED, BLOCK_N, BLOCK_K)
         # Round like a stored perturbed weight; masked lanes stay 0 so they add nothing.
         b = tl.where(w_mask, round_to(w + scale * eps, DTYPE).to(tl.float32), 0.0)
         if DOT_IN_FP32:  # fp32 weights (no tf32 shortcut), or the interpreter (its 16-bit dot is wrong)
@@ -81,8 +111,12 @@ def launch_virtual_linear(
     block_m: int = 32,
     block_n: int = 32,
     block_k: int = 32,
+    noise: str = "gaussian",
 ) -> None:
-    """y = per-member perturbed x W^T; x [members * rows_per_member, K], weight [N, K], y [rows, N]."""
+    """y = per-member perturbed x W^T; x [members * rows_per_member, K], weight [N, K], y [rows, N].
+
+    `noise` is the distribution of eps ("gaussian" or "rademacher").
+    """
     members = keys.shape[0]
     n_out, k_in = weight.shape
     grid = (triton.cdiv(rows_per_member, block_m), triton.cdiv(n_out, block_n), members)
@@ -101,6 +135,8 @@ def launch_virtual_linear(
         y.stride(0),
         DTYPE=dtype,
         DOT_IN_FP32=dtype == tl.float32 or os.environ.get("TRITON_INTERPRET") == "1",
+        NOISE=NOISE_CODES[noise],
+        ROWS_WORD_ALIGNED=k_in % 32 == 0 and block_k % 32 == 0,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
