@@ -37,6 +37,7 @@ DOMAIN_ROUNDING_KEY = 0x524F554E  # "ROUN": counter word 3 when deriving the sto
 # bit per element, 128 elements per Philox block).
 NOISES = ("gaussian", "rademacher")
 SIGN_BLOCK = 128  # elements per Philox block of sign noise: 4 words x 32 bits
+_ONE_BITS = 0x3F800000  # the fp32 bit pattern of 1.0
 
 # u = (2 * (x >> 9) + 1) * 2^-24: odd multiples of 2^-24, exact in fp32, strictly inside (0, 1).
 _UNIFORM_SCALE = 2.0**-24
@@ -212,9 +213,12 @@ def sign_from_counters(
     bit means -1, a clear bit +1 (the bit is the IEEE sign bit of eps).
     """
     words = torch.stack(philox4x32(c0, c1, tensor, stream, key[0], key[1]), dim=1)  # [blocks, 4]
-    shifts = torch.arange(32, dtype=torch.int64, device=words.device)
-    bits = (words[:, :, None] >> shifts) & 1  # [blocks, word, bit]
-    return (1 - 2 * bits).to(torch.float32).reshape(-1)
+    # int32 from here: the same 32 bits read as signed (exact), so that the expansion to one lane per
+    # element moves 4 bytes per element rather than 8.
+    words = (words - ((words >> 31) << 32)).to(torch.int32)
+    to_sign_bit = (31 - torch.arange(32, dtype=torch.int32, device=words.device)).view(1, 1, 32)
+    sign_bits = (words[:, :, None] << to_sign_bit) & -(2**31)  # bit i of the word -> bit 31 of lane i
+    return (sign_bits | _ONE_BITS).view(torch.float32).reshape(-1)  # 1.0 with that sign bit
 
 
 def rademacher(
