@@ -142,9 +142,9 @@ def regression(seed: int, kind: str, generations: int) -> list[float]:
 
     es = fastes.ES(
         fastes.linear_weights(student, include_biases=True),
-        sigma=0.02,
-        lr=0.01,
-        population=32,
+        sigma=0.05,
+        lr=0.003,
+        population=16,
         seed=seed,
         noise=kind,
     )
