@@ -6,9 +6,17 @@ import triton.language as tl
 from .philox import bits_tile, normal_tile
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["numel", "offset", "k0", "k1", "tensor_id"])
 def fill_kernel(
-    out, numel, offset, k0, k1, tensor_id, STREAM: tl.constexpr, RAW_BITS: tl.constexpr, BLOCK: tl.constexpr
+    out,
+    numel: tl.int64,
+    offset: tl.int64,
+    k0: tl.uint32,
+    k1: tl.uint32,
+    tensor_id: tl.uint32,
+    STREAM: tl.constexpr,
+    RAW_BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     # Elements [offset + pid * BLOCK, ...) of the stream; offset is a multiple of 4 (int64 safe).
     pid = tl.program_id(0)

@@ -12,7 +12,7 @@ from .rounding import round_to
 from .table import TileTable, read_tile
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["k0", "k1"])  # see kernels/__init__.py: typed, never specialised
 def perturb_kernel(
     src_addresses,
     dst_addresses,
@@ -20,9 +20,9 @@ def perturb_kernel(
     tensor_ids,
     tile_tensor,
     tile_start,
-    k0,
-    k1,
-    scale,
+    k0: tl.uint32,
+    k1: tl.uint32,
+    scale: tl.float32,
     DTYPE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):

@@ -18,7 +18,7 @@ MODE_APPLY_STOCHASTIC = 1  # the same, stochastic rounding to a 16-bit dtype
 MODE_GRADIENT = 2  # out <- coef * sum, theta untouched
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_directions", "rounding_k0", "rounding_k1"])
 def update_kernel(
     param_addresses,
     out_addresses,
@@ -28,11 +28,11 @@ def update_kernel(
     tile_start,
     keys,
     weights,
-    n_directions,
-    coef,
-    decay,
-    rounding_k0,
-    rounding_k1,
+    n_directions: tl.int32,
+    coef: tl.float32,
+    decay: tl.float32,
+    rounding_k0: tl.uint32,
+    rounding_k1: tl.uint32,
     DTYPE: tl.constexpr,
     MODE: tl.constexpr,
     BLOCK: tl.constexpr,

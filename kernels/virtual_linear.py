@@ -16,15 +16,15 @@ from .philox import normal_at
 from .rounding import round_to
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tensor_id", "rows_per_member"])
 def virtual_linear_kernel(
     x,
     weight,
     y,
     keys,
     scales,
-    tensor_id,
-    rows_per_member,
+    tensor_id: tl.uint32,
+    rows_per_member: tl.int32,
     K,
     N,
     stride_x,
