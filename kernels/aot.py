@@ -92,15 +92,18 @@ def runtime_launches() -> list[Launch]:
     from .virtual_linear import launch_virtual_linear
 
     block = 1024  # fastes.ops._BLOCK
-    dtypes = {"fp32": (torch.float32, tl.float32), "bf16": (torch.bfloat16, tl.bfloat16),
-              "fp16": (torch.float16, tl.float16)}
+    dtypes = {
+        "fp32": (torch.float32, tl.float32),
+        "bf16": (torch.bfloat16, tl.bfloat16),
+        "fp16": (torch.float16, tl.float16),
+    }
     keys = [(1, 1), (16, 1 << 31), ((1 << 32) - 1, 0), (0x5D25E919, 0x9FA8B4D7)]
     id_sets = [[1, 16], [1 << 31, (1 << 32) - 1]]
     all_launches: list[Launch] = []
 
-    def add(label: str, launch) -> None:
+    def add(label: str, launch, *args) -> None:
         with capture() as recorded:
-            launch()
+            launch(*args)
         for one in recorded:
             one.label = label
         all_launches.extend(recorded)
@@ -111,7 +114,7 @@ def runtime_launches() -> list[Launch]:
             tiles = build_tile_table(tensors, ids, block)
             outputs = table.addresses([torch.empty_like(t) for t in tensors], torch.device("cpu"))
             for key in keys:
-                add(f"perturb {name}", lambda: launch_perturb(tiles, outputs, key, 1e-3, dtype))
+                add(f"perturb {name}", launch_perturb, tiles, outputs, key, 1e-3, dtype)
             modes = {"apply": MODE_APPLY, "gradient": MODE_GRADIENT}
             if name != "fp32":
                 modes["stochastic"] = MODE_APPLY_STOCHASTIC
@@ -123,9 +126,8 @@ def runtime_launches() -> list[Launch]:
                     for rounding in [(1, (1 << 32) - 1), (16, 1 << 31)]:
                         add(
                             f"update {name} {mode_name}",
-                            lambda: launch_update(
-                                tiles, grads, key_column, weights, 2e-3, 1.0, rounding, mode, dtype
-                            ),
+                            launch_update,
+                            *(tiles, grads, key_column, weights, 2e-3, 1.0, rounding, mode, dtype),
                         )
         for members, rows, n_in, n_out in [(2, 1, 64, 48), (4, 1, 64, 48), (3, 17, 64, 48), (2, 5, 40, 33)]:
             x = torch.zeros(members * rows, n_in, dtype=torch_dtype)
@@ -136,7 +138,8 @@ def runtime_launches() -> list[Launch]:
             for tid in EDGE_WORDS:
                 add(
                     f"virtual_linear {name} K={n_in} N={n_out}",
-                    lambda: launch_virtual_linear(x, weight, y, member_keys, scales, tid, rows, dtype),
+                    launch_virtual_linear,
+                    *(x, weight, y, member_keys, scales, tid, rows, dtype),
                 )
     for raw_bits in (True, False):
         out = torch.empty(4099, dtype=torch.int64 if raw_bits else torch.float32)
@@ -144,7 +147,8 @@ def runtime_launches() -> list[Launch]:
             for stream in (0, 1):
                 add(
                     f"fill {'bits' if raw_bits else 'normal'} stream={stream}",
-                    lambda: launch_fill(out[: 1 + offset % 4099], key, tid, offset, stream, raw_bits),
+                    launch_fill,
+                    *(out[: 1 + offset % 4099], key, tid, offset, stream, raw_bits),
                 )
     return all_launches
 
@@ -173,7 +177,9 @@ def specialise(launch: Launch, target) -> tuple[Specialisation, Any, dict]:
         _binders[fn, target] = backend, create_function_from_signature(fn.signature, fn.params, backend)
     backend, binder = _binders[fn, target]
     bound, specialization, options = binder(*launch.args, **launch.kwargs)
-    options, signature, constexprs, attrs = fn._pack_args(backend, launch.kwargs, bound, specialization, options)
+    options, signature, constexprs, attrs = fn._pack_args(
+        backend, launch.kwargs, bound, specialization, options
+    )
     variant = Specialisation(
         fn.__name__,
         tuple(signature.items()),
@@ -244,8 +250,10 @@ def _cubin_facts(cubin: bytes) -> tuple[int, int, str]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        usage, sass = (
+            subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
+            for flag in ("-res-usage", "-sass")
+        )
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
     local = int(re.search(r"LOCAL:(\d+)", usage).group(1)) + int(re.search(r"STACK:(\d+)", usage).group(1))
     return registers, local, sass
@@ -288,7 +296,7 @@ def sass_opcodes(sass: str) -> list[tuple[int, str, str]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fastes.kernels.aot", description=__doc__.split("\n")[0])
-    parser.add_argument("--targets", default="sm_90,sm_80,gfx942", help=f"comma-separated, of {list(TARGETS)}")
+    parser.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated, of {list(TARGETS)}")
     parser.add_argument("--labels", default="", help="only launches whose label matches this regex")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
@@ -302,24 +310,36 @@ def main(argv: list[str] | None = None) -> int:
     failed = [r for r in results if not r.ok or r.spills]
     for r in results:
         state = "FAIL" if not r.ok else "SPILL" if r.spills else "ok"
-        print(f"{state:5s} {r.target:7s} {r.label:40s} regs={r.registers:3d} local={r.spill_bytes} "
-              f"{r.seconds:5.1f}s {r.error.splitlines()[0] if r.error else ''}")
+        print(
+            f"{state:5s} {r.target:7s} {r.label:40s} regs={r.registers:3d} local={r.spill_bytes} "
+            f"{r.seconds:5.1f}s {r.error.splitlines()[0] if r.error else ''}"
+        )
     ambiguous = {label: len(v) for label, v in per_label.items() if len(v) > 1}
     for label, n in ambiguous.items():
         print(f"VARIANTS {label}: {n} compiled variants where one is expected (a data value is specialised)")
-    print(f"{len(results)} variants, {len(failed)} failed or spilled, triton {triton.__version__}, "
-          f"{time.perf_counter() - start:.0f} s")
+    print(
+        f"{len(results)} variants, {len(failed)} failed or spilled, triton {triton.__version__}, "
+        f"{time.perf_counter() - start:.0f} s"
+    )
     if args.json:
         rows = [{**asdict(r), "spills": r.spills, "sass_lines": len(sass_opcodes(r.sass))} for r in results]
         for row in rows:
             del row["sass"]
-        args.json.write_text(json.dumps({
-            "triton": triton.__version__,
-            "results": rows,
-            "variants_per_label": {label: len(v) for label, v in per_label.items()},
-            "opcodes": {f"{r.target} {r.label}": dict(Counter(op for _, op, _ in sass_opcodes(r.sass)))
-                        for r in results if r.sass},
-        }, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "triton": triton.__version__,
+                    "results": rows,
+                    "variants_per_label": {label: len(v) for label, v in per_label.items()},
+                    "opcodes": {
+                        f"{r.target} {r.label}": dict(Counter(op for _, op, _ in sass_opcodes(r.sass)))
+                        for r in results
+                        if r.sass
+                    },
+                },
+                indent=1,
+            )
+        )
     return 1 if failed or ambiguous else 0
 
 

@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from .philox import bits_tile, normal_tile
+from .philox import bits_tile, normal_tile, tile_offsets
 
 
 @triton.jit(do_not_specialize=["numel", "offset", "k0", "k1", "tensor_id"])
@@ -21,12 +21,13 @@ def fill_kernel(
     # Elements [offset + pid * BLOCK, ...) of the stream; offset is a multiple of 4 (int64 safe).
     pid = tl.program_id(0)
     start = offset + pid.to(tl.int64) * BLOCK
-    local = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    mask = local < numel
+    out = out + pid.to(tl.int64) * BLOCK
+    local = tile_offsets(BLOCK // 4, 1)
+    mask = local < numel - pid.to(tl.int64) * BLOCK
     if RAW_BITS:
-        tl.store(out + local, bits_tile(k0, k1, tensor_id, STREAM, start, BLOCK).to(tl.int64), mask=mask)
+        tl.store(out + local, bits_tile(k0, k1, tensor_id, STREAM, start, BLOCK // 4).to(tl.int64), mask=mask)
     else:
-        tl.store(out + local, normal_tile(k0, k1, tensor_id, STREAM, start, BLOCK), mask=mask)
+        tl.store(out + local, normal_tile(k0, k1, tensor_id, STREAM, start, BLOCK // 4, 1), mask=mask)
 
 
 def launch_fill(

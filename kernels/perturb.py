@@ -7,9 +7,9 @@ parameters onto the perturbed buffer and back (see fastes.ops). With dst == src 
 import triton
 import triton.language as tl
 
-from .philox import normal_tile
+from .philox import normal_tile, tile_offsets
 from .rounding import round_to
-from .table import TileTable, read_tile
+from .table import TileTable, blocks_per_row, read_tile, tile_pointer
 
 
 @triton.jit(do_not_specialize=["k0", "k1"])  # see kernels/__init__.py: typed, never specialised
@@ -25,14 +25,26 @@ def perturb_kernel(
     scale: tl.float32,
     DTYPE: tl.constexpr,
     BLOCK: tl.constexpr,
+    BLOCKS_PER_ROW: tl.constexpr,
 ):
-    start, tensor_id, src, dst, offsets, mask = read_tile(
+    ROWS: tl.constexpr = BLOCK // (4 * BLOCKS_PER_ROW)
+    start, tensor_id, src_address, dst_address, count, fast = read_tile(
         src_addresses, dst_addresses, numels, tensor_ids, tile_tensor, tile_start, DTYPE, BLOCK
     )
+    offsets = tile_offsets(ROWS, BLOCKS_PER_ROW)
+    eps = normal_tile(k0, k1, tensor_id, 0, start, ROWS, BLOCKS_PER_ROW)
     # Upcast right after the load: bf16 arithmetic is wrong under the interpreter and imprecise anyway.
-    theta = tl.load(src + offsets, mask=mask).to(tl.float32)
-    eps = normal_tile(k0, k1, tensor_id, 0, start, BLOCK)
-    tl.store(dst + offsets, round_to(theta + scale * eps, DTYPE), mask=mask)
+    if fast:  # full, aligned tile: unmasked 128-bit accesses
+        src = tile_pointer(src_address, start, DTYPE, True)
+        dst = tile_pointer(dst_address, start, DTYPE, True)
+        theta = tl.load(src + offsets).to(tl.float32)
+        tl.store(dst + offsets, round_to(theta + scale * eps, DTYPE))
+    else:
+        src = tile_pointer(src_address, start, DTYPE, False)
+        dst = tile_pointer(dst_address, start, DTYPE, False)
+        mask = offsets < count
+        theta = tl.load(src + offsets, mask=mask).to(tl.float32)
+        tl.store(dst + offsets, round_to(theta + scale * eps, DTYPE), mask=mask)
 
 
 def launch_perturb(table: TileTable, dst_addresses, key: tuple[int, int], scale: float, dtype) -> None:
@@ -52,4 +64,5 @@ def launch_perturb(table: TileTable, dst_addresses, key: tuple[int, int], scale:
         scale,
         DTYPE=dtype,
         BLOCK=table.block,
+        BLOCKS_PER_ROW=blocks_per_row(dtype.primitive_bitwidth // 8),
     )

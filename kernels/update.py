@@ -9,9 +9,9 @@ once, whatever the population size. Antithetic pairs arrive as one direction wit
 import triton
 import triton.language as tl
 
-from .philox import normal_tile, uniform_tile
+from .philox import block_words, lanes_to_tile, normals4, row_blocks, tile_offsets, uniform_tile
 from .rounding import round_to, stochastic_round
-from .table import TileTable, addresses, read_tile
+from .table import TileTable, addresses, blocks_per_row, read_tile, tile_pointer
 
 MODE_APPLY = 0  # theta <- theta * decay + coef * sum, round to nearest
 MODE_APPLY_STOCHASTIC = 1  # the same, stochastic rounding to a 16-bit dtype
@@ -36,24 +36,52 @@ def update_kernel(
     DTYPE: tl.constexpr,
     MODE: tl.constexpr,
     BLOCK: tl.constexpr,
+    BLOCKS_PER_ROW: tl.constexpr,
 ):
-    start, tensor_id, param, out, offsets, mask = read_tile(
+    ROWS: tl.constexpr = BLOCK // (4 * BLOCKS_PER_ROW)
+    start, tensor_id, param_address, out_address, count, fast = read_tile(
         param_addresses, out_addresses, numels, tensor_ids, tile_tensor, tile_start, DTYPE, BLOCK
     )
 
-    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    # The direction loop keeps each block's four lanes apart (a: first block of a row, b: second, with
+    # two per row); they are put into element order once, after it.
+    first = row_blocks(start, ROWS, BLOCKS_PER_ROW)
+    a0 = tl.zeros((ROWS,), dtype=tl.float32)
+    a1, a2, a3, b0, b1, b2, b3 = a0, a0, a0, a0, a0, a0, a0
     for j in range(n_directions):
         k0 = tl.load(keys + 2 * j)
         k1 = tl.load(keys + 2 * j + 1)
-        total += tl.load(weights + j) * normal_tile(k0, k1, tensor_id, 0, start, BLOCK)
+        w = tl.load(weights + j)
+        e0, e1, e2, e3 = normals4(*block_words(k0, k1, tensor_id, 0, first))
+        a0, a1, a2, a3 = a0 + w * e0, a1 + w * e1, a2 + w * e2, a3 + w * e3
+        if BLOCKS_PER_ROW == 2:
+            e0, e1, e2, e3 = normals4(*block_words(k0, k1, tensor_id, 0, first + 1))
+            b0, b1, b2, b3 = b0 + w * e0, b1 + w * e1, b2 + w * e2, b3 + w * e3
+    step = coef * lanes_to_tile(a0, a1, a2, a3, b0, b1, b2, b3, BLOCKS_PER_ROW)
 
-    if MODE == 2:
-        tl.store(out + offsets, round_to(coef * total, DTYPE), mask=mask)
+    offsets = tile_offsets(ROWS, BLOCKS_PER_ROW)
+    if MODE == 1:
+        u = uniform_tile(rounding_k0, rounding_k1, tensor_id, 1, start, ROWS, BLOCKS_PER_ROW)
     else:
-        theta = tl.load(param + offsets, mask=mask).to(tl.float32)
-        new = theta * decay + coef * total
+        u = step
+    if fast:  # full, aligned tile: unmasked 128-bit accesses
+        param = tile_pointer(param_address, start, DTYPE, True)
+        out = tile_pointer(out_address, start, DTYPE, True)
+        _write(param, out, offsets, None, step, decay, u, DTYPE, MODE)
+    else:
+        param = tile_pointer(param_address, start, DTYPE, False)
+        out = tile_pointer(out_address, start, DTYPE, False)
+        _write(param, out, offsets, offsets < count, step, decay, u, DTYPE, MODE)
+
+
+@triton.jit
+def _write(param, out, offsets, mask, step, decay, u, DTYPE: tl.constexpr, MODE: tl.constexpr):
+    """out = round(param * decay + step) (to nearest, or stochastically with u), or round(step)."""
+    if MODE == 2:
+        tl.store(out + offsets, round_to(step, DTYPE), mask=mask)
+    else:
+        new = tl.load(param + offsets, mask=mask).to(tl.float32) * decay + step
         if MODE == 1:
-            u = uniform_tile(rounding_k0, rounding_k1, tensor_id, 1, start, BLOCK)
             tl.store(out + offsets, stochastic_round(new, u, DTYPE), mask=mask)
         else:
             tl.store(out + offsets, round_to(new, DTYPE), mask=mask)
@@ -89,4 +117,5 @@ def launch_update(
         DTYPE=dtype,
         MODE=mode,
         BLOCK=table.block,
+        BLOCKS_PER_ROW=blocks_per_row(dtype.primitive_bitwidth // 8),
     )
