@@ -4,6 +4,7 @@ import triton
 import triton.language as tl
 
 from .philox import bits_tile, normal_tile, tile_offsets
+from .table import NUM_WARPS
 
 
 @triton.jit(do_not_specialize=["numel", "offset", "k0", "k1", "tensor_id"])
@@ -38,5 +39,14 @@ def launch_fill(
         raise ValueError(f"offset must be a multiple of 4 (one Philox block), got {offset}")
     n = out.numel()
     fill_kernel[(triton.cdiv(n, block),)](
-        out, n, offset, key[0], key[1], tensor_id, STREAM=stream, RAW_BITS=raw_bits, BLOCK=block
+        out,
+        n,
+        offset,
+        key[0],
+        key[1],
+        tensor_id,
+        STREAM=stream,
+        RAW_BITS=raw_bits,
+        BLOCK=block,
+        num_warps=NUM_WARPS,
     )

@@ -9,7 +9,7 @@ import triton.language as tl
 
 from .philox import normal_tile, tile_offsets
 from .rounding import round_to
-from .table import TileTable, blocks_per_row, read_tile, tile_pointer
+from .table import NUM_WARPS, TileTable, blocks_per_row, read_tile, tile_pointer
 
 
 @triton.jit(do_not_specialize=["k0", "k1"])  # see kernels/__init__.py: typed, never specialised
@@ -64,5 +64,6 @@ def launch_perturb(table: TileTable, dst_addresses, key: tuple[int, int], scale:
         scale,
         DTYPE=dtype,
         BLOCK=table.block,
+        num_warps=NUM_WARPS,
         BLOCKS_PER_ROW=blocks_per_row(dtype.primitive_bitwidth // 8),
     )

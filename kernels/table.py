@@ -56,6 +56,12 @@ def build_tile_table(tensors: Sequence[torch.Tensor], tensor_ids: Sequence[int],
     )
 
 
+# Warps per program of the elementwise kernels: 2 warps give each thread 16 of a 1024-element tile, so
+# the per-program work (tile table reads, the key schedule in uniform registers) is shared by more
+# elements (python -m benchmarks --static: ~4 instructions per element fewer than with 4 warps).
+NUM_WARPS = 2
+
+
 def blocks_per_row(element_size: int) -> int:
     """Philox blocks (4 elements) per tile row so that one row is one 16-byte access: 1 for fp32, 2 for
     16-bit types."""

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from .philox import block_words, lanes_to_tile, normals4, row_blocks, tile_offsets, uniform_tile
 from .rounding import round_to, stochastic_round
-from .table import TileTable, addresses, blocks_per_row, read_tile, tile_pointer
+from .table import NUM_WARPS, TileTable, addresses, blocks_per_row, read_tile, tile_pointer
 
 MODE_APPLY = 0  # theta <- theta * decay + coef * sum, round to nearest
 MODE_APPLY_STOCHASTIC = 1  # the same, stochastic rounding to a 16-bit dtype
@@ -117,5 +117,6 @@ def launch_update(
         DTYPE=dtype,
         MODE=mode,
         BLOCK=table.block,
+        num_warps=NUM_WARPS,
         BLOCKS_PER_ROW=blocks_per_row(dtype.primitive_bitwidth // 8),
     )
