@@ -3,33 +3,35 @@
 import triton
 import triton.language as tl
 
-from .philox import NOISE_CODES, NOISE_RADEMACHER, bits_tile, normal_tile, sign_tile
+from .philox import NOISE_CODES, NOISE_RADEMACHER, bits_tile, normal_tile, sign_tile, tile_offsets
+from .table import NUM_WARPS
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["numel", "offset", "k0", "k1", "tensor_id"])
 def fill_kernel(
     out,
-    numel,
-    offset,
-    k0,
-    k1,
-    tensor_id,
+    numel: tl.int64,
+    offset: tl.int64,
+    k0: tl.uint32,
+    k1: tl.uint32,
+    tensor_id: tl.uint32,
     STREAM: tl.constexpr,
     RAW_BITS: tl.constexpr,
     NOISE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    # Elements [offset + pid * BLOCK, ...) of the stream; offset is a multiple of 4 (128 for signs).
+    # Elements [offset + pid * BLOCK, ...) of the stream; offset is a multiple of 4, of 128 for signs.
     pid = tl.program_id(0)
     start = offset + pid.to(tl.int64) * BLOCK
-    local = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    mask = local < numel
+    out = out + pid.to(tl.int64) * BLOCK
+    local = tile_offsets(BLOCK // 4, 1)
+    mask = local < numel - pid.to(tl.int64) * BLOCK
     if RAW_BITS:
-        tl.store(out + local, bits_tile(k0, k1, tensor_id, STREAM, start, BLOCK).to(tl.int64), mask=mask)
+        tl.store(out + local, bits_tile(k0, k1, tensor_id, STREAM, start, BLOCK // 4).to(tl.int64), mask=mask)
     elif NOISE == NOISE_RADEMACHER:
-        tl.store(out + local, sign_tile(k0, k1, tensor_id, STREAM, start, BLOCK), mask=mask)
+        tl.store(out + local, sign_tile(k0, k1, tensor_id, STREAM, start, BLOCK // 4, 4), mask=mask)
     else:
-        tl.store(out + local, normal_tile(k0, k1, tensor_id, STREAM, start, BLOCK), mask=mask)
+        tl.store(out + local, normal_tile(k0, k1, tensor_id, STREAM, start, BLOCK // 4, 1), mask=mask)
 
 
 def launch_fill(
@@ -62,4 +64,5 @@ def launch_fill(
         RAW_BITS=raw_bits,
         NOISE=NOISE_CODES[noise],
         BLOCK=block,
+        num_warps=NUM_WARPS,
     )

@@ -7,12 +7,12 @@ parameters onto the perturbed buffer and back (see fastes.ops). With dst == src 
 import triton
 import triton.language as tl
 
-from .philox import NOISE_CODES, scaled_noise_tile
+from .philox import NOISE_CODES, scaled_noise_tile, tile_offsets
 from .rounding import round_to
-from .table import TileTable, read_tile
+from .table import NUM_WARPS, TileTable, blocks_per_row, read_tile, tile_pointer
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["k0", "k1"])  # see kernels/__init__.py: typed, never specialised
 def perturb_kernel(
     src_addresses,
     dst_addresses,
@@ -20,20 +20,32 @@ def perturb_kernel(
     tensor_ids,
     tile_tensor,
     tile_start,
-    k0,
-    k1,
-    scale,
+    k0: tl.uint32,
+    k1: tl.uint32,
+    scale: tl.float32,
     DTYPE: tl.constexpr,
     NOISE: tl.constexpr,
     BLOCK: tl.constexpr,
+    BLOCKS_PER_ROW: tl.constexpr,
 ):
-    start, tensor_id, src, dst, offsets, mask = read_tile(
+    ROWS: tl.constexpr = BLOCK // (4 * BLOCKS_PER_ROW)
+    start, tensor_id, src_address, dst_address, count, fast = read_tile(
         src_addresses, dst_addresses, numels, tensor_ids, tile_tensor, tile_start, DTYPE, BLOCK
     )
+    offsets = tile_offsets(ROWS, BLOCKS_PER_ROW)
+    step = scaled_noise_tile(k0, k1, tensor_id, start, scale, NOISE, ROWS, BLOCKS_PER_ROW)
     # Upcast right after the load: bf16 arithmetic is wrong under the interpreter and imprecise anyway.
-    theta = tl.load(src + offsets, mask=mask).to(tl.float32)
-    step = scaled_noise_tile(k0, k1, tensor_id, start, scale, NOISE, BLOCK)
-    tl.store(dst + offsets, round_to(theta + step, DTYPE), mask=mask)
+    if fast:  # full, aligned tile: unmasked 128-bit accesses
+        src = tile_pointer(src_address, start, DTYPE, True)
+        dst = tile_pointer(dst_address, start, DTYPE, True)
+        theta = tl.load(src + offsets).to(tl.float32)
+        tl.store(dst + offsets, round_to(theta + step, DTYPE))
+    else:
+        src = tile_pointer(src_address, start, DTYPE, False)
+        dst = tile_pointer(dst_address, start, DTYPE, False)
+        mask = offsets < count
+        theta = tl.load(src + offsets, mask=mask).to(tl.float32)
+        tl.store(dst + offsets, round_to(theta + step, DTYPE), mask=mask)
 
 
 def launch_perturb(
@@ -58,4 +70,6 @@ def launch_perturb(
         DTYPE=dtype,
         NOISE=NOISE_CODES[noise],
         BLOCK=table.block,
+        num_warps=NUM_WARPS,
+        BLOCKS_PER_ROW=blocks_per_row(dtype.primitive_bitwidth // 8),
     )

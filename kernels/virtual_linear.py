@@ -12,47 +12,28 @@ import os
 import triton
 import triton.language as tl
 
-from .philox import NOISE_CODES, NOISE_RADEMACHER, STREAM_SIGN, normal_at, sign_at, sign_words_at
+from .philox import (
+    NOISE_CODES,
+    NOISE_RADEMACHER,
+    STREAM_SIGN,
+    block_words,
+    normal_at,
+    normals4,
+    sign_at,
+    sign_words_at,
+)
 from .rounding import round_to
 
 
-@triton.jit
-def _noise_tile(
-    k0,
-    k1,
-    tensor_id,
-    cols,
-    k_start,
-    K,
-    NOISE: tl.constexpr,
-    ROWS_WORD_ALIGNED: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """eps of weight elements [cols, k_start : k_start + BLOCK_K] (row-major index n * K + k), fp32."""
-    ks = (k_start + tl.arange(0, BLOCK_K)).to(tl.int64)
-    if NOISE == NOISE_RADEMACHER:
-        if ROWS_WORD_ALIGNED:  # K % 32 == 0: each row's 32 consecutive signs are one Philox word
-            word_starts = cols[:, None] * K + (k_start + 32 * tl.arange(0, BLOCK_K // 32))[None, :]
-            words = sign_words_at(k0, k1, tensor_id, STREAM_SIGN, word_starts)  # [BLOCK_N, BLOCK_K // 32]
-            bits = (words[:, :, None] >> tl.arange(0, 32).to(tl.uint32)[None, None, :]) & 1
-            eps = 1.0 - 2.0 * tl.reshape(bits, (BLOCK_N, BLOCK_K)).to(tl.float32)
-        else:
-            eps = sign_at(k0, k1, tensor_id, STREAM_SIGN, cols[:, None] * K + ks[None, :])
-    else:
-        eps = normal_at(k0, k1, tensor_id, 0, cols[:, None] * K + ks[None, :])
-    return eps
-
-
-@triton.jit
+@triton.jit(do_not_specialize=["tensor_id", "rows_per_member"])
 def virtual_linear_kernel(
     x,
     weight,
     y,
     keys,
     scales,
-    tensor_id,
-    rows_per_member,
+    tensor_id: tl.uint32,
+    rows_per_member: tl.int32,
     K,
     N,
     stride_x,
@@ -60,11 +41,12 @@ def virtual_linear_kernel(
     stride_y,
     DTYPE: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
-    NOISE: tl.constexpr,
-    ROWS_WORD_ALIGNED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    K_MULTIPLE_OF_4: tl.constexpr,
+    NOISE: tl.constexpr,
+    ROWS_WORD_ALIGNED: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -88,7 +70,14 @@ def virtual_linear_kernel(
         )
         w_mask = col_ok[:, None] & k_ok[None, :]
         w = tl.load(weight + cols[:, None] * stride_w + ks[None, :], mask=w_mask, other=0.0).to(tl.float32)
-        eps = _noise_tile(k0, k1, tensor_id, cols, k_start, K, NOISE, ROWS_WORD_ALIGNED, BLOCK_N, BLOCK_K)
+        if NOISE == NOISE_RADEMACHER:
+            eps = _sign_noise(k0, k1, tensor_id, cols, k_start, K, ROWS_WORD_ALIGNED, BLOCK_N, BLOCK_K)
+        elif K_MULTIPLE_OF_4:  # a tile row is BLOCK_K // 4 whole Philox blocks: one block per 4 elements
+            blocks = (cols[:, None] * K + k_start) // 4 + tl.arange(0, BLOCK_K // 4)[None, :]
+            e0, e1, e2, e3 = normals4(*block_words(k0, k1, tensor_id, 0, blocks))
+            eps = tl.reshape(tl.join(tl.join(e0, e2), tl.join(e1, e3)), (BLOCK_N, BLOCK_K))
+        else:
+            eps = normal_at(k0, k1, tensor_id, 0, cols[:, None] * K + ks[None, :])
         # Round like a stored perturbed weight; masked lanes stay 0 so they add nothing.
         b = tl.where(w_mask, round_to(w + scale * eps, DTYPE).to(tl.float32), 0.0)
         if DOT_IN_FP32:  # fp32 weights (no tf32 shortcut), or the interpreter (its 16-bit dot is wrong)
@@ -97,6 +86,30 @@ def virtual_linear_kernel(
             acc += tl.dot(a, tl.trans(b.to(DTYPE)))
     out_mask = row_ok[:, None] & col_ok[None, :]
     tl.store(y + rows[:, None] * stride_y + cols[None, :], round_to(acc, DTYPE), mask=out_mask)
+
+
+@triton.jit
+def _sign_noise(
+    k0,
+    k1,
+    tensor_id,
+    cols,
+    k_start,
+    K,
+    ROWS_WORD_ALIGNED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Signs of weight elements [cols, k_start : k_start + BLOCK_K] (row-major index n * K + k), fp32."""
+    if ROWS_WORD_ALIGNED:  # K % 32 == 0: each row's 32 consecutive signs are one Philox word
+        word_starts = cols[:, None] * K + (k_start + 32 * tl.arange(0, BLOCK_K // 32))[None, :]
+        words = sign_words_at(k0, k1, tensor_id, STREAM_SIGN, word_starts)  # [BLOCK_N, BLOCK_K // 32]
+        bits = (words[:, :, None] >> tl.arange(0, 32).to(tl.uint32)[None, None, :]) & 1
+        eps = 1.0 - 2.0 * tl.reshape(bits, (BLOCK_N, BLOCK_K)).to(tl.float32)
+    else:
+        ks = (k_start + tl.arange(0, BLOCK_K)).to(tl.int64)
+        eps = sign_at(k0, k1, tensor_id, STREAM_SIGN, cols[:, None] * K + ks[None, :])
+    return eps
 
 
 def launch_virtual_linear(
@@ -108,7 +121,7 @@ def launch_virtual_linear(
     tensor_id: int,
     rows_per_member: int,
     dtype,
-    block_m: int = 32,
+    block_m: int | None = None,
     block_n: int = 32,
     block_k: int = 32,
     noise: str = "gaussian",
@@ -116,7 +129,12 @@ def launch_virtual_linear(
     """y = per-member perturbed x W^T; x [members * rows_per_member, K], weight [N, K], y [rows, N].
 
     `noise` is the distribution of eps ("gaussian" or "rademacher").
+
+    By default one M-tile covers all of a member's rows (up to 128), so each member's noise tile is
+    generated once rather than once per M-tile.
     """
+    if block_m is None:
+        block_m = min(128, max(16, triton.next_power_of_2(rows_per_member)))
     members = keys.shape[0]
     n_out, k_in = weight.shape
     grid = (triton.cdiv(rows_per_member, block_m), triton.cdiv(n_out, block_n), members)
@@ -135,9 +153,10 @@ def launch_virtual_linear(
         y.stride(0),
         DTYPE=dtype,
         DOT_IN_FP32=dtype == tl.float32 or os.environ.get("TRITON_INTERPRET") == "1",
-        NOISE=NOISE_CODES[noise],
-        ROWS_WORD_ALIGNED=k_in % 32 == 0 and block_k % 32 == 0,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        K_MULTIPLE_OF_4=k_in % 4 == 0,
+        NOISE=NOISE_CODES[noise],
+        ROWS_WORD_ALIGNED=k_in % 32 == 0 and block_k % 32 == 0,
     )
