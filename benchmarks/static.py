@@ -65,6 +65,15 @@ REPORT_LABELS = [
     "fill normal stream=0",
     "fill bits stream=0",
     "virtual_linear bf16 K=64 N=48",
+    # Sign (Rademacher) noise, docs/noise.md section 6a
+    "perturb fp32 sign",
+    "perturb bf16 sign",
+    "update fp32 apply sign",
+    "update bf16 apply sign",
+    "update bf16 stochastic sign",
+    "update bf16 gradient sign",
+    "fill sign stream=4",
+    "virtual_linear bf16 K=64 N=48 sign",
 ]
 UPDATE_DIRECTIONS = 15  # N = 30 members, antithetic
 

@@ -92,6 +92,7 @@ def runtime_launches() -> list[Launch]:
     from .virtual_linear import launch_virtual_linear
 
     block = 1024  # fastes.ops._BLOCK
+    sign_block = 2048  # fastes.ops._SIGN_BLOCK: sign noise runs on larger tiles
     dtypes = {
         "fp32": (torch.float32, tl.float32),
         "bf16": (torch.bfloat16, tl.bfloat16),
@@ -112,9 +113,20 @@ def runtime_launches() -> list[Launch]:
         for ids in id_sets:
             tensors = [torch.zeros(37, dtype=torch_dtype), torch.zeros(4096, dtype=torch_dtype)]
             tiles = build_tile_table(tensors, ids, block)
+            sign_tiles = build_tile_table(tensors, ids, sign_block)
             outputs = table.addresses([torch.empty_like(t) for t in tensors], torch.device("cpu"))
             for key in keys:
                 add(f"perturb {name}", launch_perturb, tiles, outputs, key, 1e-3, dtype)
+                add(
+                    f"perturb {name} sign",
+                    launch_perturb,
+                    sign_tiles,
+                    outputs,
+                    key,
+                    1e-3,
+                    dtype,
+                    "rademacher",
+                )
             modes = {"apply": MODE_APPLY, "gradient": MODE_GRADIENT}
             if name != "fp32":
                 modes["stochastic"] = MODE_APPLY_STOCHASTIC
@@ -124,11 +136,26 @@ def runtime_launches() -> list[Launch]:
                     weights = torch.linspace(-1, 1, directions)
                     grads = [torch.empty_like(t) for t in tensors] if mode == MODE_GRADIENT else None
                     for rounding in [(1, (1 << 32) - 1), (16, 1 << 31)]:
-                        add(
-                            f"update {name} {mode_name}",
-                            launch_update,
-                            *(tiles, grads, key_column, weights, 2e-3, 1.0, rounding, mode, dtype),
-                        )
+                        for noise, suffix, layout in (
+                            ("gaussian", "", tiles),
+                            ("rademacher", " sign", sign_tiles),
+                        ):
+                            add(
+                                f"update {name} {mode_name}{suffix}",
+                                launch_update,
+                                *(
+                                    layout,
+                                    grads,
+                                    key_column,
+                                    weights,
+                                    2e-3,
+                                    1.0,
+                                    rounding,
+                                    mode,
+                                    dtype,
+                                    noise,
+                                ),
+                            )
         for members, rows, n_in, n_out in [(2, 1, 64, 48), (4, 1, 64, 48), (3, 17, 64, 48), (2, 5, 40, 33)]:
             x = torch.zeros(members * rows, n_in, dtype=torch_dtype)
             weight = torch.zeros(n_out, n_in, dtype=torch_dtype)
@@ -136,11 +163,12 @@ def runtime_launches() -> list[Launch]:
             member_keys = torch.tensor(keys[:members] * 2, dtype=torch.int64)[:members]
             scales = torch.full((members,), 1e-3)
             for tid in EDGE_WORDS:
-                add(
-                    f"virtual_linear {name} K={n_in} N={n_out}",
-                    launch_virtual_linear,
-                    *(x, weight, y, member_keys, scales, tid, rows, dtype),
-                )
+                for noise, suffix in (("gaussian", ""), ("rademacher", " sign")):
+                    add(
+                        f"virtual_linear {name} K={n_in} N={n_out}{suffix}",
+                        launch_virtual_linear,
+                        *(x, weight, y, member_keys, scales, tid, rows, dtype, None, 32, 32, noise),
+                    )
     for raw_bits in (True, False):
         out = torch.empty(4099, dtype=torch.int64 if raw_bits else torch.float32)
         for key, tid, offset in [((1, 1), 1, 0), ((16, 1 << 31), (1 << 32) - 1, 16), ((0, 0), 16, 1 << 34)]:
@@ -150,6 +178,9 @@ def runtime_launches() -> list[Launch]:
                     launch_fill,
                     *(out[: 1 + offset % 4099], key, tid, offset, stream, raw_bits),
                 )
+    signs = torch.empty(4099, dtype=torch.float32)
+    for key, tid, offset in [((1, 1), 1, 0), ((16, 1 << 31), (1 << 32) - 1, 128), ((0, 0), 16, 1 << 34)]:
+        add("fill sign stream=4", launch_fill, signs, key, tid, offset, 4, False, 1024, "rademacher")
     return all_launches
 
 
