@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -70,7 +71,8 @@ class ES:
             -1 / (N sigma) sum_i w_i eps_i into .grad and lets that optimizer take the step.
         nonfinite: "error" (default) raises on NaN/inf rewards; "drop" leaves out the members with a
             non-finite reward (the whole pair when antithetic) and shapes the rest.
-        backend: "auto", "triton" or "torch" (see fastes.ops).
+        backend: "auto", "triton", "inductor" or "torch" (see fastes.ops); `state_dict` records the
+            one that ran, and resuming or replaying on another warns that weights differ at float tolerance.
         checksum_every: compare a checksum of the weights across processes every this many generations.
         timeout: seconds each cross-process collective (rewards, checksum) may wait for the other
             processes before raising; None (default) leaves it to the process group's own timeout.
@@ -214,7 +216,7 @@ class ES:
             )
         for p, destination, tid in zip(group["params"], destinations, group["ids"]):
             if self._is_lowrank(p):
-                lowrank.perturb(p, destination, tid, member.key, scale, self.rank)
+                lowrank.perturb(p, destination, tid, member.key, scale, self.rank, self.backend)
 
     def _apply(self, member: Member) -> None:
         if self._applied is not None:
@@ -360,16 +362,31 @@ class ES:
                 )
             for p, tid, grad in zip(params, group["ids"], grads):
                 if self._is_lowrank(p):
-                    lowrank.update(p, tid, keys, direction_weights, rank=self.rank, grad=grad, **options)
+                    lowrank.update(
+                        p,
+                        tid,
+                        keys,
+                        direction_weights,
+                        rank=self.rank,
+                        grad=grad,
+                        backend=self.backend,
+                        **options,
+                    )
         if self.inner is not None:
             self.inner.step()
             self.inner.zero_grad(set_to_none=True)
 
     # --- state ------------------------------------------------------------------------------------
 
+    @property
+    def resolved_backend(self) -> str:
+        """The backend that computes this ES's noise here: "triton", "inductor" or "torch"."""
+        return ops.resolve_backend(self.param_groups[0]["params"], self.backend)
+
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue the run exactly (the weights themselves are the model's)."""
         return {
+            "backend": self.resolved_backend,
             "seed": self.seed,
             "generation": self.generation,
             "population": self.population,
@@ -394,6 +411,7 @@ class ES:
             )
         if (state["inner_optimizer"] is None) != (self.inner is None):
             raise ValueError("ES state and this ES disagree on gradient mode (inner_optimizer)")
+        warn_if_other_backend(state, self.resolved_backend, "resuming")
         for key in (
             "seed",
             "population",
@@ -492,9 +510,23 @@ def replay(
         backend=backend,
         checksum_every=0,
     )
+    warn_if_other_backend(state, es.resolved_backend, "replaying")
     for record in state["history"]:
         es.generation = record["generation"]
         es._update(record["weights"], n_members=record["members"])
+
+
+def warn_if_other_backend(state: dict[str, Any], backend: str, doing: str) -> None:
+    """Warn when `state` was produced on another backend: the noise agrees only to float tolerance."""
+    saved = state.get("backend")  # states saved before backends were recorded have none
+    if saved is not None and saved != backend:
+        warnings.warn(
+            f"{doing} an ES run recorded on backend {saved!r} with backend {backend!r}: the weights will "
+            "differ from the original run's at float tolerance (normals differ by ~1e-6 between backends; "
+            f"raw Philox words are identical). Pass backend={saved!r} to reproduce it bit for bit.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def linear_weights(

@@ -15,35 +15,42 @@ from collections.abc import Sequence
 
 import torch
 
-from . import noise
+from . import noise, ops
 
 Key = tuple[int, int]
 
 
 def factors(
-    key: Key, tensor_id: int, shape: torch.Size, rank: int, device: torch.device
+    key: Key, tensor_id: int, shape: torch.Size, rank: int, device: torch.device, backend: str = "auto"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(A [out, r], B [in, r]) fp32 factors of member `key`'s noise for a weight of `shape`."""
     out_features, in_features = shape
-    a = noise.normal(key, tensor_id, out_features * rank, stream=noise.STREAM_LOWRANK_A, device=device)
-    b = noise.normal(key, tensor_id, in_features * rank, stream=noise.STREAM_LOWRANK_B, device=device)
+    options = {"device": device, "backend": backend}
+    a = ops.normal(key, tensor_id, out_features * rank, stream=noise.STREAM_LOWRANK_A, **options)
+    b = ops.normal(key, tensor_id, in_features * rank, stream=noise.STREAM_LOWRANK_B, **options)
     return a.view(out_features, rank), b.view(in_features, rank)
 
 
 def noise_matrix(
-    key: Key, tensor_id: int, shape: torch.Size, rank: int, device: torch.device
+    key: Key, tensor_id: int, shape: torch.Size, rank: int, device: torch.device, backend: str = "auto"
 ) -> torch.Tensor:
     """eps = A B^T / sqrt(r), materialised (fp32): entries have unit variance, like full-rank noise."""
-    a, b = factors(key, tensor_id, shape, rank, device)
+    a, b = factors(key, tensor_id, shape, rank, device, backend)
     return a @ b.T / math.sqrt(rank)
 
 
 @torch.no_grad()
 def perturb(
-    source: torch.Tensor, destination: torch.Tensor, tensor_id: int, key: Key, scale: float, rank: int
+    source: torch.Tensor,
+    destination: torch.Tensor,
+    tensor_id: int,
+    key: Key,
+    scale: float,
+    rank: int,
+    backend: str = "auto",
 ) -> None:
     """destination = source + scale * A B^T / sqrt(r), rounded to the weight's dtype."""
-    eps = noise_matrix(key, tensor_id, source.shape, rank, source.device)
+    eps = noise_matrix(key, tensor_id, source.shape, rank, source.device, backend)
     destination.copy_((source.to(torch.float32) + scale * eps).to(source.dtype))
 
 
@@ -59,13 +66,15 @@ def update(
     rank: int,
     rounding_key: Key | None = None,
     grad: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> None:
     """theta = theta * decay + coef * sum_j w_j A_j B_j^T / sqrt(r), as one [out, P r] x [P r, in] GEMM.
 
     With `grad`, coef * sum is written there instead; `rounding_key` rounds 16-bit results
-    stochastically (uniforms from the rounding stream, as the full-rank update).
+    stochastically (uniforms from the rounding stream, as the full-rank update). The factors come from
+    `backend` (fastes.ops); the uniforms are exact on every backend, so the reference computes them.
     """
-    pairs = [factors(key, tensor_id, param.shape, rank, param.device) for key in keys]
+    pairs = [factors(key, tensor_id, param.shape, rank, param.device, backend) for key in keys]
     scale = torch.tensor(list(weights), dtype=torch.float32, device=param.device).repeat_interleave(rank)
     a_all = torch.cat([a for a, _ in pairs], dim=1) * scale  # [out, P r], column j*r+i scaled by w_j
     b_all = torch.cat([b for _, b in pairs], dim=1)  # [in, P r]
