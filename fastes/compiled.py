@@ -10,10 +10,10 @@ How it stays fast:
 - Philox runs on int32 lanes. AVX2 has no 64-bit multiply, so the reference's int64 products would be
   emulated one lane at a time; here each 32 x 32 -> 64-bit product is assembled from 16-bit halves in
   int32 arithmetic that wraps modulo 2^32 (native 8-lane multiplies).
-- One compiled graph per output kind (normals, raw words), always on a chunk of CHUNK elements: the
-  counters (block index words and tensor id of every Philox block), the stream and the round keys are
-  tensor inputs, so new keys, tensors and tensor sizes reuse the compiled code. Small tensors share a
-  chunk; a partly used chunk computes a few unused lanes.
+- One compiled graph (normals, or raw words for the rounding stream), always on a chunk of CHUNK
+  elements: the counters (block index words and tensor id of every Philox block), the stream and the
+  round keys are tensor inputs, so new keys, tensors and tensor sizes reuse the compiled code. Small
+  tensors share a chunk; a partly used chunk computes a few unused lanes.
 - The consumers (perturb, update, fill) run per chunk on chunk-sized slices: the weights are read and
   written once, and no temporary is larger than a chunk.
 - inductor writes the thread count (torch.get_num_threads()) into the code; torch.compile guards on it,
@@ -95,11 +95,9 @@ def _chunk(counters: torch.Tensor, stream: torch.Tensor, round_keys: torch.Tenso
     a01 = noise.TWO_PI * _uniform(x1)
     r23 = torch.sqrt(-2.0 * torch.log(_uniform(x2)))
     a23 = noise.TWO_PI * _uniform(x3)
-    normals = torch.stack(
-        (r01 * torch.cos(a01), r01 * torch.sin(a01), r23 * torch.cos(a23), r23 * torch.sin(a23)), dim=1
-    )
-    bits = torch.stack((x0, x1, x2, x3), dim=1).view(torch.float32)
-    return torch.where(raw, bits, normals).reshape(-1)
+    normals = (r01 * torch.cos(a01), r01 * torch.sin(a01), r23 * torch.cos(a23), r23 * torch.sin(a23))
+    lanes = [torch.where(raw, x.view(torch.float32), z) for x, z in zip((x0, x1, x2, x3), normals)]
+    return torch.stack(lanes, dim=1).reshape(-1)
 
 
 def round_keys(key: Key) -> torch.Tensor:
@@ -159,6 +157,7 @@ class CompileUnavailable(RuntimeError):
 
 _ran = False  # the compiled graph has run in this process
 _RAW = {False: torch.tensor(False), True: torch.tensor(True)}
+_STREAMS = [torch.tensor(stream, dtype=torch.int32) for stream in range(4)]
 
 
 @torch.no_grad()
@@ -202,14 +201,18 @@ class _Piece:
     counters: torch.Tensor | None
 
 
+_BLOCK_INDEX = torch.arange(BLOCKS, dtype=torch.int64)
+
+
 def _counters(parts: Sequence[tuple[int, int, int, int]], tensor_ids: Sequence[int]) -> torch.Tensor:
+    """The [3, BLOCKS] int32 counter input of a chunk: block index low and high words, tensor id."""
     words = torch.zeros(3, BLOCKS, dtype=torch.int64)
     for index, start, n, lane in parts:
-        first = lane // 4
-        blocks = start // 4 + torch.arange((n + 3) // 4, dtype=torch.int64)
-        words[0, first : first + blocks.numel()] = blocks & noise.MASK32
-        words[1, first : first + blocks.numel()] = blocks >> 32
-        words[2, first : first + blocks.numel()] = tensor_ids[index]
+        first, count = lane // 4, (n + 3) // 4
+        blocks = _BLOCK_INDEX[:count] + start // 4
+        words[0, first : first + count] = blocks & noise.MASK32
+        words[1, first : first + count] = blocks >> 32
+        words[2, first : first + count] = tensor_ids[index]
     return words.to(torch.int32)  # uint32 values -> their int32 bit patterns (conversion wraps)
 
 
