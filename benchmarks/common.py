@@ -110,8 +110,15 @@ def environment(ctx: Context) -> dict:
         "cuda": torch.version.cuda if ctx.device.type == "cuda" else None,
         "dtype": str(ctx.dtype).replace("torch.", ""),
         "backend": ctx.backend,
+        "resolved_backend": _resolved_backend(ctx),
         "quick": ctx.quick,
     }
+
+
+def _resolved_backend(ctx: Context) -> str:
+    from fastes import ops
+
+    return ops.resolve_backend([torch.empty(0, device=ctx.device)], ctx.backend)
 
 
 # ---------------------------------------------------------------------------------------------------

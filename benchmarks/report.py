@@ -9,6 +9,19 @@ from pathlib import Path
 # (suite, name, record field, comparison, threshold, device kinds, which records): the project's targets.
 # They are measured and reported, never asserted.
 TARGETS = [
+    ("step", "ES step (12.6M fp32, N=30) vs naive", "speedup_vs_naive", ">=", 3.0, ("cpu",), None),
+    ("step", "member perturb+restore vs naive", "member_speedup_vs_naive", ">=", 3.0, ("cpu",), None),
+    ("step", "update at N=30 vs naive N-pass", "update_speedup_vs_naive", ">=", 5.0, ("cpu",), None),
+    (
+        "step",
+        "ES step peak memory beyond weights / evolved bytes",
+        "peak_over_evolved",
+        "<=",
+        1.3,
+        ("cpu",),
+        None,
+    ),
+    ("noise", "normals per second vs torch.randn", "ratio_vs_randn", ">=", 1.0, ("cpu",), None),
     ("perturb", "perturb+restore vs naive", "speedup_vs_naive", ">=", 3.0, ("cpu",), None),
     ("update", "fused update at N=30 vs naive", "speedup_vs_naive", ">=", 5.0, ("cpu",), 30),
     ("iteration", "whole ES iteration vs naive loop", "speedup_vs_naive", ">=", 5.0, ("cpu", "gpu"), None),
@@ -113,7 +126,8 @@ def markdown(data: dict, plot_name: str | None) -> str:
         f"- torch {env['torch']}, triton {env['triton']}, transformers {env['transformers']}, "
         f"python {env['python']}" + (f", CUDA {env['cuda']}" if env["cuda"] else ""),
         f"- dtype {env['dtype']}, fastes backend {env['backend']} "
-        f"({'Triton kernels' if env['device_kind'] == 'gpu' else 'torch reference'} on this device)",
+        f"({env.get('resolved_backend', 'triton' if env['device_kind'] == 'gpu' else 'torch')} "
+        "on this device)",
         "- every ratio compares variants timed in the same run, interleaved round by round (median of "
         "rounds); ratios > 1 mean fastes is faster",
         "",
@@ -121,6 +135,7 @@ def markdown(data: dict, plot_name: str | None) -> str:
         "",
         *_targets_md(data["targets"]),
     ]
+    lines += _step_md(results.get("step", []))
     if results.get("noise"):
         rows = [
             [
@@ -129,11 +144,14 @@ def markdown(data: dict, plot_name: str | None) -> str:
                 _si(r["fastes_normals_per_s"], "/s"),
                 _si(r["randn_normals_per_s"], "/s"),
                 f"{r['ratio_vs_randn']:.3f}x",
+                _si(r["reference_normals_per_s"], "/s") if "reference_normals_per_s" in r else "-",
             ]
             for r in results["noise"]
         ]
         lines += ["## Noise generation (normals per second)", ""]
-        lines += _table(["model", "normals", "fastes", "torch.randn", "fastes / randn"], rows)
+        lines += _table(
+            ["model", "normals", "fastes", "torch.randn", "fastes / randn", "eager reference"], rows
+        )
     if results.get("perturb"):
         rows = []
         for r in results["perturb"]:
@@ -322,6 +340,52 @@ def markdown(data: dict, plot_name: str | None) -> str:
     if notes:
         lines += ["## Notes", "", *[f"- {n}" for n in notes], ""]
     return "\n".join(lines)
+
+
+def _step_md(records: list[dict]) -> list[str]:
+    lines = []
+    for r in records:
+        lines += [
+            f"## ES step on bare weights ({r['model']}, {_si(r['evolved_elements'])} fp32, "
+            f"N={r['population']}, backend {r['backend']})",
+            "",
+            "step = one `fastes.ES.step` (antithetic: N/2 directions; not-antithetic: N); member = one "
+            "`with member:` (out-of-place perturb + pointer swap back), member-reference the same on the "
+            "eager reference; update = `fastes.ops.es_update` over N directions. naive-* = seeded "
+            "torch.Generator + randn per tensor, restore by subtraction, N-pass update.",
+            "",
+        ]
+        pairs = [
+            ("step", "naive-step"),
+            ("step-not-antithetic", "naive-step"),
+            ("member", "naive-member"),
+            ("member-reference", "naive-member"),
+            ("update", "naive-update"),
+        ]
+        rows = [
+            [
+                name,
+                _ms(r[name.replace("-", "_")]["median_s"]),
+                _ms(r[base.replace("-", "_")]["median_s"]),
+                ratio_text(r[base.replace("-", "_")]["median_s"], r[name.replace("-", "_")]["median_s"]),
+            ]
+            for name, base in pairs
+        ]
+        lines += _table(["fastes", "time", "naive", "naive time / fastes time"], rows)
+        memory = r["memory"]
+        lines += [
+            f"Peak RSS of one step beyond the weights (fresh process, after compiling): "
+            f"{_mib(memory['increment_bytes'])} = {r['peak_over_evolved']:.2f}x the evolved "
+            f"{_mib(memory['evolved_bytes'])} (the work buffer alone is 1x).",
+            "",
+        ]
+        if "compile_cold_s" in r:
+            lines += [
+                f"First compiled call in a fresh process: {r['compile_cold_s']:.1f} s with an empty inductor "
+                f"cache, {r['compile_warm_s']:.1f} s with the cache it left (imports excluded).",
+                "",
+            ]
+    return lines
 
 
 def ratio_text(baseline: float, value: float) -> str:

@@ -26,6 +26,7 @@ from fastes.tasks import get_task
 
 from . import naive
 from .common import BenchModel, Context, load_bench_model, measure, ratio
+from .step import run_step
 
 SIGMA = 1e-3  # the ES-at-scale setting; the value does not change any cost
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -83,11 +84,10 @@ def make_plan(ctx: Context) -> Plan:
             iteration_rounds=3,
             min_sample_s=0.05,
         )
-    # CPU: the torch reference generates Philox normals at a few million per second, so the 25M model's
-    # fused update alone takes tens of seconds: it is measured at N = 8 only, once.
+    # CPU: the 25M model's calls take seconds each (the naive N = 30 update ~10 s): one round each.
     return Plan(
         models=("tiny", "synthetic-25m"),
-        update_ns={"tiny": (8, 30, 128), "synthetic-25m": (8,)},
+        update_ns={"tiny": (8, 30, 128), "synthetic-25m": (8, 30)},
         iteration=default,
         memory=(
             ("tiny", default),
@@ -122,8 +122,13 @@ def _rounds(plan: Plan, model: str) -> tuple[int, int]:
 # ---------------------------------------------------------------------------------------------------
 
 
-def noise_variants(numel: int, device: torch.device) -> dict[str, Callable[[], object]]:
-    """fastes normals (reference on CPU, the Triton fill kernel on CUDA) vs torch.randn, same size."""
+def noise_variants(
+    numel: int, device: torch.device, backend: str = "auto"
+) -> dict[str, Callable[[], object]]:
+    """fastes normals (compiled CPU backend on CPU, the Triton fill kernel on CUDA) vs torch.randn.
+
+    On CPU the eager reference is timed too: it was the CPU engine before the compiled backend.
+    """
     key = noise.member_key(0, 0, 0)
     tid = noise.tensor_id("bench.noise")
     if device.type == "cuda":
@@ -136,7 +141,8 @@ def noise_variants(numel: int, device: torch.device) -> dict[str, Callable[[], o
             "torch.randn": lambda: torch.randn(numel, out=ref),
         }
     return {
-        "fastes": lambda: noise.normal(key, tid, numel, device=device),
+        "fastes": lambda: ops.normal(key, tid, numel, device=device, backend=backend),
+        "reference": lambda: noise.normal(key, tid, numel, device=device),
         "torch.randn": lambda: torch.randn(numel, device=device),
     }
 
@@ -147,7 +153,7 @@ def run_noise(ctx: Context, plan: Plan, models: dict[str, BenchModel]) -> list[d
         numel = bench.numel  # as many normals as one member's perturbation needs
         rounds, warmup = _rounds(plan, name)
         t = measure(
-            noise_variants(numel, ctx.device),
+            noise_variants(numel, ctx.device, ctx.backend),
             ctx.device,
             rounds=rounds,
             warmup=warmup,
@@ -164,6 +170,9 @@ def run_noise(ctx: Context, plan: Plan, models: dict[str, BenchModel]) -> list[d
                 "ratio_vs_randn": ratio(t["torch.randn"].median, t["fastes"].median),
             }
         )
+        if "reference" in t:
+            records[-1]["reference"] = t["reference"].as_dict()
+            records[-1]["reference_normals_per_s"] = numel / t["reference"].median
         ctx.log(f"noise    {name:14s} fastes/randn throughput {records[-1]['ratio_vs_randn']:.3f}")
     return records
 
@@ -549,6 +558,7 @@ def run_memory(ctx: Context, plan: Plan, models: dict[str, BenchModel]) -> list[
 
 SUITES: dict[str, Callable[[Context, Plan, dict[str, BenchModel]], list[dict]]] = {
     "noise": run_noise,
+    "step": run_step,
     "perturb": run_perturb,
     "update": run_update,
     "iteration": run_iteration,

@@ -150,7 +150,9 @@ def _population_layers(es: ES, group: dict, members: list[Member], linears: list
             LowRankLinear(
                 linear,
                 [
-                    lowrank.factors(m.key, tid, linear.weight.shape, es.rank, linear.weight.device, es.noise)
+                    lowrank.factors(
+                        m.key, tid, linear.weight.shape, es.rank, linear.weight.device, es.noise, es.backend
+                    )
                     for m in members
                 ],
                 scales,

@@ -190,7 +190,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for key in ("eval_every", "checkpoint_every", "threads"):
         _require(getattr(cfg, key) >= 0, key, f"must be >= 0 (0 = never), got {getattr(cfg, key)}")
     _require(cfg.dtype in ("float32", "bfloat16", "float16"), "dtype", "choose float32, bfloat16 or float16")
-    _require(cfg.backend in ("auto", "triton", "torch"), "backend", "choose auto, triton or torch")
+    _require(
+        cfg.backend in ("auto", "triton", "inductor", "torch"),
+        "backend",
+        "choose auto, triton, inductor or torch",
+    )
     _require(math.isfinite(cfg.format_weight) and cfg.format_weight >= 0, "format_weight", "must be >= 0")
     es = cfg.es
     _require(es.iterations >= 0, "es.iterations", f"must be >= 0, got {es.iterations}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -71,7 +72,8 @@ class ES:
             -1 / (N sigma) sum_i w_i eps_i into .grad and lets that optimizer take the step.
         nonfinite: "error" (default) raises on NaN/inf rewards; "drop" leaves out the members with a
             non-finite reward (the whole pair when antithetic) and shapes the rest.
-        backend: "auto", "triton" or "torch" (see fastes.ops).
+        backend: "auto", "triton", "inductor" or "torch" (see fastes.ops); `state_dict` records the
+            one that ran, and resuming or replaying on another warns that weights differ at float tolerance.
         checksum_every: compare a checksum of the weights across processes every this many generations.
         timeout: seconds each cross-process collective (rewards, checksum) may wait for the other
             processes before raising; None (default) leaves it to the process group's own timeout.
@@ -223,7 +225,7 @@ class ES:
             )
         for p, destination, tid in zip(group["params"], destinations, group["ids"]):
             if self._is_lowrank(p):
-                lowrank.perturb(p, destination, tid, member.key, scale, self.rank, self.noise)
+                lowrank.perturb(p, destination, tid, member.key, scale, self.rank, self.noise, self.backend)
 
     def _apply(self, member: Member) -> None:
         if self._applied is not None:
@@ -378,6 +380,7 @@ class ES:
                         rank=self.rank,
                         grad=grad,
                         noise_kind=self.noise,
+                        backend=self.backend,
                         **options,
                     )
         if self.inner is not None:
@@ -386,9 +389,15 @@ class ES:
 
     # --- state ------------------------------------------------------------------------------------
 
+    @property
+    def resolved_backend(self) -> str:
+        """The backend that computes this ES's noise here: "triton", "inductor" or "torch"."""
+        return ops.resolve_backend(self.param_groups[0]["params"], self.backend)
+
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue the run exactly (the weights themselves are the model's)."""
         return {
+            "backend": self.resolved_backend,
             "seed": self.seed,
             "generation": self.generation,
             "population": self.population,
@@ -420,6 +429,7 @@ class ES:
                 f"ES state was saved with noise={saved_noise!r} but this ES uses noise={self.noise!r}; "
                 f"the run's weights came from {saved_noise} noise, so build the ES with noise={saved_noise!r}"
             )
+        warn_if_other_backend(state, self.resolved_backend, "resuming")
         for key in (
             "seed",
             "population",
@@ -519,9 +529,23 @@ def replay(
         backend=backend,
         checksum_every=0,
     )
+    warn_if_other_backend(state, es.resolved_backend, "replaying")
     for record in state["history"]:
         es.generation = record["generation"]
         es._update(record["weights"], n_members=record["members"])
+
+
+def warn_if_other_backend(state: dict[str, Any], backend: str, doing: str) -> None:
+    """Warn when `state` was produced on another backend: the noise agrees only to float tolerance."""
+    saved = state.get("backend")  # states saved before backends were recorded have none
+    if saved is not None and saved != backend:
+        warnings.warn(
+            f"{doing} an ES run recorded on backend {saved!r} with backend {backend!r}: the weights will "
+            "differ from the original run's at float tolerance (normals differ by ~1e-6 between backends; "
+            f"raw Philox words are identical). Pass backend={saved!r} to reproduce it bit for bit.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def linear_weights(

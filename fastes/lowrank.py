@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import noise
+from . import noise, ops
 
 Key = tuple[int, int]
 
@@ -27,6 +27,7 @@ def factors(
     rank: int,
     device: torch.device,
     noise_kind: str = "gaussian",
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(A [out, r], B [in, r]) fp32 factors of member `key`'s noise for a weight of `shape`.
 
@@ -34,20 +35,28 @@ def factors(
     5 and 6, so that their product has entries in {-r, ..., r} / sqrt(r), again of unit variance.
     """
     out_features, in_features = shape
-    if noise.check_noise(noise_kind) == "rademacher":
-        draw, streams = noise.rademacher, (noise.STREAM_LOWRANK_SIGN_A, noise.STREAM_LOWRANK_SIGN_B)
+    if noise.check_noise(noise_kind) == "rademacher":  # signs cost nothing to make: the reference
+        streams = (noise.STREAM_LOWRANK_SIGN_A, noise.STREAM_LOWRANK_SIGN_B)
+        a = noise.rademacher(key, tensor_id, out_features * rank, stream=streams[0], device=device)
+        b = noise.rademacher(key, tensor_id, in_features * rank, stream=streams[1], device=device)
     else:
-        draw, streams = noise.normal, (noise.STREAM_LOWRANK_A, noise.STREAM_LOWRANK_B)
-    a = draw(key, tensor_id, out_features * rank, stream=streams[0], device=device)
-    b = draw(key, tensor_id, in_features * rank, stream=streams[1], device=device)
+        options = {"device": device, "backend": backend}
+        a = ops.normal(key, tensor_id, out_features * rank, stream=noise.STREAM_LOWRANK_A, **options)
+        b = ops.normal(key, tensor_id, in_features * rank, stream=noise.STREAM_LOWRANK_B, **options)
     return a.view(out_features, rank), b.view(in_features, rank)
 
 
 def noise_matrix(
-    key: Key, tensor_id: int, shape: torch.Size, rank: int, device: torch.device, noise_kind: str = "gaussian"
+    key: Key,
+    tensor_id: int,
+    shape: torch.Size,
+    rank: int,
+    device: torch.device,
+    noise_kind: str = "gaussian",
+    backend: str = "auto",
 ) -> torch.Tensor:
     """eps = A B^T / sqrt(r), materialised (fp32): entries have unit variance, like full-rank noise."""
-    a, b = factors(key, tensor_id, shape, rank, device, noise_kind)
+    a, b = factors(key, tensor_id, shape, rank, device, noise_kind, backend)
     return a @ b.T / math.sqrt(rank)
 
 
@@ -60,9 +69,10 @@ def perturb(
     scale: float,
     rank: int,
     noise_kind: str = "gaussian",
+    backend: str = "auto",
 ) -> None:
     """destination = source + scale * A B^T / sqrt(r), rounded to the weight's dtype."""
-    eps = noise_matrix(key, tensor_id, source.shape, rank, source.device, noise_kind)
+    eps = noise_matrix(key, tensor_id, source.shape, rank, source.device, noise_kind, backend)
     destination.copy_((source.to(torch.float32) + scale * eps).to(source.dtype))
 
 
@@ -79,13 +89,15 @@ def update(
     rounding_key: Key | None = None,
     grad: torch.Tensor | None = None,
     noise_kind: str = "gaussian",
+    backend: str = "auto",
 ) -> None:
     """theta = theta * decay + coef * sum_j w_j A_j B_j^T / sqrt(r), as one [out, P r] x [P r, in] GEMM.
 
     With `grad`, coef * sum is written there instead; `rounding_key` rounds 16-bit results
-    stochastically (uniforms from the rounding stream, as the full-rank update).
+    stochastically (uniforms from the rounding stream, as the full-rank update). The factors come from
+    `backend` (fastes.ops); the uniforms are exact on every backend, so the reference computes them.
     """
-    pairs = [factors(key, tensor_id, param.shape, rank, param.device, noise_kind) for key in keys]
+    pairs = [factors(key, tensor_id, param.shape, rank, param.device, noise_kind, backend) for key in keys]
     scale = torch.tensor(list(weights), dtype=torch.float32, device=param.device).repeat_interleave(rank)
     a_all = torch.cat([a for a, _ in pairs], dim=1) * scale  # [out, P r], column j*r+i scaled by w_j
     b_all = torch.cat([b for _, b in pairs], dim=1)  # [in, P r]

@@ -1,10 +1,14 @@
-"""Perturb and update many tensors at once, on the Triton kernels or on the torch reference.
+"""Perturb and update many tensors at once, on the Triton kernels, compiled CPU code or the torch reference.
 
-`perturb` and `es_update` are the two operations ES needs. Each has a plain torch reference
-(`perturb_reference`, `es_update_reference`) that a reader can compare line by line with the kernels in
-`fastes.kernels`; both produce the same noise (`fastes.noise`). Dispatch: CUDA tensors use the compiled
-kernels, everything else the reference; `backend="triton"` or `"torch"` (or the FASTES_BACKEND
-environment variable) forces one, e.g. to run the kernels under TRITON_INTERPRET=1 on CPU in tests.
+`perturb` and `es_update` are the two operations ES needs, `normal` the noise fill. Each has a plain
+torch reference (`perturb_reference`, `es_update_reference`, `fastes.noise.normal`) that a reader can
+compare line by line with the Triton kernels in `fastes.kernels` and the compiled CPU backend in
+`fastes.compiled`; all produce the same noise (`fastes.noise`).
+
+Backends: "triton" (CUDA tensors; or CPU tensors under TRITON_INTERPRET=1 in tests), "inductor" (CPU
+tensors: the same contract compiled by torch.compile), "torch" (the eager reference, any device).
+"auto" (default, or the FASTES_BACKEND environment variable) picks triton on CUDA, inductor on CPU
+(the reference where no C++ compiler is available, after one warning) and the reference elsewhere.
 """
 
 from __future__ import annotations
@@ -17,10 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from . import noise
+from . import compiled, noise
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = ("auto", "triton", "inductor", "torch")
 _REFERENCE_CHUNK = 1 << 18  # elements per reference pass: int64 temporaries of 2 MB stay in cache
 _CACHED_PLAN_ELEMENTS = 1 << 22  # larger layouts rebuild their counters per call rather than hold them
 _BLOCK = 1024  # elements per Triton program (a multiple of 4: whole Philox blocks)
@@ -58,18 +62,29 @@ def check_tensors(tensors: Sequence[torch.Tensor], tensor_ids: Sequence[int], wh
 
 
 def resolve_backend(tensors: Sequence[torch.Tensor], backend: str = "auto") -> str:
-    """ "triton" or "torch" for these tensors; "auto" (default, or FASTES_BACKEND) picks by device."""
+    """The backend that runs for these tensors: "triton", "inductor" or "torch" (see the module doc)."""
     if backend == "auto":
         backend = os.environ.get("FASTES_BACKEND", "auto")
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
+    device = tensors[0].device
     if backend == "auto":
-        return "triton" if tensors[0].is_cuda and _triton_available() else "torch"
-    if backend == "triton" and not tensors[0].is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        if device.type == "cuda" and _triton_available():
+            return "triton"
+        backend = "inductor" if device.type == "cpu" else "torch"
+    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError(
             "backend 'triton' on CPU tensors needs the Triton interpreter: set "
             "TRITON_INTERPRET=1 before triton is imported, or use backend='torch'"
         )
+    if backend == "inductor":
+        if device.type != "cpu":
+            raise ValueError(
+                f"backend 'inductor' is the compiled CPU backend, but the tensors are on {device}; "
+                "use backend='auto' (Triton on CUDA) or 'torch'"
+            )
+        if not compiled.available():  # warned once: no C++ compiler, or compiling failed
+            return "torch"
     return backend
 
 
@@ -294,7 +309,14 @@ def perturb(
         )
     if not math.isfinite(scale):
         raise ValueError(f"perturb: scale must be finite, got {scale}")
-    if resolve_backend(sources, backend) == "torch":
+    chosen = resolve_backend(sources, backend)
+    if chosen == "inductor":
+        try:
+            compiled.perturb(sources, destinations, tensor_ids, key, scale, noise_kind)
+            return
+        except compiled.CompileUnavailable:  # warned; nothing was written
+            chosen = "torch"
+    if chosen == "torch":
         perturb_reference(sources, destinations, tensor_ids, key, scale, noise_kind)
         return
     from .kernels import launch_perturb
@@ -347,18 +369,22 @@ def es_update(
         raise ValueError(
             "es_update: need one grad per parameter, contiguous, with its parameter's shape, dtype and device"
         )
-    if resolve_backend(params, backend) == "torch":
-        es_update_reference(
-            params,
-            tensor_ids,
-            keys,
-            weights,
-            coef=coef,
-            decay=decay,
-            rounding_key=rounding_key,
-            grads=grads,
-            noise_kind=noise_kind,
-        )
+    chosen = resolve_backend(params, backend)
+    options = {
+        "coef": coef,
+        "decay": decay,
+        "rounding_key": rounding_key,
+        "grads": grads,
+        "noise_kind": noise_kind,
+    }
+    if chosen == "inductor":
+        try:
+            compiled.es_update(params, tensor_ids, keys, weights, **options)
+            return
+        except compiled.CompileUnavailable:  # warned; nothing was written
+            chosen = "torch"
+    if chosen == "torch":
+        es_update_reference(params, tensor_ids, keys, weights, **options)
         return
     from .kernels import MODE_APPLY, MODE_APPLY_STOCHASTIC, MODE_GRADIENT, launch_update
 
@@ -385,3 +411,33 @@ def es_update(
             triton_dtype(dtype),
             noise_kind,
         )
+
+
+def normal(
+    key: Key,
+    tensor_id: int,
+    numel: int,
+    *,
+    offset: int = 0,
+    stream: int = noise.STREAM_NOISE,
+    device: torch.device | str = "cpu",
+    backend: str = "auto",
+) -> torch.Tensor:
+    """fp32 normals eps[offset : offset + numel] of `tensor_id` under `key` on `device` (the noise fill).
+
+    The same values as `fastes.noise.normal` (to float tolerance), from the backend chosen for `device`.
+    """
+    chosen = resolve_backend([torch.empty(0, device=device)], backend)
+    if chosen == "inductor":
+        try:
+            return compiled.normal(key, tensor_id, numel, offset=offset, stream=stream)
+        except compiled.CompileUnavailable:
+            chosen = "torch"
+    if chosen == "triton" and offset % 4 == 0:
+        from .kernels import launch_fill
+
+        out = torch.empty(numel, dtype=torch.float32, device=device)
+        if numel:
+            launch_fill(out, key, tensor_id, offset, stream, False)
+        return out
+    return noise.normal(key, tensor_id, numel, offset=offset, stream=stream, device=device)

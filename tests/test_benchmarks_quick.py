@@ -32,6 +32,12 @@ def test_every_suite_reports_positive_ratios(quick):
     assert all(results[s] for s in SUITES), "every suite has at least one record"
     for r in results["noise"]:
         assert positive(r["ratio_vs_randn"]) and positive(r["fastes_normals_per_s"])
+        assert positive(r["reference_normals_per_s"])  # the eager reference, timed beside it on CPU
+    (step,) = results["step"]
+    assert step["backend"] == "inductor" and step["population"] == 4
+    for key in ("speedup_vs_naive", "member_speedup_vs_naive", "update_speedup_vs_naive"):
+        assert positive(step[key])
+    assert step["memory"]["increment_bytes"] >= 0 and step["memory"]["evolved_bytes"] == 3 * 64 * 64 * 4
     for r in results["perturb"]:
         assert positive(r["speedup_vs_naive"]) and positive(r["fraction_of_copy_bandwidth"])
         assert r["fastes_exact"] is True  # the pointer swap restores bit for bit, by construction
@@ -49,6 +55,9 @@ def test_targets_are_judged_not_asserted(quick):
     data, _, _ = quick
     targets = data["targets"]
     assert {t["target"] for t in targets} >= {
+        "ES step (12.6M fp32, N=30) vs naive",
+        "member perturb+restore vs naive",
+        "normals per second vs torch.randn",
         "perturb+restore vs naive",
         "fused update at N=30 vs naive",
         "whole ES iteration vs naive loop",
@@ -67,4 +76,5 @@ def test_files_written(quick):
     assert paths["latest"].name == "latest-cpu-quick.md"
     text = paths["md"].read_text()
     assert "## Targets" in text and ("**hit**" in text or "**miss**" in text)
+    assert "## ES step on bare weights" in text
     assert paths["png"].stat().st_size > 0 and paths["png"].parent == out

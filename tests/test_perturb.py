@@ -242,9 +242,10 @@ def test_unknown_backend_is_rejected(monkeypatch):
         ops.perturb(t, [torch.empty_like(t[0])], [1], (1, 2), 0.1)
 
 
-def test_auto_backend_uses_reference_on_cpu(monkeypatch):
+def test_auto_backend_compiles_on_cpu(monkeypatch):
     monkeypatch.delenv("FASTES_BACKEND", raising=False)
     t = [torch.zeros(8)]
-    assert ops.resolve_backend(t) == "torch"
+    assert ops.resolve_backend(t) == "inductor"  # a C++ compiler is part of the test environment
+    assert ops.resolve_backend(t, "torch") == "torch"
     monkeypatch.setenv("FASTES_BACKEND", "triton")
     assert ops.resolve_backend(t) == "triton"

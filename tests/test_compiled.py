@@ -1,0 +1,258 @@
+"""The compiled CPU backend (fastes.compiled, backend "inductor") against the eager reference.
+
+Raw Philox words and uniforms must be bit-identical; normals within the contract's 1e-6; perturb and
+update (every mode) within the dtype-aware tolerances of test_perturb / test_update. Also: chunking and
+packing never change a tensor's noise, many tensor sizes reuse the compiled code, and without a C++
+compiler the reference runs after one warning.
+"""
+
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from test_noise import PHILOX_KAT
+from test_perturb import assert_matches_reference
+from test_update import assert_close_to, magnitude_of
+
+import fastes
+from fastes import compiled, lowrank, noise, ops
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# Odd sizes, one spanning two chunks (its second chunk starts at element CHUNK).
+SHAPES = [(1,), (7,), (33, 5), (4097,), (compiled.CHUNK + 5,)]
+IDS = [noise.tensor_id(n) for n in ("emb", "q.weight", "mlp.weight", "lm_head.weight", "big.weight")]
+SEEDS = [0, 31337]
+
+
+def make_tensors(dtype, seed, shapes=SHAPES):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g).to(dtype) for s in shapes]
+
+
+def reference_words(key, tid, numel, offset, stream):
+    c0, c1, first, _ = noise._counter_words(numel, offset, "cpu")
+    words = torch.stack(noise.philox4x32(c0, c1, tid, stream, *key), dim=1).reshape(-1)
+    return words[offset - first : offset - first + numel]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The stream
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_philox_known_answers_bit_exact():
+    counters = torch.zeros(3, compiled.BLOCKS, dtype=torch.int64)
+    for (c0, c1, c2, c3), key, expected in PHILOX_KAT:
+        counters[:, 0] = torch.tensor([c0, c1, c2])
+        out = compiled._run("words", counters.to(torch.int32), c3, compiled.round_keys(key))
+        assert [w & 0xFFFFFFFF for w in out[:4].tolist()] == list(expected)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("stream", [noise.STREAM_NOISE, noise.STREAM_ROUNDING, noise.STREAM_LOWRANK_B])
+def test_raw_words_and_uniforms_bit_exact(seed, stream):
+    key = noise.member_key(seed, 7, 3)
+    # Offsets: unaligned, across the 2^32-block boundary (counter word 1 becomes non-zero), past 2^34.
+    for tid in (noise.tensor_id("a"), 0xFFFFFFFF):
+        for offset, numel in ((0, 9), (3, 70_001), (4 * (2**32 - 8) + 1, 100), (2**34 + 2, 37)):
+            words = compiled.words(key, tid, numel, offset=offset, stream=stream)
+            assert torch.equal(words, reference_words(key, tid, numel, offset, stream))
+            u = compiled.uniform(key, tid, numel, offset=offset, stream=stream)
+            assert torch.equal(u, noise.uniform(key, tid, numel, offset=offset, stream=stream))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("offset, numel", [(0, 1), (5, 4099), (0, 2 * 65536 + 3), (2**34 + 1, 1000)])
+def test_normals_within_contract_tolerance(seed, offset, numel):
+    key = noise.member_key(seed, 1, 2)
+    tid = noise.tensor_id("model.layers.0.mlp.up_proj.weight")
+    fast = compiled.normal(key, tid, numel, offset=offset)
+    ref = noise.normal(key, tid, numel, offset=offset)
+    assert fast.shape == ref.shape and fast.dtype == torch.float32
+    assert (fast - ref).abs().max().item() <= 1e-6
+
+
+def test_docs_test_vectors():
+    """docs/noise.md section 12: member_key(42, 0, 0), tensor model.layers.0.mlp.up_proj.weight."""
+    key, tid = noise.member_key(42, 0, 0), 0xB16528AF
+    words = compiled.words(key, tid, 4).tolist()
+    assert words == [0x827C992A, 0x1394FBFD, 0x285EB7F1, 0xB19010E4]
+    expected = torch.tensor([1.029431, 0.536736, -0.666893, -1.802619])
+    assert torch.allclose(compiled.normal(key, tid, 4), expected, atol=2e-6)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Perturb and update
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_perturb_matches_reference(dtype, seed):
+    key, scale = noise.member_key(seed, 3, 1), -0.05 if seed else 0.05
+    src = make_tensors(dtype, seed)
+    before = [t.clone() for t in src]
+    fast = [torch.empty_like(t) for t in src]
+    ref = [torch.empty_like(t) for t in src]
+    ops.perturb(src, fast, IDS, key, scale, backend="inductor")
+    ops.perturb(src, ref, IDS, key, scale, backend="torch")
+    for f, r, t, b in zip(fast, ref, src, before):
+        assert torch.equal(t, b)  # out of place: the weights are never written
+        assert_matches_reference(f, r, t.float(), scale)
+    inplace = [t.clone() for t in src]
+    ops.perturb(inplace, inplace, IDS, key, scale, backend="inductor")
+    assert all(torch.equal(i, f) for i, f in zip(inplace, fast))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", ["nearest", "stochastic", "gradient"])
+def test_update_matches_reference(dtype, mode):
+    seed = DTYPES.index(dtype)
+    keys = [noise.member_key(seed, 12, j) for j in range(3)]
+    weights, coef, decay = [0.75, -1.25, 0.5], 0.02, 0.995
+    theta = make_tensors(dtype, seed)
+    options = {"coef": coef, "decay": decay}
+    if mode == "stochastic":
+        options["rounding_key"] = noise.rounding_key(seed, 12)
+    results = {}
+    for backend in ("inductor", "torch"):
+        params = [t.clone() for t in theta]
+        grads = [torch.full_like(t, float("nan")) for t in theta] if mode == "gradient" else None
+        ops.es_update(params, IDS, keys, weights, grads=grads, backend=backend, **options)
+        if mode == "gradient":
+            assert all(torch.equal(p, t) for p, t in zip(params, theta))
+        results[backend] = grads if mode == "gradient" else params
+    for f, r, t in zip(results["inductor"], results["torch"], theta):
+        base = torch.zeros_like(t) if mode == "gradient" else t
+        assert_close_to(f, r, magnitude_of(base, weights, coef, decay))
+    changed = sum(int((f != t).sum()) for f, t in zip(results["inductor"], theta))
+    assert changed > 0.5 * sum(t.numel() for t in theta)
+
+
+def test_noise_does_not_depend_on_packing_or_other_tensors():
+    """Within the compiled backend, bit for bit: alone, packed with others, or in a large layout."""
+    key = noise.member_key(2, 0, 1)
+    a, b, c = make_tensors(torch.float32, 9, [(1030,), (compiled.CHUNK - 3,), (5,)])
+    alone = torch.empty_like(a)
+    ops.perturb([a], [alone], [IDS[1]], key, 0.1, backend="inductor")
+    together = [torch.empty_like(t) for t in (b, a, c)]
+    ops.perturb([b, a, c], together, [IDS[0], IDS[1], IDS[2]], key, 0.1, backend="inductor")
+    assert torch.equal(together[1], alone)
+    eps = compiled.normal(key, IDS[1], a.numel())
+    assert torch.equal(alone, torch.add(a, eps, alpha=0.1))
+    big = torch.zeros(compiled.CHUNK * 3 + 11)  # the first element of every chunk lines up with the stream
+    ops.perturb([big], [big], [IDS[4]], key, 1.0, backend="inductor")
+    assert torch.equal(big, compiled.normal(key, IDS[4], big.numel()))
+
+
+def test_plans_without_cached_counters_give_the_same_result(monkeypatch):
+    key = noise.member_key(4, 4, 4)
+    src = make_tensors(torch.float32, 4)
+    cached = [torch.empty_like(t) for t in src]
+    ops.perturb(src, cached, IDS, key, 0.3, backend="inductor")
+    monkeypatch.setattr(compiled, "_CACHED_PLAN_ELEMENTS", 0)
+    monkeypatch.setattr(compiled, "_plans", type(compiled._plans)())
+    built = [torch.empty_like(t) for t in src]
+    ops.perturb(src, built, IDS, key, 0.3, backend="inductor")
+    assert all(p.counters is None for p in compiled.plan([t.numel() for t in src], IDS))
+    assert all(torch.equal(x, y) for x, y in zip(cached, built))
+
+
+def test_lowrank_factors_match_reference():
+    key, tid = noise.member_key(3, 1, 0), noise.tensor_id("w")
+    a, b = lowrank.factors(key, tid, torch.Size((33, 70)), 3, torch.device("cpu"), "inductor")
+    ra, rb = lowrank.factors(key, tid, torch.Size((33, 70)), 3, torch.device("cpu"), "torch")
+    assert a.shape == (33, 3) and b.shape == (70, 3)
+    assert (a - ra).abs().max() <= 1e-6 and (b - rb).abs().max() <= 1e-6
+
+
+def test_many_tensor_sizes_and_keys_do_not_recompile():
+    from torch._dynamo.utils import counters
+
+    ops.perturb([torch.zeros(3)], [torch.empty(3)], [1], (1, 2), 0.1, backend="inductor")  # compiled
+    compiles = counters["stats"]["unique_graphs"]
+    rounding = noise.rounding_key(0, 0)
+    for i, numel in enumerate([1, 2, 5, 64, 333, 4096, 10_007, 65_536, 65_537, 150_001]):
+        key = noise.member_key(i, i, i)
+        t = torch.randn(numel)
+        ops.perturb([t], [torch.empty_like(t)], [i], key, 0.1 * i, backend="inductor")
+        ops.es_update(
+            [t.bfloat16()],
+            [i],
+            [key] * (i % 3 + 1),
+            [0.5] * (i % 3 + 1),
+            coef=0.1,
+            rounding_key=rounding,
+            backend="inductor",
+        )
+        compiled.normal(key, i, numel, offset=i, stream=i % 4)
+    assert counters["stats"]["unique_graphs"] == compiles
+
+
+# ---------------------------------------------------------------------------------------------------
+# Fallback and reproducibility records
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_failed_compile_falls_back_to_reference_with_one_warning(monkeypatch):
+    def broken(fn):
+        def call(*args):
+            raise RuntimeError("no toolchain here")
+
+        return call
+
+    for name, value in (("_compiled", None), ("_ran", False), ("_unavailable", None)):
+        monkeypatch.setattr(compiled, name, value)
+    monkeypatch.setattr(compiled, "_compile", broken)
+    src = make_tensors(torch.bfloat16, 1)
+    ref = [torch.empty_like(t) for t in src]
+    ops.perturb(src, ref, IDS, (5, 6), 0.1, backend="torch")
+    out = [t.clone() for t in src]
+    with pytest.warns(RuntimeWarning, match="compiled CPU backend is unavailable.*no toolchain here"):
+        ops.perturb(out, out, IDS, (5, 6), 0.1)  # in place: a partial first attempt would show
+    assert all(torch.equal(o, r) for o, r in zip(out, ref))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once, not again
+        assert ops.resolve_backend(src) == "torch"
+        params = [t.clone() for t in src]
+        ops.es_update(params, IDS, [(5, 6)], [1.0], coef=0.1)
+
+
+def test_without_a_cxx_compiler_the_reference_runs(tmp_path):
+    code = (
+        "import torch, warnings; from fastes import noise, ops\n"
+        "t = [torch.randn(1000)]; a = [torch.empty(1000)]; b = [torch.empty(1000)]\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    ops.perturb(t, a, [7], (1, 2), 0.5); ops.perturb(t, a, [7], (1, 2), 0.5)\n"
+        "ops.perturb(t, b, [7], (1, 2), 0.5, backend='torch')\n"
+        "print(len(w), ops.resolve_backend(t), torch.equal(a[0], b[0]), str(w[0].message)[:80])\n"
+    )
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-g++"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    env.pop("FASTES_BACKEND", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    count, backend, equal, message = out.stdout.split(" ", 3)
+    assert (count, backend, equal) == ("1", "torch", "True")
+    assert "compiled CPU backend is unavailable" in message
+
+
+def test_state_records_backend_and_other_backends_warn():
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(16, 8))
+    es = fastes.ES([("w", w)], sigma=0.1, lr=0.1, population=4, backend="inductor", checksum_every=0)
+    es.step(lambda: float(w.sum()))
+    state = es.state_dict()
+    assert state["backend"] == "inductor"
+    same = fastes.ES([("w", w)], sigma=0.1, lr=0.1, population=4, backend="auto", checksum_every=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        same.load_state_dict(state)
+    other = fastes.ES([("w", w)], sigma=0.1, lr=0.1, population=4, backend="torch", checksum_every=0)
+    with pytest.warns(RuntimeWarning, match="recorded on backend 'inductor' with backend 'torch'"):
+        other.load_state_dict(state)
+    with pytest.warns(RuntimeWarning, match="float tolerance"):
+        fastes.replay([("w", torch.zeros(16, 8))], state, backend="torch")
