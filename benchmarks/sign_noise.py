@@ -47,15 +47,19 @@ def layouts(quick: bool) -> dict[str, list[int]]:
     return {"tiny model (135K)": tiny, "4 x 1024^2 (4.2M)": [1024 * 1024] * 4}
 
 
-def perturb_call(params: list, work: list, ids: list, kind: str) -> Callable[[], None]:
-    return lambda: ops.perturb(params, work, ids, (1, 2), 1e-3, noise_kind=kind)
+# The CPU backends: the compiled one (fastes/compiled.py) where it exists, and the eager reference.
+BACKENDS = [b for b in ("inductor", "torch") if b in ops.BACKENDS]
 
 
-def update_call(params: list, ids: list, population: int, kind: str) -> Callable[[], None]:
+def perturb_call(params: list, work: list, ids: list, kind: str, backend: str) -> Callable[[], None]:
+    return lambda: ops.perturb(params, work, ids, (1, 2), 1e-3, noise_kind=kind, backend=backend)
+
+
+def update_call(params: list, ids: list, population: int, kind: str, backend: str) -> Callable[[], None]:
     """The fused update of N = population antithetic members (N / 2 directions)."""
     keys = [(3, j) for j in range(population // 2)]
     weights = [1.0] * len(keys)
-    return lambda: ops.es_update(params, ids, keys, weights, coef=1e-6, noise_kind=kind)
+    return lambda: ops.es_update(params, ids, keys, weights, coef=1e-6, noise_kind=kind, backend=backend)
 
 
 def throughput(quick: bool) -> list[dict]:
@@ -67,18 +71,23 @@ def throughput(quick: bool) -> list[dict]:
         work = [torch.empty_like(p) for p in params]
         numel = sum(sizes)
         calls: dict[str, Callable[[], object]] = {}
-        for kind in NOISES:
-            calls[f"perturb/{kind}"] = perturb_call(params, work, ids, kind)
-            for population in (2,) if quick else (8, 30):
-                calls[f"update N={population}/{kind}"] = update_call(work, ids, population, kind)
+        for backend in BACKENDS:
+            for kind in NOISES:
+                calls[f"{backend}/perturb/{kind}"] = perturb_call(params, work, ids, kind, backend)
+                for population in (2,) if quick else (8, 30):
+                    calls[f"{backend}/update N={population}/{kind}"] = update_call(
+                        work, ids, population, kind, backend
+                    )
         timings = measure(calls, torch.device("cpu"), rounds=rounds, min_sample_s=0.02 if quick else 0.2)
-        for op in sorted({c.split("/")[0] for c in calls}):
+        for op in sorted({c.rsplit("/", 1)[0] for c in calls}):
             gauss, sign = timings[f"{op}/gaussian"].median, timings[f"{op}/rademacher"].median
+            backend, op_name = op.split("/")
             records.append(
                 {
                     "layout": name,
+                    "backend": backend,
                     "elements": numel,
-                    "op": op,
+                    "op": op_name,
                     "gaussian_s": gauss,
                     "rademacher_s": sign,
                     "gaussian_elements_per_s": numel / gauss,
@@ -249,14 +258,14 @@ def report(results: dict) -> str:
         "",
         "Machine shared with other jobs; every ratio is measured in one run, the two noises interleaved.",
         "",
-        "## CPU throughput (torch reference backend, 1 thread, fp32)",
+        "## CPU throughput (1 thread, fp32; inductor: the compiled CPU backend, torch: the reference)",
         "",
-        "| layout | op | gaussian | rademacher | sign speedup |",
-        "|---|---|---|---|---|",
+        "| layout | backend | op | gaussian | rademacher | sign speedup |",
+        "|---|---|---|---|---|---|",
     ]
     for r in results["throughput"]:
         lines.append(
-            f"| {r['layout']} | {r['op']} | {r['gaussian_s'] * 1e3:.2f} ms "
+            f"| {r['layout']} | {r['backend']} | {r['op']} | {r['gaussian_s'] * 1e3:.2f} ms "
             f"({r['gaussian_elements_per_s'] / 1e6:.1f} M elem/s) | {r['rademacher_s'] * 1e3:.2f} ms "
             f"({r['rademacher_elements_per_s'] / 1e6:.1f} M elem/s) | {r['speedup']:.2f}x |"
         )

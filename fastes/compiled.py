@@ -37,6 +37,7 @@ from . import noise
 
 CHUNK = 1 << 16  # elements per compiled call: eps and the update's sum (256 KB each) stay in L2
 BLOCKS = CHUNK // 4  # Philox blocks per chunk
+SIGN_BLOCKS = CHUNK // noise.SIGN_BLOCK  # Philox blocks per chunk of sign noise (128 elements each)
 _CACHED_PLAN_ELEMENTS = 1 << 22  # larger layouts build their counters per chunk instead of holding them
 
 Key = tuple[int, int]
@@ -100,6 +101,19 @@ def _chunk(counters: torch.Tensor, stream: torch.Tensor, round_keys: torch.Tenso
     return torch.stack(lanes, dim=1).reshape(-1)
 
 
+def _sign_chunk(counters: torch.Tensor, stream: torch.Tensor, round_keys: torch.Tensor) -> torch.Tensor:
+    """Rademacher signs of every sign block, [128 * blocks] fp32 +-1 (docs/noise.md section 6a).
+
+    Element 128 b + 32 w + i is bit i of word w; the bit becomes the sign bit of 1.0 (no shift into the
+    sign position of a signed int: the bit is negated and masked instead).
+    """
+    words = torch.stack(_philox_words(counters, stream, round_keys), dim=1)  # [blocks, 4]
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    bits = (words[:, :, None] >> shifts) & 1  # arithmetic shift; the & 1 keeps the wanted bit only
+    sign_bits = (-bits) & -(2**31)
+    return (sign_bits | 0x3F800000).view(torch.float32).reshape(-1)
+
+
 def round_keys(key: Key) -> torch.Tensor:
     """The key schedule, [10, 2] int32: round r uses (k0 + r W0, k1 + r W1) mod 2^32."""
     k0, k1 = key
@@ -117,6 +131,7 @@ def round_keys(key: Key) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------
 
 _compiled: Callable | None = None
+_compiled_sign: Callable | None = None
 _compiler_checked = False
 _unavailable: str | None = None  # why compiling is impossible here, once known
 
@@ -162,22 +177,27 @@ _STREAMS = [torch.tensor(stream, dtype=torch.int32) for stream in range(4)]
 
 @torch.no_grad()
 def _run(kind: str, counters: torch.Tensor, stream: int, keys: torch.Tensor) -> torch.Tensor:
-    """One chunk through the compiled graph: "normal" gives fp32 normals, "words" int32 raw words.
+    """One chunk through a compiled graph: "normal" gives fp32 normals, "words" int32 raw words (one
+    graph), "sign" fp32 Rademacher signs (a second graph, on counters of 128-element sign blocks).
 
     The first call compiles. Every consumer makes it before writing anything, so when compiling fails
     (no toolchain, a broken one) nothing was written and the caller can fall back to the reference.
     """
-    global _compiled, _ran
-    if _compiled is None:
-        _compiled = _compile(_chunk)
+    global _compiled, _compiled_sign, _ran
+    stream_tensor = torch.tensor(_int32(stream), dtype=torch.int32)
     try:
-        out = _compiled(
-            counters, torch.tensor(_int32(stream), dtype=torch.int32), keys, _RAW[kind == "words"]
-        )
+        if kind == "sign":
+            if _compiled_sign is None:
+                _compiled_sign = _compile(_sign_chunk)
+            out = _compiled_sign(counters, stream_tensor, keys)
+        else:
+            if _compiled is None:
+                _compiled = _compile(_chunk)
+            out = _compiled(counters, stream_tensor, keys, _RAW[kind == "words"])
     except Exception as error:
         if _ran:
             raise
-        _compiled = None
+        _compiled = _compiled_sign = None
         _disable(f"torch.compile failed: {type(error).__name__}: {str(error)[:300]}")
         raise CompileUnavailable(str(error)) from error
     _ran = True
@@ -204,12 +224,15 @@ class _Piece:
 _BLOCK_INDEX = torch.arange(BLOCKS, dtype=torch.int64)
 
 
-def _counters(parts: Sequence[tuple[int, int, int, int]], tensor_ids: Sequence[int]) -> torch.Tensor:
-    """The [3, BLOCKS] int32 counter input of a chunk: block index low and high words, tensor id."""
-    words = torch.zeros(3, BLOCKS, dtype=torch.int64)
+def _counters(
+    parts: Sequence[tuple[int, int, int, int]], tensor_ids: Sequence[int], per_block: int = 4
+) -> torch.Tensor:
+    """The [3, CHUNK / per_block] int32 counter input of a chunk: block index low and high words, tensor
+    id, for blocks of `per_block` elements (4: normals, words; 128: signs). Lanes must be block-aligned."""
+    words = torch.zeros(3, CHUNK // per_block, dtype=torch.int64)
     for index, start, n, lane in parts:
-        first, count = lane // 4, (n + 3) // 4
-        blocks = _BLOCK_INDEX[:count] + start // 4
+        first, count = lane // per_block, (n + per_block - 1) // per_block
+        blocks = _BLOCK_INDEX[:count] + start // per_block
         words[0, first : first + count] = blocks & noise.MASK32
         words[1, first : first + count] = blocks >> 32
         words[2, first : first + count] = tensor_ids[index]
@@ -219,13 +242,14 @@ def _counters(parts: Sequence[tuple[int, int, int, int]], tensor_ids: Sequence[i
 _plans: OrderedDict = OrderedDict()  # the last few plans, keyed by layout
 
 
-def plan(numels: Sequence[int], tensor_ids: Sequence[int]) -> list[_Piece]:
+def plan(numels: Sequence[int], tensor_ids: Sequence[int], per_block: int = 4) -> list[_Piece]:
     """Pack the tensors' elements into chunks: large tensors are cut at CHUNK, small ones share a chunk.
 
-    Every slice starts on a Philox block (its first element is 0 or a multiple of CHUNK), so the lanes of
-    a chunk line up with whole blocks.
+    Every slice starts on a Philox block (its first element is 0 or a multiple of CHUNK) of `per_block`
+    elements (4, or 128 for signs) and on a lane that is a multiple of it, so the lanes of a chunk line
+    up with whole blocks.
     """
-    signature = (tuple(numels), tuple(tensor_ids))
+    signature = (tuple(numels), tuple(tensor_ids), per_block)
     if signature in _plans:
         _plans.move_to_end(signature)
         return _plans[signature]
@@ -235,14 +259,14 @@ def plan(numels: Sequence[int], tensor_ids: Sequence[int]) -> list[_Piece]:
     used = 0  # lanes used in the current chunk (a multiple of 4)
 
     def flush() -> None:
-        counters = _counters(parts, tensor_ids) if keep_counters else None
+        counters = _counters(parts, tensor_ids, per_block) if keep_counters else None
         pieces.append(_Piece(tuple(parts), counters))
         parts.clear()
 
     for index, numel in enumerate(numels):
         for start in range(0, numel, CHUNK):
             n = min(CHUNK, numel - start)
-            lanes = 4 * ((n + 3) // 4)
+            lanes = per_block * ((n + per_block - 1) // per_block)
             if used + lanes > CHUNK:
                 flush()
                 used = 0
@@ -256,8 +280,17 @@ def plan(numels: Sequence[int], tensor_ids: Sequence[int]) -> list[_Piece]:
     return pieces
 
 
-def _piece_counters(piece: _Piece, tensor_ids: Sequence[int]) -> torch.Tensor:
-    return piece.counters if piece.counters is not None else _counters(piece.parts, tensor_ids)
+def _piece_counters(piece: _Piece, tensor_ids: Sequence[int], per_block: int = 4) -> torch.Tensor:
+    return piece.counters if piece.counters is not None else _counters(piece.parts, tensor_ids, per_block)
+
+
+def _noise_chunk(
+    noise_kind: str, piece: _Piece, tensor_ids: Sequence[int], keys: torch.Tensor
+) -> torch.Tensor:
+    """eps of distribution `noise_kind` for the lanes of a chunk planned with its block size."""
+    if noise_kind == "rademacher":
+        return _run("sign", _piece_counters(piece, tensor_ids, noise.SIGN_BLOCK), noise.STREAM_SIGN, keys)
+    return _run("normal", _piece_counters(piece, tensor_ids), noise.STREAM_NOISE, keys)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -310,11 +343,12 @@ def perturb(
     tensor_ids: Sequence[int],
     key: Key,
     scale: float,
+    noise_kind: str = "gaussian",
 ) -> None:
     """dst = (float32(src) + scale * eps(key, tensor id)) rounded to the tensor's dtype, chunk by chunk."""
     keys = round_keys(key)
-    for piece in plan([t.numel() for t in sources], tensor_ids):
-        eps = _run("normal", _piece_counters(piece, tensor_ids), noise.STREAM_NOISE, keys)
+    for piece in plan([t.numel() for t in sources], tensor_ids, noise.elements_per_block(noise_kind)):
+        eps = _noise_chunk(noise_kind, piece, tensor_ids, keys)
         for index, start, n, lane in piece.parts:
             src = sources[index].view(-1)[start : start + n]
             dst = destinations[index].view(-1)[start : start + n]
@@ -335,6 +369,7 @@ def es_update(
     decay: float = 1.0,
     rounding_key: Key | None = None,
     grads: Sequence[torch.Tensor] | None = None,
+    noise_kind: str = "gaussian",
 ) -> None:
     """theta = theta * decay + coef * sum_j w_j eps_j (or grad = coef * sum), chunk by chunk.
 
@@ -343,13 +378,16 @@ def es_update(
     """
     schedules = [round_keys(k) for k in keys]
     rounding = None if rounding_key is None or grads is not None else round_keys(rounding_key)
-    for piece in plan([p.numel() for p in params], tensor_ids):
-        counters = _piece_counters(piece, tensor_ids)
+    for piece in plan([p.numel() for p in params], tensor_ids, noise.elements_per_block(noise_kind)):
         total = torch.zeros(CHUNK, dtype=torch.float32)
         for schedule, w in zip(schedules, weights):
-            total.add_(_run("normal", counters, noise.STREAM_NOISE, schedule), alpha=w)
+            total.add_(_noise_chunk(noise_kind, piece, tensor_ids, schedule), alpha=w)
         u = None
         if rounding is not None and any(params[i].dtype != torch.float32 for i, *_ in piece.parts):
+            # The rounding stream has 4 elements per block; sign pieces' lanes are 128-aligned, so
+            # 4-block counters at the same lanes give each element its uniform.
+            counters = _counters(piece.parts, tensor_ids) if noise_kind == "rademacher" else None
+            counters = _piece_counters(piece, tensor_ids) if counters is None else counters
             u = noise._uniform(
                 _run("words", counters, noise.STREAM_ROUNDING, rounding).to(torch.int64) & noise.MASK32
             )

@@ -469,3 +469,53 @@ def test_config_and_cli_take_the_noise(capsys):
         load_config(None, {"es.noise": "sign"})
     assert main(["train", "--es.noise", "sign"]) == 2
     assert "es.noise" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_cpu_backend_equals_reference_bit_for_bit(dtype):
+    # The inductor backend (fastes/compiled.py) packs tensors into chunks on 128-aligned lanes for signs;
+    # its results must be the reference's exactly, in every update mode.
+    key, scale = noise.member_key(8, 1, 2), 0.05
+    src = make_tensors(dtype, 3)
+    results = {}
+    for backend in ("torch", "inductor"):
+        out = [torch.full_like(t, float("nan")) for t in src]
+        ops.perturb(src, out, IDS, key, scale, noise_kind="rademacher", backend=backend)
+        results[backend, "perturb"] = out
+        keys = [noise.member_key(8, 1, j) for j in range(3)]
+        for mode, options in {
+            "nearest": {"decay": 0.99},
+            "stochastic": {"rounding_key": noise.rounding_key(8, 1)},
+            "gradient": {"grads": [torch.empty_like(t) for t in src]},
+        }.items():
+            params = [t.clone() for t in src]
+            ops.es_update(
+                params,
+                IDS,
+                keys,
+                [0.75, -1.25, 0.5],
+                coef=2e-3,
+                noise_kind="rademacher",
+                backend=backend,
+                **options,
+            )
+            results[backend, mode] = options.get("grads", params)
+    for what in ("perturb", "nearest", "stochastic", "gradient"):
+        assert all(
+            torch.equal(a, b) for a, b in zip(bits(results["torch", what]), bits(results["inductor", what]))
+        )
+
+
+def test_comparison_benchmark_quick_mode_writes_its_report(tmp_path):
+    from benchmarks import sign_noise
+
+    results = sign_noise.main(["--quick", "--out", str(tmp_path), "--runs", str(tmp_path / "none")])
+    stem = tmp_path / f"sign-noise-cpu-{results['date']}"
+    assert {r["op"] for r in results["throughput"]} == {"perturb", "update N=2"}
+    assert all(r["gaussian_s"] > 0 and r["rademacher_s"] > 0 for r in results["throughput"])
+    for problem in ("toy", "regression"):
+        assert set(results[problem]["final"]) == {"gaussian", "rademacher"}
+        assert all(len(c) == 4 for curves in results[problem]["curves"].values() for c in curves)  # 3 steps
+    report = stem.with_suffix(".md").read_text()
+    assert "| README toy" in report and "Countdown: not run" in report
+    assert stem.with_suffix(".png").stat().st_size > 0 and stem.with_suffix(".json").exists()
