@@ -210,7 +210,7 @@ def _check_loading_info(path: Path, info: dict) -> None:
         if keys:
             shown = ", ".join(keys[:3]) + (", ..." if len(keys) > 3 else "")
             problems.append(f"{len(keys)} {kind} tensors ({shown})")
-    mismatched = info.get("mismatched_keys") or []
+    mismatched = sorted(info.get("mismatched_keys") or [], key=lambda entry: entry[0])
     if mismatched:
         name, found, expected = mismatched[0][:3]
         problems.append(
