@@ -229,10 +229,10 @@ def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | str:
         return "auto"
     if isinstance(dtype, torch.dtype):
         if dtype not in {torch.float32, torch.bfloat16, torch.float16}:
-            raise ValueError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
+            raise ModelError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
         return dtype
     if dtype not in DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+        raise ModelError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPES)}")
     return DTYPES[dtype]
 
 

@@ -96,9 +96,13 @@ def check_fresh(out_dir: Path, overwrite: bool) -> list[Path]:
     present = sorted(out_dir.iterdir())
     if not present:
         return []
-    foreign = [p.name for p in present if p.name not in RUN_NAMES]
     if (out_dir / "config.json").is_file() and not (out_dir / RUN_FILE).is_file():
-        foreign.append("config.json")  # a model's, or a run of an older fastes: never replaced
+        # A model's config.json, or a run of an older fastes: never replaced.
+        raise RunDirError(
+            f"out_dir {str(out_dir)!r} holds a config.json that no fastes run wrote (a model directory?); "
+            "a run would overwrite it. Choose a new or empty out_dir"
+        )
+    foreign = [p.name for p in present if p.name not in RUN_NAMES]
     if foreign:
         raise RunDirError(
             f"out_dir {str(out_dir)!r} holds files that are not a fastes run's ({', '.join(foreign[:5])}"

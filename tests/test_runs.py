@@ -125,7 +125,7 @@ def test_other_files_and_model_directories_are_never_overwritten(easy_task, tmp_
     model_dir = tmp_path / "other_model"  # a model directory that is not the one the run starts from
     shutil.copytree(tiny_model_path(), model_dir)
     config = (model_dir / "config.json").read_text()
-    with pytest.raises(RunDirError, match="not a fastes run's"):
+    with pytest.raises(RunDirError, match="holds a config.json that no fastes run wrote"):
         train(load_config(None, settings(easy_task, model_dir)), overwrite=True)
     assert (model_dir / "config.json").read_text() == config and (notes / "todo.txt").is_file()
 
