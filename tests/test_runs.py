@@ -192,6 +192,14 @@ def test_a_changed_starting_model_is_refused(easy_task, tmp_path):
         train(load_config(None, run_settings), resume=True)
 
 
+def test_a_checkpoint_of_another_run_is_refused(finished_run, tmp_path):
+    out_dir, run_settings = copy_run(finished_run, tmp_path / "run")
+    identity = json.loads((out_dir / "run.json").read_text())
+    (out_dir / "run.json").write_text(json.dumps({**identity, "run_id": "0123456789ab"}))
+    with pytest.raises(RunDirError, match="but .*run.json to run 0123456789ab; the directory mixes two runs"):
+        train(load_config(None, run_settings), resume=True)
+
+
 def test_resume_with_nothing_to_resume_says_so(easy_task, tmp_path, capsys):
     for out_dir in (tmp_path / "missing", tmp_path / "empty"):
         (tmp_path / "empty").mkdir(exist_ok=True)
