@@ -11,3 +11,7 @@ class FastesError(Exception):
 
 class MissingFileError(FastesError, FileNotFoundError):
     """A file or directory that the user named does not exist."""
+
+
+class MissingPackageError(FastesError, ImportError):
+    """An optional package that a chosen setting needs is not installed."""

@@ -41,7 +41,7 @@ class Run:
     tokenizer: Any
     task: Task
     out_dir: Path
-    identity: dict[str, Any]
+    identity: dict[str, Any] = field(default_factory=dict)  # rundir.run_identity, saved in checkpoints
     metrics: list[dict] = field(default_factory=list)
 
     def log(self, record: dict) -> None:

@@ -578,6 +578,19 @@ def test_a_rank_that_fails_on_a_hung_peer_exits_promptly(easy_task, tmp_path):
     assert "within 3 s" in lines[-1]
 
 
+def test_a_missing_optional_package_is_a_user_error(monkeypatch):
+    real = __import__("importlib").import_module
+
+    def without_reasoning_gym(name, *args):
+        if name == "reasoning_gym":
+            raise ImportError("No module named 'reasoning_gym'")
+        return real(name, *args)
+
+    monkeypatch.setattr("importlib.import_module", without_reasoning_gym)
+    with pytest.raises(FastesError, match="pip install reasoning-gym"):
+        get_task("reasoning_gym:leg_counting")
+
+
 def test_fastes_errors_are_the_user_errors():
     """What the CLI turns into one line: configuration, run directory, checkpoint, model and task errors."""
     from fastes.tasks import JsonlTaskError
