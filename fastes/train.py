@@ -306,6 +306,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) ->
     continues the run in out_dir from its newest checkpoint, exactly, with that run's own settings (only
     es.iterations / grpo.steps may be raised). Everything that can be checked is checked before any work.
     """
+    if resume and overwrite:
+        raise rundir.RunDirError("--resume continues the run in out_dir, --overwrite deletes it: choose one")
     out_dir = Path(cfg.out_dir)
     model_dir = Path(cfg.model) if cfg.model else tiny_model_path()
     phases = PHASES[cfg.algorithm]

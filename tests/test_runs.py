@@ -417,6 +417,8 @@ def test_every_user_error_is_one_line_with_status_2(finished_run, easy_task, tmp
     out_dir, run_settings = copy_run(finished_run, tmp_path / "run")
     flags = [f"--{k}={v}" for k, v in run_settings.items()]
     assert "already holds a run" in one_error_line(capsys, ["train", *flags])
+    both = ["train", "--out_dir", str(out_dir), "--resume", "--overwrite"]
+    assert "--overwrite deletes it: choose one" in one_error_line(capsys, both)
     missing = ["train", "--task", easy_task, "--out_dir", str(tmp_path / "none"), "--resume"]
     assert "holds no run to resume" in one_error_line(capsys, missing)
     state_file, record = _state_file(out_dir / "checkpoints" / "step-00000002")
