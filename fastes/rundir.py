@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -234,7 +235,7 @@ def append_metrics(out_dir: Path, record: dict) -> None:
         os.fsync(f.fileno())
 
 
-def replace_dir(out_dir: Path, name: str, write: Any) -> Path:
+def replace_dir(out_dir: Path, name: str, write: Callable[[Path], Any]) -> Path:
     """Write a directory through .tmp-<name> with `write(path)` and swap it in, so that out_dir/name is
     always whole: the old one until the new one is complete."""
     final, tmp, trash = out_dir / name, out_dir / f".tmp-{name}", out_dir / f".trash-{name}"

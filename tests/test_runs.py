@@ -198,6 +198,9 @@ def test_a_checkpoint_of_another_run_is_refused(finished_run, tmp_path):
     (out_dir / "run.json").write_text(json.dumps({**identity, "run_id": "0123456789ab"}))
     with pytest.raises(RunDirError, match="but .*run.json to run 0123456789ab; the directory mixes two runs"):
         train(load_config(None, run_settings), resume=True)
+    (out_dir / "run.json").write_text('{"run_id": "0123')
+    with pytest.raises(RunDirError, match=r"run.json is damaged \(.*\); the run cannot be identified"):
+        train(load_config(None, run_settings), resume=True)
 
 
 def test_resume_with_nothing_to_resume_says_so(easy_task, tmp_path, capsys):
