@@ -196,8 +196,13 @@ def start_run(out_dir: Path, identity: dict[str, Any]) -> None:
 def clean(out_dir: Path) -> None:
     """Remove what a crash can leave: temporary and half-deleted checkpoints and final/ directories."""
     remove_leftovers(out_dir)
-    for name in (".tmp-final", ".trash-final"):
-        shutil.rmtree(out_dir / name, ignore_errors=True)
+    for name in RUN_NAMES:
+        if name.endswith(".tmp") or name.startswith((".tmp-", ".trash-")):
+            path = out_dir / name
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
 
 
 def read_metrics(out_dir: Path) -> tuple[list[dict], str | None]:

@@ -279,7 +279,9 @@ def _check_evolvable(model: torch.nn.Module, model_dir: Path) -> None:
         raise ModelError(f"{model_dir}: {error}. ES cannot train it; use algorithm = 'grpo'") from None
 
 
-def _resume_point(out_dir: Path, identity: dict[str, Any], phases: tuple[str, ...]):
+def _resume_point(
+    out_dir: Path, identity: dict[str, Any], phases: tuple[str, ...]
+) -> tuple[tuple[int, dict, dict] | None, str]:
     """The newest checkpoint of the run in out_dir (None: none written yet), after checking that this is
     the same run: same settings (the length may grow) and the same starting model."""
     saved = rundir.saved_identity(out_dir)

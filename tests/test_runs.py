@@ -214,10 +214,11 @@ def test_resume_with_nothing_to_resume_says_so(easy_task, tmp_path, capsys):
     (tmp_path / "run" / "checkpoints" / ".trash-step-00000003").mkdir(parents=True)
     (tmp_path / "run" / "checkpoints" / ".tmp-step-00000004").mkdir()
     (tmp_path / "run" / ".tmp-final").mkdir()
+    (tmp_path / "run" / "metrics.jsonl.tmp").write_text("half")
     capsys.readouterr()
     train(load_config(None, run_settings), resume=True)
     assert "from step 0: no checkpoint was written yet, so it starts over" in capsys.readouterr().out
-    assert not [p for p in (tmp_path / "run").rglob(".t*") if p.is_dir()]
+    assert not [p for p in (tmp_path / "run").rglob("*") if ".tmp" in p.name or ".trash" in p.name]
 
 
 # --- exact resume in every mode ---------------------------------------------------------------------------
