@@ -239,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ev.add_argument("--temperature", type=_positive(float), default=1.0, help="sampling temperature")
     ev.add_argument("--max_new_tokens", type=_positive(int), default=12, help="tokens per completion")
-    ev.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the model's own)")
+    ev.add_argument("--dtype", default=None, help="float32, bfloat16 or float16; None: the model's own")
     ev.add_argument("--seed", type=int, default=0, help="sampling seed")
 
     pre = sub.add_parser("pretrain", help="supervised pretraining of the tiny model")
