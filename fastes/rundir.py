@@ -94,7 +94,8 @@ def check_fresh(out_dir: Path, overwrite: bool) -> list[Path]:
     set; returns what must be removed (nothing is removed here: that waits until every check passed)."""
     if not out_dir.is_dir():
         return []
-    present = sorted(out_dir.iterdir())
+    # What a crash left half-written is no run (clean() deletes it).
+    present = [p for p in sorted(out_dir.iterdir()) if not _temporary(p.name)]
     if not present:
         return []
     if (out_dir / "config.json").is_file() and not (out_dir / RUN_FILE).is_file():
@@ -194,15 +195,19 @@ def start_run(out_dir: Path, identity: dict[str, Any]) -> None:
 
 
 def clean(out_dir: Path) -> None:
-    """Remove what a crash can leave: temporary and half-deleted checkpoints and final/ directories."""
+    """Remove what a crash can leave: half-written files and half-written or half-deleted checkpoints
+    and final/ directories."""
     remove_leftovers(out_dir)
-    for name in RUN_NAMES:
-        if name.endswith(".tmp") or name.startswith((".tmp-", ".trash-")):
-            path = out_dir / name
-            if path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
+    for name in filter(_temporary, RUN_NAMES):
+        path = out_dir / name
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def _temporary(name: str) -> bool:
+    return name in RUN_NAMES and (name.endswith(".tmp") or name.startswith((".tmp-", ".trash-")))
 
 
 def read_metrics(out_dir: Path) -> tuple[list[dict], str | None]:

@@ -208,6 +208,10 @@ def test_resume_with_nothing_to_resume_says_so(easy_task, tmp_path, capsys):
         (tmp_path / "empty").mkdir(exist_ok=True)
         with pytest.raises(RunDirError, match="holds no run to resume .*start a new run without --resume"):
             train(load_config(None, settings(easy_task, out_dir)), resume=True)
+    # Killed while writing run.json: only a temporary file, which is no run, so a fresh start is fine.
+    (tmp_path / "empty" / "run.json.tmp").write_text('{"run_id": "01')
+    train(load_config(None, settings(easy_task, tmp_path / "empty", **{"es.iterations": 1})))
+    assert not (tmp_path / "empty" / "run.json.tmp").exists()
     # Killed before its first checkpoint: the run starts over, and says so. Leftovers of crashes go.
     run_settings = settings(easy_task, tmp_path / "run", checkpoint_every=0, **{"es.iterations": 1})
     train(load_config(None, run_settings))
