@@ -151,7 +151,7 @@ def _population_layers(es: ES, group: dict, members: list[Member], linears: list
                 linear,
                 [
                     lowrank.factors(
-                        m.key, tid, linear.weight.shape, es.rank, linear.weight.device, es.noise, es.backend
+                        m.key, tid, linear.weight.shape, es.rank, linear.weight.device, es.backend, es.noise
                     )
                     for m in members
                 ],

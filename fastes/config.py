@@ -355,6 +355,7 @@ HELP: dict[str, str] = {
     "es.eval_mode": f"one of {', '.join(EVAL_MODES)}: how a generation is evaluated (virtual needs CUDA)",
     "es.noise_type": "full, or lowrank (eps = A B^T / sqrt(rank) for matrices)",
     "es.rank": "rank of low-rank noise",
+    "es.noise": "distribution of eps: gaussian, or rademacher (+-1 signs, cheaper; docs/noise.md 6a)",
     "grpo.steps": "GRPO steps (may be raised when resuming)",
     "grpo.num_generations": "completions sampled per prompt (the group)",
     "grpo.temperature": "sampling temperature",

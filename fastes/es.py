@@ -235,7 +235,7 @@ class ES:
             )
         for p, destination, tid in zip(group["params"], destinations, group["ids"]):
             if self._is_lowrank(p):
-                lowrank.perturb(p, destination, tid, member.key, scale, self.rank, self.noise, self.backend)
+                lowrank.perturb(p, destination, tid, member.key, scale, self.rank, self.backend, self.noise)
 
     def _apply(self, member: Member) -> None:
         if self._applied is not None:

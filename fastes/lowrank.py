@@ -26,8 +26,8 @@ def factors(
     shape: torch.Size,
     rank: int,
     device: torch.device,
-    noise_kind: str = "gaussian",
     backend: str = "auto",
+    noise_kind: str = "gaussian",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(A [out, r], B [in, r]) fp32 factors of member `key`'s noise for a weight of `shape`.
 
@@ -52,11 +52,11 @@ def noise_matrix(
     shape: torch.Size,
     rank: int,
     device: torch.device,
-    noise_kind: str = "gaussian",
     backend: str = "auto",
+    noise_kind: str = "gaussian",
 ) -> torch.Tensor:
     """eps = A B^T / sqrt(r), materialised (fp32): entries have unit variance, like full-rank noise."""
-    a, b = factors(key, tensor_id, shape, rank, device, noise_kind, backend)
+    a, b = factors(key, tensor_id, shape, rank, device, backend, noise_kind)
     return a @ b.T / math.sqrt(rank)
 
 
@@ -68,11 +68,11 @@ def perturb(
     key: Key,
     scale: float,
     rank: int,
-    noise_kind: str = "gaussian",
     backend: str = "auto",
+    noise_kind: str = "gaussian",
 ) -> None:
     """destination = source + scale * A B^T / sqrt(r), rounded to the weight's dtype."""
-    eps = noise_matrix(key, tensor_id, source.shape, rank, source.device, noise_kind, backend)
+    eps = noise_matrix(key, tensor_id, source.shape, rank, source.device, backend, noise_kind)
     destination.copy_((source.to(torch.float32) + scale * eps).to(source.dtype))
 
 
@@ -88,8 +88,8 @@ def update(
     rank: int,
     rounding_key: Key | None = None,
     grad: torch.Tensor | None = None,
-    noise_kind: str = "gaussian",
     backend: str = "auto",
+    noise_kind: str = "gaussian",
 ) -> None:
     """theta = theta * decay + coef * sum_j w_j A_j B_j^T / sqrt(r), as one [out, P r] x [P r, in] GEMM.
 
@@ -97,7 +97,7 @@ def update(
     stochastically (uniforms from the rounding stream, as the full-rank update). The factors come from
     `backend` (fastes.ops); the uniforms are exact on every backend, so the reference computes them.
     """
-    pairs = [factors(key, tensor_id, param.shape, rank, param.device, noise_kind, backend) for key in keys]
+    pairs = [factors(key, tensor_id, param.shape, rank, param.device, backend, noise_kind) for key in keys]
     scale = torch.tensor(list(weights), dtype=torch.float32, device=param.device).repeat_interleave(rank)
     a_all = torch.cat([a for a, _ in pairs], dim=1) * scale  # [out, P r], column j*r+i scaled by w_j
     b_all = torch.cat([b for _, b in pairs], dim=1)  # [in, P r]

@@ -330,16 +330,18 @@ def test_virtual_linear_with_signs_equals_materialised_weights(dtype, members, r
 
 def test_low_rank_sign_factors():
     key, tid, shape = noise.member_key(3, 1, 2), 11, torch.Size((30, 20))
-    a, b = lowrank.factors(key, tid, shape, 4, "cpu", "rademacher")
+    a, b = lowrank.factors(key, tid, shape, 4, "cpu", noise_kind="rademacher")
     assert torch.equal(a.flatten(), noise.rademacher(key, tid, 120, stream=noise.STREAM_LOWRANK_SIGN_A))
     assert torch.equal(b.flatten(), noise.rademacher(key, tid, 80, stream=noise.STREAM_LOWRANK_SIGN_B))
-    eps = lowrank.noise_matrix(key, tid, shape, 4, "cpu", "rademacher")
+    eps = lowrank.noise_matrix(key, tid, shape, 4, "cpu", noise_kind="rademacher")
     assert torch.equal(eps, a @ b.T / 2)
     assert set((eps * 2).unique().tolist()) <= {-4.0, -2.0, 0.0, 2.0, 4.0}  # sums of 4 signs, over sqrt(4)
-    big = lowrank.noise_matrix(key, tid, torch.Size((400, 300)), 8, "cpu", "rademacher")
+    big = lowrank.noise_matrix(key, tid, torch.Size((400, 300)), 8, "cpu", noise_kind="rademacher")
     assert abs(big.mean().item()) < 0.02 and abs(big.var().item() - 1) < 0.05
     # Rank 1 sign factors give a sign matrix.
-    assert set(lowrank.noise_matrix(key, tid, shape, 1, "cpu", "rademacher").unique().tolist()) == {-1.0, 1.0}
+    assert set(
+        lowrank.noise_matrix(key, tid, shape, 1, "cpu", noise_kind="rademacher").unique().tolist()
+    ) == {-1.0, 1.0}
 
 
 @pytest.fixture(scope="module")
