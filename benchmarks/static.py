@@ -14,10 +14,11 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import re
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from fastes.kernels import aot
 
 # Pipes of an sm_90 SM, in thread-instructions per clock (CUDA C++ Programming Guide, arithmetic
 # instruction throughput, compute capability 9.0): what each SASS opcode is charged to.
@@ -64,7 +65,7 @@ REPORT_LABELS = [
     "update bf16 gradient",
     "fill normal stream=0",
     "fill bits stream=0",
-    "virtual_linear bf16 K=64 N=48",
+    "virtual_linear bf16 K=64 N=48 rows=1",
 ]
 UPDATE_DIRECTIONS = 15  # N = 30 members, antithetic
 
@@ -81,12 +82,6 @@ def pipe_of(opcode: str) -> str:
     if opcode.startswith("IMAD"):
         return "imad"
     return "alu"
-
-
-def parse_sass(sass: str) -> list[tuple[int, str, str, str]]:
-    """(address, predicate, opcode, operands) of each instruction of a cuobjdump -sass listing."""
-    pattern = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
-    return [(int(a, 16), p.strip(), op, rest.strip()) for a, p, op, rest in pattern.findall(sass)]
 
 
 def fast_path(instructions: list[tuple[int, str, str, str]]) -> tuple[list[int], list[tuple[int, int]]]:
@@ -163,7 +158,7 @@ class KernelReport:
 
 def analyse(result, label: str) -> KernelReport:
     """Counts per element along the fast path of one compiled variant (a CompileResult with SASS)."""
-    instructions = parse_sass(result.sass)
+    instructions = aot.parse_sass(result.sass)
     path, loops = fast_path(instructions)
     c = result.constexprs
     threads = result.num_warps * 32
@@ -265,14 +260,10 @@ def run_static(out: Path | None) -> dict:
         raise SystemExit("python -m benchmarks --static compiles for a GPU target: unset TRITON_INTERPRET")
     import triton
 
-    from fastes.kernels import aot
-
     target = aot.gpu_target("sm_90")
     chosen = {}
     for launch in aot.runtime_launches():
         if launch.label in REPORT_LABELS and launch.label not in chosen:
-            if launch.label.startswith("virtual_linear") and launch.args[6] != 1:
-                continue  # the decode shape: one row per member
             chosen[launch.label] = launch
     reports = []
     for label in REPORT_LABELS:

@@ -187,29 +187,44 @@ def row_blocks(start, ROWS: tl.constexpr, BLOCKS_PER_ROW: tl.constexpr):
 
 
 @triton.jit
-def normal_tile(
+def normal_lanes(
     k0, k1, tensor_id, STREAM: tl.constexpr, start, ROWS: tl.constexpr, BLOCKS_PER_ROW: tl.constexpr
 ):
-    """fp32 normals of the [ROWS, 4 * BLOCKS_PER_ROW] tile of consecutive elements from `start`."""
+    """The normals of the [ROWS, 4 * BLOCKS_PER_ROW] tile of consecutive elements from `start`, in lane
+    order: (a0, a1, a2, a3, b0, b1, b2, b3), each [ROWS] (b = a when one block per row).
+
+    Kernels keep lanes until the branch that stores them, and put them in element order there
+    (`lanes_to_tile`): interleaved before a branch, the compiler may convert the tile through shared
+    memory for the masked path's layout on every path.
+    """
     first = row_blocks(start, ROWS, BLOCKS_PER_ROW)
     a0, a1, a2, a3 = normals4(*block_words(k0, k1, tensor_id, STREAM, first))
     b0, b1, b2, b3 = a0, a1, a2, a3
     if BLOCKS_PER_ROW == 2:
         b0, b1, b2, b3 = normals4(*block_words(k0, k1, tensor_id, STREAM, first + 1))
-    return lanes_to_tile(a0, a1, a2, a3, b0, b1, b2, b3, BLOCKS_PER_ROW)
+    return a0, a1, a2, a3, b0, b1, b2, b3
 
 
 @triton.jit
-def uniform_tile(
+def uniform_lanes(
     k0, k1, tensor_id, STREAM: tl.constexpr, start, ROWS: tl.constexpr, BLOCKS_PER_ROW: tl.constexpr
 ):
-    """fp32 uniforms of the same tile: element e takes output word e % 4 of its block."""
+    """The uniforms of the same tile in lane order: element e takes output word e % 4 of its block."""
     first = row_blocks(start, ROWS, BLOCKS_PER_ROW)
     a0, a1, a2, a3 = uniforms4(*block_words(k0, k1, tensor_id, STREAM, first))
     b0, b1, b2, b3 = a0, a1, a2, a3
     if BLOCKS_PER_ROW == 2:
         b0, b1, b2, b3 = uniforms4(*block_words(k0, k1, tensor_id, STREAM, first + 1))
-    return lanes_to_tile(a0, a1, a2, a3, b0, b1, b2, b3, BLOCKS_PER_ROW)
+    return a0, a1, a2, a3, b0, b1, b2, b3
+
+
+@triton.jit
+def normal_tile(
+    k0, k1, tensor_id, STREAM: tl.constexpr, start, ROWS: tl.constexpr, BLOCKS_PER_ROW: tl.constexpr
+):
+    """fp32 normals of the [ROWS, 4 * BLOCKS_PER_ROW] tile of consecutive elements from `start`."""
+    lanes = normal_lanes(k0, k1, tensor_id, STREAM, start, ROWS, BLOCKS_PER_ROW)
+    return lanes_to_tile(*lanes, BLOCKS_PER_ROW)
 
 
 @triton.jit

@@ -9,7 +9,7 @@ once, whatever the population size. Antithetic pairs arrive as one direction wit
 import triton
 import triton.language as tl
 
-from .philox import block_words, lanes_to_tile, normals4, row_blocks, tile_offsets, uniform_tile
+from .philox import block_words, lanes_to_tile, normals4, row_blocks, tile_offsets, uniform_lanes
 from .rounding import round_to, stochastic_round
 from .table import NUM_WARPS, TileTable, addresses, blocks_per_row, read_tile, tile_pointer
 
@@ -57,31 +57,46 @@ def update_kernel(
         if BLOCKS_PER_ROW == 2:
             e0, e1, e2, e3 = normals4(*block_words(k0, k1, tensor_id, 0, first + 1))
             b0, b1, b2, b3 = b0 + w * e0, b1 + w * e1, b2 + w * e2, b3 + w * e3
-    step = coef * lanes_to_tile(a0, a1, a2, a3, b0, b1, b2, b3, BLOCKS_PER_ROW)
+    sums = (a0, a1, a2, a3, b0, b1, b2, b3)
 
     offsets = tile_offsets(ROWS, BLOCKS_PER_ROW)
     if MODE == 1:
-        u = uniform_tile(rounding_k0, rounding_k1, tensor_id, 1, start, ROWS, BLOCKS_PER_ROW)
+        u = uniform_lanes(rounding_k0, rounding_k1, tensor_id, 1, start, ROWS, BLOCKS_PER_ROW)
     else:
-        u = step
+        u = sums  # unused
     if fast:  # full, aligned tile: unmasked 128-bit accesses
         param = tile_pointer(param_address, start, DTYPE, True)
         out = tile_pointer(out_address, start, DTYPE, True)
-        _write(param, out, offsets, None, step, decay, u, DTYPE, MODE)
+        _write(param, out, offsets, None, sums, coef, decay, u, DTYPE, MODE, BLOCKS_PER_ROW)
     else:
         param = tile_pointer(param_address, start, DTYPE, False)
         out = tile_pointer(out_address, start, DTYPE, False)
-        _write(param, out, offsets, offsets < count, step, decay, u, DTYPE, MODE)
+        _write(param, out, offsets, offsets < count, sums, coef, decay, u, DTYPE, MODE, BLOCKS_PER_ROW)
 
 
 @triton.jit
-def _write(param, out, offsets, mask, step, decay, u, DTYPE: tl.constexpr, MODE: tl.constexpr):
-    """out = round(param * decay + step) (to nearest, or stochastically with u), or round(step)."""
+def _write(
+    param,
+    out,
+    offsets,
+    mask,
+    sum_lanes,
+    coef,
+    decay,
+    u_lanes,
+    DTYPE: tl.constexpr,
+    MODE: tl.constexpr,
+    BLOCKS_PER_ROW: tl.constexpr,
+):
+    """out = round(param * decay + coef * sum) (to nearest, or stochastically with u), or
+    round(coef * sum); the lanes put into element order here, in this branch's layout."""
+    step = coef * lanes_to_tile(*sum_lanes, BLOCKS_PER_ROW)
     if MODE == 2:
         tl.store(out + offsets, round_to(step, DTYPE), mask=mask)
     else:
         new = tl.load(param + offsets, mask=mask).to(tl.float32) * decay + step
         if MODE == 1:
+            u = lanes_to_tile(*u_lanes, BLOCKS_PER_ROW)
             tl.store(out + offsets, stochastic_round(new, u, DTYPE), mask=mask)
         else:
             tl.store(out + offsets, round_to(new, DTYPE), mask=mask)
