@@ -112,3 +112,50 @@ def test_capture_refuses_the_interpreter():
 def test_unknown_target_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown target 'sm_91'"):
         aot.gpu_target("sm_91")
+
+
+SASS = """
+        /*0000*/                   S2R R0, SR_TID.X ;
+        /*0010*/              @!P0 BRA 0x50 ;
+        /*0020*/                   IMAD.WIDE.U32 R2, R0, 0x10, RZ ;
+        /*0030*/                   FFMA R1, R1, R1, R1 ;
+        /*0040*/               @P0 BRA 0x20 ;
+        /*0050*/                   ISETP.GE.AND P1, PT, R0, 0x1, PT ;
+        /*0060*/               @P1 BRA 0xa0 ;
+        /*0070*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0080*/                   STG.E.128 desc[UR4][R2.64], R4 ;
+        /*0090*/                   EXIT ;
+        /*00a0*/                   LDG.E.U16 R4, desc[UR4][R2.64] ;
+        /*00b0*/               @P2 STG.E.U16 desc[UR4][R2.64], R4 ;
+        /*00c0*/                   EXIT ;
+        /*00d0*/                   BRA 0xd0;
+"""
+
+
+def test_fast_path_enters_loops_and_prefers_128_bit_accesses():
+    instructions = aot.parse_sass(SASS)
+    assert [op for _, _, op, _ in instructions][:3] == ["S2R", "BRA", "IMAD.WIDE.U32"]
+    assert instructions[1][1] == "@!P0" and instructions[1][3] == "0x50"
+    path, loops = fast_path(instructions)
+    assert loops == [(2, 4)]  # the backward branch at 0x40 closes a loop from 0x20
+    assert path == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]  # through the loop, then the 128-bit path
+
+
+def test_pipe_model_takes_the_most_loaded_pipe():
+    from benchmarks.static import cycles_per_element, pipe_of
+
+    assert [
+        pipe_of(op) for op in ("IMAD.WIDE.U32", "LOP3.LUT", "FFMA", "MUFU.SQRT", "UIADD3", "STG.E.128")
+    ] == [
+        "imad",
+        "alu",
+        "fp32",
+        "xu",
+        "uniform",
+        "other",
+    ]
+    assert cycles_per_element({"alu": 64.0}) == 1.0  # 64 integer operations per SM per clock
+    assert cycles_per_element({"fp32": 128.0}) == 1.0
+    assert cycles_per_element({"imad": 64.0, "fp32": 128.0}) == 1.5  # they share the FMA-heavy pipe
+    assert cycles_per_element({"xu": 32.0, "alu": 1.0}) == 2.0
+    assert cycles_per_element({"uniform": 256.0}) == 2.0  # issue slots only
