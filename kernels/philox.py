@@ -5,15 +5,18 @@ are written out here rather than taken from `tl.philox`/`tl.randn`, so that the 
 mapping belongs to fastes and cannot change with the Triton version.
 
 The pieces, in the order a kernel uses them:
-- `block_words`: the four Philox words of each counter block (4 consecutive elements) of a tile;
+- `block_words`: the four Philox words of each counter block (4 consecutive elements);
 - a mapping from the four words of a block to the four values of its elements: `normals4` (Gaussian,
-  Box-Muller) and `uniforms4` (stochastic rounding); another noise type is another such mapping;
-- `interleave4`: lane j of block i to element 4i + j, as a trailing dimension of 4 that stays in each
-  thread's registers (no shared memory), so tiles are shaped [rows, 4 * blocks per row].
+  Box-Muller) and `uniforms4` (stochastic rounding); another noise type is another such mapping,
+  with `*_lanes` / `*_tile` helpers like `normal_lanes` / `normal_tile`;
+- `lanes_to_tile`: lane j of block i to element 4i + j. Tiles are shaped [rows, 16 bytes of elements]
+  and the lanes are joined as trailing dimensions that stay in each thread's registers, so this moves
+  no data (no shared memory) and a row is one 128-bit access.
 
-Cost on sm_90 (python -m benchmarks --static): one block ~45 SASS instructions, Box-Muller ~21 per
-element. Every operation whose result must match the reference exactly is integer or exact fp32
-arithmetic; only log, sqrt and the sin/cos polynomial round differently (docs/noise.md, section 10).
+Cost on sm_90 (python -m benchmarks --static): ~36 SASS instructions per normal, of which Philox is
+about 4 per round per block of 4 (one wide multiply per product, one 3-input xor per word). Every
+operation whose result must match the reference exactly is integer or exact fp32 arithmetic; only
+log, sqrt and the sin/cos polynomials round differently (docs/noise.md, section 10).
 """
 
 import triton
