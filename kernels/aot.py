@@ -136,39 +136,44 @@ def runtime_launches() -> list[Launch]:
                     weights = torch.linspace(-1, 1, directions)
                     grads = [torch.empty_like(t) for t in tensors] if mode == MODE_GRADIENT else None
                     for rounding in [(1, (1 << 32) - 1), (16, 1 << 31)]:
-                        for noise, suffix, layout in (
-                            ("gaussian", "", tiles),
-                            ("rademacher", " sign", sign_tiles),
-                        ):
-                            add(
-                                f"update {name} {mode_name}{suffix}",
-                                launch_update,
-                                *(
-                                    layout,
-                                    grads,
-                                    key_column,
-                                    weights,
-                                    2e-3,
-                                    1.0,
-                                    rounding,
-                                    mode,
-                                    dtype,
-                                    noise,
-                                ),
-                            )
-        for members, rows, n_in, n_out in [(2, 1, 64, 48), (4, 1, 64, 48), (3, 17, 64, 48), (2, 5, 40, 33)]:
+                        add(
+                            f"update {name} {mode_name}",
+                            launch_update,
+                            *(tiles, grads, key_column, weights, 2e-3, 1.0, rounding, mode, dtype),
+                        )
+                        add(
+                            f"update {name} {mode_name} sign",
+                            launch_update,
+                            *(
+                                sign_tiles,
+                                grads,
+                                key_column,
+                                weights,
+                                2e-3,
+                                1.0,
+                                rounding,
+                                mode,
+                                dtype,
+                                "rademacher",
+                            ),
+                        )
+        for members, rows, n_in, n_out in [(2, 1, 64, 48), (3, 17, 64, 48), (2, 3, 37, 33)]:
             x = torch.zeros(members * rows, n_in, dtype=torch_dtype)
             weight = torch.zeros(n_out, n_in, dtype=torch_dtype)
             y = torch.empty(members * rows, n_out, dtype=torch_dtype)
             member_keys = torch.tensor(keys[:members] * 2, dtype=torch.int64)[:members]
             scales = torch.full((members,), 1e-3)
             for tid in EDGE_WORDS:
-                for noise, suffix in (("gaussian", ""), ("rademacher", " sign")):
-                    add(
-                        f"virtual_linear {name} K={n_in} N={n_out}{suffix}",
-                        launch_virtual_linear,
-                        *(x, weight, y, member_keys, scales, tid, rows, dtype, None, 32, 32, noise),
-                    )
+                add(
+                    f"virtual_linear {name} K={n_in} N={n_out} rows={rows}",
+                    launch_virtual_linear,
+                    *(x, weight, y, member_keys, scales, tid, rows, dtype),
+                )
+                add(
+                    f"virtual_linear {name} K={n_in} N={n_out} rows={rows} sign",
+                    launch_virtual_linear,
+                    *(x, weight, y, member_keys, scales, tid, rows, dtype, None, 32, 32, "rademacher"),
+                )
     for raw_bits in (True, False):
         out = torch.empty(4099, dtype=torch.int64 if raw_bits else torch.float32)
         for key, tid, offset in [((1, 1), 1, 0), ((16, 1 << 31), (1 << 32) - 1, 16), ((0, 0), 16, 1 << 34)]:
@@ -319,10 +324,11 @@ def check(
     return results, {label: sorted(v, key=repr) for label, v in per_label.items()}
 
 
-def sass_opcodes(sass: str) -> list[tuple[int, str, str]]:
-    """(address, opcode with modifiers, operands) of every instruction of a cuobjdump -sass listing."""
-    pattern = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
-    return [(int(a, 16), op, rest.strip()) for a, op, rest in pattern.findall(sass)]
+def parse_sass(sass: str) -> list[tuple[int, str, str, str]]:
+    """(address, predicate, opcode with modifiers, operands) of each instruction of a cuobjdump -sass
+    listing."""
+    pattern = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
+    return [(int(a, 16), p.strip(), op, rest.strip()) for a, p, op, rest in pattern.findall(sass)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -353,9 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{time.perf_counter() - start:.0f} s"
     )
     if args.json:
-        rows = [{**asdict(r), "spills": r.spills, "sass_lines": len(sass_opcodes(r.sass))} for r in results]
-        for row in rows:
-            del row["sass"]
+        rows = [{**asdict(r), "spills": r.spills} for r in results]
         args.json.write_text(
             json.dumps(
                 {
@@ -363,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
                     "results": rows,
                     "variants_per_label": {label: len(v) for label, v in per_label.items()},
                     "opcodes": {
-                        f"{r.target} {r.label}": dict(Counter(op for _, op, _ in sass_opcodes(r.sass)))
+                        f"{r.target} {r.label}": dict(Counter(op for _, _, op, _ in parse_sass(r.sass)))
                         for r in results
                         if r.sass
                     },

@@ -7,7 +7,16 @@ parameters onto the perturbed buffer and back (see fastes.ops). With dst == src 
 import triton
 import triton.language as tl
 
-from .philox import NOISE_CODES, scaled_noise_tile, tile_offsets
+from .philox import (
+    NOISE_CODES,
+    NOISE_RADEMACHER,
+    STREAM_SIGN,
+    lanes_to_tile,
+    normal_lanes,
+    sign_mask_tile,
+    signed,
+    tile_offsets,
+)
 from .rounding import round_to
 from .table import NUM_WARPS, TileTable, blocks_per_row, read_tile, tile_pointer
 
@@ -33,19 +42,41 @@ def perturb_kernel(
         src_addresses, dst_addresses, numels, tensor_ids, tile_tensor, tile_start, DTYPE, BLOCK
     )
     offsets = tile_offsets(ROWS, BLOCKS_PER_ROW)
-    step = scaled_noise_tile(k0, k1, tensor_id, start, scale, NOISE, ROWS, BLOCKS_PER_ROW)
-    # Upcast right after the load: bf16 arithmetic is wrong under the interpreter and imprecise anyway.
+    if NOISE == NOISE_RADEMACHER:  # sign masks, already in element order
+        eps = (sign_mask_tile(k0, k1, tensor_id, STREAM_SIGN, start, ROWS, 4 * BLOCKS_PER_ROW),)
+    else:
+        eps = normal_lanes(k0, k1, tensor_id, 0, start, ROWS, BLOCKS_PER_ROW)
     if fast:  # full, aligned tile: unmasked 128-bit accesses
         src = tile_pointer(src_address, start, DTYPE, True)
         dst = tile_pointer(dst_address, start, DTYPE, True)
-        theta = tl.load(src + offsets).to(tl.float32)
-        tl.store(dst + offsets, round_to(theta + step, DTYPE))
+        _write(src, dst, offsets, None, scale, eps, DTYPE, NOISE, BLOCKS_PER_ROW)
     else:
         src = tile_pointer(src_address, start, DTYPE, False)
         dst = tile_pointer(dst_address, start, DTYPE, False)
-        mask = offsets < count
-        theta = tl.load(src + offsets, mask=mask).to(tl.float32)
-        tl.store(dst + offsets, round_to(theta + step, DTYPE), mask=mask)
+        _write(src, dst, offsets, offsets < count, scale, eps, DTYPE, NOISE, BLOCKS_PER_ROW)
+
+
+@triton.jit
+def _write(
+    src,
+    dst,
+    offsets,
+    mask,
+    scale,
+    eps_lanes,
+    DTYPE: tl.constexpr,
+    NOISE: tl.constexpr,
+    BLOCKS_PER_ROW: tl.constexpr,
+):
+    """dst = round(src + scale * eps), the noise put into element order in this branch's layout
+    (sign noise arrives as one tile of sign masks: scale * eps is scale with its sign flipped)."""
+    if NOISE == NOISE_RADEMACHER:
+        step = signed(scale, eps_lanes[0])
+    else:
+        step = scale * lanes_to_tile(*eps_lanes, BLOCKS_PER_ROW)
+    # Upcast right after the load: bf16 arithmetic is wrong under the interpreter and imprecise anyway.
+    theta = tl.load(src + offsets, mask=mask).to(tl.float32)
+    tl.store(dst + offsets, round_to(theta + step, DTYPE), mask=mask)
 
 
 def launch_perturb(

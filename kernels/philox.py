@@ -5,15 +5,18 @@ are written out here rather than taken from `tl.philox`/`tl.randn`, so that the 
 mapping belongs to fastes and cannot change with the Triton version.
 
 The pieces, in the order a kernel uses them:
-- `block_words`: the four Philox words of each counter block (4 consecutive elements) of a tile;
+- `block_words`: the four Philox words of each counter block (4 consecutive elements);
 - a mapping from the four words of a block to the four values of its elements: `normals4` (Gaussian,
-  Box-Muller) and `uniforms4` (stochastic rounding); another noise type is another such mapping;
-- `interleave4`: lane j of block i to element 4i + j, as a trailing dimension of 4 that stays in each
-  thread's registers (no shared memory), so tiles are shaped [rows, 4 * blocks per row].
+  Box-Muller) and `uniforms4` (stochastic rounding); another noise type is another such mapping,
+  with `*_lanes` / `*_tile` helpers like `normal_lanes` / `normal_tile`;
+- `lanes_to_tile`: lane j of block i to element 4i + j. Tiles are shaped [rows, 16 bytes of elements]
+  and the lanes are joined as trailing dimensions that stay in each thread's registers, so this moves
+  no data (no shared memory) and a row is one 128-bit access.
 
-Cost on sm_90 (python -m benchmarks --static): one block ~45 SASS instructions, Box-Muller ~21 per
-element. Every operation whose result must match the reference exactly is integer or exact fp32
-arithmetic; only log, sqrt and the sin/cos polynomial round differently (docs/noise.md, section 10).
+Cost on sm_90 (python -m benchmarks --static): ~36 SASS instructions per normal, of which Philox is
+about 4 per round per block of 4 (one wide multiply per product, one 3-input xor per word). Every
+operation whose result must match the reference exactly is integer or exact fp32 arithmetic; only
+log, sqrt and the sin/cos polynomials round differently (docs/noise.md, section 10).
 """
 
 import triton
@@ -187,29 +190,44 @@ def row_blocks(start, ROWS: tl.constexpr, BLOCKS_PER_ROW: tl.constexpr):
 
 
 @triton.jit
-def normal_tile(
+def normal_lanes(
     k0, k1, tensor_id, STREAM: tl.constexpr, start, ROWS: tl.constexpr, BLOCKS_PER_ROW: tl.constexpr
 ):
-    """fp32 normals of the [ROWS, 4 * BLOCKS_PER_ROW] tile of consecutive elements from `start`."""
+    """The normals of the [ROWS, 4 * BLOCKS_PER_ROW] tile of consecutive elements from `start`, in lane
+    order: (a0, a1, a2, a3, b0, b1, b2, b3), each [ROWS] (b = a when one block per row).
+
+    Kernels keep lanes until the branch that stores them, and put them in element order there
+    (`lanes_to_tile`): interleaved before a branch, the compiler may convert the tile through shared
+    memory for the masked path's layout on every path.
+    """
     first = row_blocks(start, ROWS, BLOCKS_PER_ROW)
     a0, a1, a2, a3 = normals4(*block_words(k0, k1, tensor_id, STREAM, first))
     b0, b1, b2, b3 = a0, a1, a2, a3
     if BLOCKS_PER_ROW == 2:
         b0, b1, b2, b3 = normals4(*block_words(k0, k1, tensor_id, STREAM, first + 1))
-    return lanes_to_tile(a0, a1, a2, a3, b0, b1, b2, b3, BLOCKS_PER_ROW)
+    return a0, a1, a2, a3, b0, b1, b2, b3
 
 
 @triton.jit
-def uniform_tile(
+def uniform_lanes(
     k0, k1, tensor_id, STREAM: tl.constexpr, start, ROWS: tl.constexpr, BLOCKS_PER_ROW: tl.constexpr
 ):
-    """fp32 uniforms of the same tile: element e takes output word e % 4 of its block."""
+    """The uniforms of the same tile in lane order: element e takes output word e % 4 of its block."""
     first = row_blocks(start, ROWS, BLOCKS_PER_ROW)
     a0, a1, a2, a3 = uniforms4(*block_words(k0, k1, tensor_id, STREAM, first))
     b0, b1, b2, b3 = a0, a1, a2, a3
     if BLOCKS_PER_ROW == 2:
         b0, b1, b2, b3 = uniforms4(*block_words(k0, k1, tensor_id, STREAM, first + 1))
-    return lanes_to_tile(a0, a1, a2, a3, b0, b1, b2, b3, BLOCKS_PER_ROW)
+    return a0, a1, a2, a3, b0, b1, b2, b3
+
+
+@triton.jit
+def normal_tile(
+    k0, k1, tensor_id, STREAM: tl.constexpr, start, ROWS: tl.constexpr, BLOCKS_PER_ROW: tl.constexpr
+):
+    """fp32 normals of the [ROWS, 4 * BLOCKS_PER_ROW] tile of consecutive elements from `start`."""
+    lanes = normal_lanes(k0, k1, tensor_id, STREAM, start, ROWS, BLOCKS_PER_ROW)
+    return lanes_to_tile(*lanes, BLOCKS_PER_ROW)
 
 
 @triton.jit
@@ -270,6 +288,12 @@ def with_sign(value, mask):
 
 
 @triton.jit
+def signed(value, mask):
+    """The scalar `value` times each sign of a mask tile, as an fp32 tile: one xor per element."""
+    return with_sign(tl.zeros(mask.shape, tl.float32) + value, mask)
+
+
+@triton.jit
 def sign_tile(k0, k1, tensor_id, STREAM: tl.constexpr, start, ROWS: tl.constexpr, WIDTH: tl.constexpr):
     """fp32 Rademacher signs (+1 / -1) of the [ROWS, WIDTH] tile from `start` (see sign_mask_tile)."""
     mask = sign_mask_tile(k0, k1, tensor_id, STREAM, start, ROWS, WIDTH)
@@ -290,20 +314,3 @@ def sign_at(k0, k1, tensor_id, STREAM: tl.constexpr, elements):
     word = sign_words_at(k0, k1, tensor_id, STREAM, elements & ~31)
     bit = (word >> (elements & 31).to(tl.uint32)) & 1
     return 1.0 - 2.0 * bit.to(tl.float32)
-
-
-@triton.jit
-def scaled_noise_tile(
-    k0, k1, tensor_id, start, scale, NOISE: tl.constexpr, ROWS: tl.constexpr, BLOCKS_PER_ROW: tl.constexpr
-):
-    """scale * eps of the [ROWS, 4 * BLOCKS_PER_ROW] tile from `start` on the perturbation stream of
-    distribution NOISE. A sign flips `scale` exactly: one xor per element after a Philox call that serves
-    128 elements."""
-    if NOISE == NOISE_RADEMACHER:
-        scales = tl.zeros((ROWS, 4 * BLOCKS_PER_ROW), tl.float32) + scale  # a tensor, to bitcast
-        step = with_sign(
-            scales, sign_mask_tile(k0, k1, tensor_id, STREAM_SIGN, start, ROWS, 4 * BLOCKS_PER_ROW)
-        )
-    else:
-        step = scale * normal_tile(k0, k1, tensor_id, 0, start, ROWS, BLOCKS_PER_ROW)
-    return step

@@ -19,7 +19,7 @@ from .philox import (
     row_blocks,
     sign_mask_tile,
     tile_offsets,
-    uniform_tile,
+    uniform_lanes,
     with_sign,
 )
 from .rounding import round_to, stochastic_round
@@ -56,32 +56,31 @@ def update_kernel(
         param_addresses, out_addresses, numels, tensor_ids, tile_tensor, tile_start, DTYPE, BLOCK
     )
 
-    if NOISE == NOISE_RADEMACHER:
-        total = _sign_sum(keys, weights, n_directions, tensor_id, start, ROWS, 4 * BLOCKS_PER_ROW)
-    else:
-        total = _gaussian_sum(keys, weights, n_directions, tensor_id, start, ROWS, BLOCKS_PER_ROW)
-    step = coef * total
+    if NOISE == NOISE_RADEMACHER:  # one tile, already in element order
+        sums = (_sign_sum(keys, weights, n_directions, tensor_id, start, ROWS, 4 * BLOCKS_PER_ROW),)
+    else:  # the lanes of normals, put into element order in _write
+        sums = _gaussian_sums(keys, weights, n_directions, tensor_id, start, ROWS, BLOCKS_PER_ROW)
 
     offsets = tile_offsets(ROWS, BLOCKS_PER_ROW)
     if MODE == 1:
-        u = uniform_tile(rounding_k0, rounding_k1, tensor_id, 1, start, ROWS, BLOCKS_PER_ROW)
+        u = uniform_lanes(rounding_k0, rounding_k1, tensor_id, 1, start, ROWS, BLOCKS_PER_ROW)
     else:
-        u = step
+        u = sums  # unused
     if fast:  # full, aligned tile: unmasked 128-bit accesses
         param = tile_pointer(param_address, start, DTYPE, True)
         out = tile_pointer(out_address, start, DTYPE, True)
-        _write(param, out, offsets, None, step, decay, u, DTYPE, MODE)
+        _write(param, out, offsets, None, sums, coef, decay, u, DTYPE, MODE, NOISE, BLOCKS_PER_ROW)
     else:
         param = tile_pointer(param_address, start, DTYPE, False)
         out = tile_pointer(out_address, start, DTYPE, False)
-        _write(param, out, offsets, offsets < count, step, decay, u, DTYPE, MODE)
+        _write(param, out, offsets, offsets < count, sums, coef, decay, u, DTYPE, MODE, NOISE, BLOCKS_PER_ROW)
 
 
 @triton.jit
-def _gaussian_sum(
+def _gaussian_sums(
     keys, weights, n_directions, tensor_id, start, ROWS: tl.constexpr, BLOCKS_PER_ROW: tl.constexpr
 ):
-    """sum_j w_j eps_j (normals) over the [ROWS, 4 * BLOCKS_PER_ROW] tile from `start`, fp32."""
+    """sum_j w_j eps_j (normals) over the tile, as the 8 lanes (a0..a3, b0..b3) of lanes_to_tile."""
     # The direction loop keeps each block's four lanes apart (a: first block of a row, b: second, with
     # two per row); they are put into element order once, after it.
     first = row_blocks(start, ROWS, BLOCKS_PER_ROW)
@@ -96,7 +95,7 @@ def _gaussian_sum(
         if BLOCKS_PER_ROW == 2:
             e0, e1, e2, e3 = normals4(*block_words(k0, k1, tensor_id, 0, first + 1))
             b0, b1, b2, b3 = b0 + w * e0, b1 + w * e1, b2 + w * e2, b3 + w * e3
-    return lanes_to_tile(a0, a1, a2, a3, b0, b1, b2, b3, BLOCKS_PER_ROW)
+    return a0, a1, a2, a3, b0, b1, b2, b3
 
 
 @triton.jit
@@ -113,13 +112,33 @@ def _sign_sum(keys, weights, n_directions, tensor_id, start, ROWS: tl.constexpr,
 
 
 @triton.jit
-def _write(param, out, offsets, mask, step, decay, u, DTYPE: tl.constexpr, MODE: tl.constexpr):
-    """out = round(param * decay + step) (to nearest, or stochastically with u), or round(step)."""
+def _write(
+    param,
+    out,
+    offsets,
+    mask,
+    sum_lanes,
+    coef,
+    decay,
+    u_lanes,
+    DTYPE: tl.constexpr,
+    MODE: tl.constexpr,
+    NOISE: tl.constexpr,
+    BLOCKS_PER_ROW: tl.constexpr,
+):
+    """out = round(param * decay + coef * sum) (to nearest, or stochastically with u), or
+    round(coef * sum); the lanes put into element order here, in this branch's layout (a sign sum is
+    one tile already in element order)."""
+    if NOISE == NOISE_RADEMACHER:
+        step = coef * sum_lanes[0]
+    else:
+        step = coef * lanes_to_tile(*sum_lanes, BLOCKS_PER_ROW)
     if MODE == 2:
         tl.store(out + offsets, round_to(step, DTYPE), mask=mask)
     else:
         new = tl.load(param + offsets, mask=mask).to(tl.float32) * decay + step
         if MODE == 1:
+            u = lanes_to_tile(*u_lanes, BLOCKS_PER_ROW)
             tl.store(out + offsets, stochastic_round(new, u, DTYPE), mask=mask)
         else:
             tl.store(out + offsets, round_to(new, DTYPE), mask=mask)
