@@ -35,6 +35,7 @@ def virtual_linear_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    TRANSPOSED: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -57,8 +58,14 @@ def virtual_linear_kernel(
             x + rows[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
         )
         w_mask = col_ok[:, None] & k_ok[None, :]
-        w = tl.load(weight + cols[:, None] * stride_w + ks[None, :], mask=w_mask, other=0.0).to(tl.float32)
-        eps = normal_at(k0, k1, tensor_id, 0, cols[:, None] * K + ks[None, :])
+        if TRANSPOSED:  # a Conv1D weight [K, N]: element (k, n) is at k * stride + n, noise index k N + n
+            w_offsets = ks[None, :] * stride_w + cols[:, None]
+            eps_index = ks[None, :] * N + cols[:, None]
+        else:
+            w_offsets = cols[:, None] * stride_w + ks[None, :]
+            eps_index = cols[:, None] * K + ks[None, :]
+        w = tl.load(weight + w_offsets, mask=w_mask, other=0.0).to(tl.float32)
+        eps = normal_at(k0, k1, tensor_id, 0, eps_index)
         # Round like a stored perturbed weight; masked lanes stay 0 so they add nothing.
         b = tl.where(w_mask, round_to(w + scale * eps, DTYPE).to(tl.float32), 0.0)
         if DOT_IN_FP32:  # fp32 weights (no tf32 shortcut), or the interpreter (its 16-bit dot is wrong)
@@ -81,10 +88,14 @@ def launch_virtual_linear(
     block_m: int = 32,
     block_n: int = 32,
     block_k: int = 32,
+    transposed: bool = False,
 ) -> None:
-    """y = per-member perturbed x W^T; x [members * rows_per_member, K], weight [N, K], y [rows, N]."""
+    """y = per-member perturbed x W^T; x [members * rows_per_member, K], weight [N, K], y [rows, N].
+
+    `transposed`: the weight is a Conv1D's [K, N] and y = x W (its noise follows that layout).
+    """
     members = keys.shape[0]
-    n_out, k_in = weight.shape
+    k_in, n_out = weight.shape if transposed else weight.shape[::-1]
     grid = (triton.cdiv(rows_per_member, block_m), triton.cdiv(n_out, block_n), members)
     virtual_linear_kernel[grid](
         x,
@@ -104,4 +115,5 @@ def launch_virtual_linear(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        TRANSPOSED=transposed,
     )
