@@ -41,6 +41,12 @@ class ESConfig:
     eval_mode: str = "materialised"
     noise_type: str = "full"  # "lowrank": matrices get eps = A B^T / sqrt(rank) (EGGROLL-style)
     rank: int = 1
+    # What to evolve (fastes.linear_weights): every projection matrix (nn.Linear, Conv1D) whose name
+    # matches the regular expression `evolve` (empty = all), plus the opt-in kinds (member eval_mode only).
+    evolve: str = ""
+    include_embeddings: bool = False
+    include_norms: bool = False
+    include_biases: bool = False
 
 
 @dataclass
@@ -167,6 +173,22 @@ def _check_device(device: str) -> None:
     )
 
 
+def _check_evolve(es: ESConfig) -> None:
+    import re
+
+    try:
+        re.compile(es.evolve)
+    except re.error as error:
+        raise ConfigError(f"es.evolve: {es.evolve!r} is not a regular expression ({error})") from None
+    extra = [k for k in ("include_embeddings", "include_norms", "include_biases") if getattr(es, k)]
+    _require(
+        not extra or es.eval_mode == "member",
+        f"es.{extra[0] if extra else ''}",
+        f"batched evaluation ({es.eval_mode}) evolves projection matrices only; set es.eval_mode = "
+        "'member' to evolve embeddings, norms or biases",
+    )
+
+
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Check every value's range; returns cfg for chaining."""
     from .tasks import available_tasks
@@ -220,6 +242,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         "es.eval_mode",
         "'virtual' evaluation generates full-rank noise; set es.noise_type = 'full'",
     )
+    _check_evolve(es)
     g = cfg.grpo
     _require(g.steps >= 0, "grpo.steps", f"must be >= 0, got {g.steps}")
     _require(g.num_generations >= 2, "grpo.num_generations", f"must be at least 2, got {g.num_generations}")

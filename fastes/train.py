@@ -77,7 +77,13 @@ def evaluate(run: Run, examples: list[Example], batch_size: int = 256) -> dict[s
 def make_es(run: Run) -> ES:
     c = run.cfg.es
     return ES(
-        linear_weights(run.model),
+        linear_weights(
+            run.model,
+            names=c.evolve or None,
+            include_embeddings=c.include_embeddings,
+            include_norms=c.include_norms,
+            include_biases=c.include_biases,
+        ),
         sigma=c.sigma,
         lr=c.lr,
         population=c.population,
