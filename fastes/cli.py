@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from . import distributed
 from .config import ConfigError, flag_specs, load_config
 
 
@@ -69,6 +70,8 @@ def cmd_train(args: argparse.Namespace, defaults: dict[str, Any] | None = None) 
 
     cfg = load_config(args.config, _overrides(args, defaults))
     summary = train(cfg, resume=args.resume)
+    if not distributed.is_writer():  # under torchrun, rank 0 reports and plots
+        return summary
     metrics = [json.loads(line) for line in (Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()]
     summary["plot"] = str(_curve_plot(metrics, Path(cfg.out_dir) / "curve.png"))
     base, final = summary["base_test_accuracy"], summary["final_test_accuracy"]
@@ -127,6 +130,11 @@ def cmd_pretrain(args: argparse.Namespace) -> dict:
 def cmd_experiment(args: argparse.Namespace) -> dict:
     from .experiment import run_experiment
 
+    if distributed.launched_world_size() > 1:
+        raise ConfigError(
+            "fastes experiment runs in one process (its arms and analyses are not split over processes); "
+            "start it without torchrun"
+        )
     metrics = run_experiment(args.preset, args.out, model=args.model)
     print(f"\nreport: {Path(args.out) / 'report.md'}   metrics: {Path(args.out) / 'metrics.json'}")
     for finding in metrics["findings"]:

@@ -19,6 +19,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 ALGORITHMS = ("es", "grpo", "grpo_es")
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+SCALE_REWARDS = ("group", "batch", "none")
 EVAL_MODES = ("materialised", "virtual", "lowrank", "member")
 MAX_SEED = 2**32  # seeds are in [0, 2^32): ES takes up to 2^64, GRPO samples with seed * 1_000_003 + step
 
@@ -61,6 +62,12 @@ class GRPOConfig:
     loss_type: str = "dapo"
     max_grad_norm: float = 1.0
     weight_decay: float = 0.0
+    # TRL's names and meanings:
+    num_iterations: int = 1  # optimisation steps per batch of samples (old policy = the sampling one)
+    epsilon_high: float = 0.0  # upper clip 1 + epsilon_high (DAPO's clip-higher); 0 = epsilon
+    scale_rewards: str = "group"  # advantages divided by the std of the "group", the "batch", or "none"
+    mask_truncated_completions: bool = False  # completions cut at max_new_tokens leave the loss
+    use_bias_correction_kl: bool = False  # k3 KL times the importance ratio (beta > 0)
 
 
 @dataclass
@@ -254,6 +261,13 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _require(g.loss_type in LOSS_TYPES, "grpo.loss_type", f"{g.loss_type!r} is not one of {LOSS_TYPES}")
     _require(g.max_grad_norm > 0, "grpo.max_grad_norm", f"must be > 0, got {g.max_grad_norm}")
     _require(g.weight_decay >= 0, "grpo.weight_decay", f"must be >= 0, got {g.weight_decay}")
+    _require(g.num_iterations >= 1, "grpo.num_iterations", f"must be at least 1, got {g.num_iterations}")
+    _require(g.epsilon_high >= 0, "grpo.epsilon_high", f"must be >= 0 (0 = epsilon), got {g.epsilon_high}")
+    _require(
+        g.scale_rewards in SCALE_REWARDS,
+        "grpo.scale_rewards",
+        f"{g.scale_rewards!r} is not one of {SCALE_REWARDS}",
+    )
     return cfg
 
 

@@ -14,8 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedModel
-from transformers import PreTrainedTokenizerBase
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from . import noise
 
@@ -82,7 +87,7 @@ def generate(
     # checkpoint's top_k, repetition_penalty, suppress_tokens, ...). So the model's is replaced by a bare
     # one (its EOS ids only) for the call, decoding is greedy, and RowSampler does any sampling.
     saved = model.generation_config
-    eos = saved.eos_token_id if saved.eos_token_id is not None else tokenizer.eos_token_id
+    eos = eos_token_ids(model, tokenizer)
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
         do_sample=False,
@@ -105,8 +110,7 @@ def generate(
         model.generation_config = saved
 
     completion = out[:, enc["input_ids"].shape[1] :]
-    eos_ids = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
-    completion_ids = [_until_eos(row, eos_ids) for row in completion.tolist()]
+    completion_ids = [_until_eos(row, eos) for row in completion.tolist()]
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
 
     prompt_ids = [
@@ -114,6 +118,14 @@ def generate(
     ]
     prompt_ids = [ids for ids in prompt_ids for _ in range(num_return_sequences)]
     return Generation(texts=texts, completion_ids=completion_ids, prompt_ids=prompt_ids)
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The token ids that end a completion: the model's generation config's, else the tokenizer's."""
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    return list(eos) if isinstance(eos, (list, tuple)) else [eos]
 
 
 class RowSampler(LogitsProcessor):

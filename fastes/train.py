@@ -8,6 +8,7 @@ resumed from a checkpoint continues exactly as the uninterrupted run would have.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import random
 import time
@@ -18,17 +19,18 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from . import ES, linear_weights
+from . import ES, distributed, linear_weights
 from .analysis.diversity import js_diversity
 from .analysis.entropy import token_entropy
 from .batched import population_batched
 from .checkpoint import latest_checkpoint, save_checkpoint
 from .config import TrainConfig, config_dict
-from .generation import generate
+from .generation import eos_token_ids, generate
 from .models import format_prompt, load_model, save_model, tiny_model_path
 from .tasks import Example, Task, get_task
 
 PHASES = {"es": ("es",), "grpo": ("grpo",), "grpo_es": ("grpo", "es")}
+GRPO_CHECKSUM_EVERY = 10  # GRPO steps between the cross-process weight checks (ES has its own)
 
 
 @dataclass
@@ -44,8 +46,9 @@ class Run:
 
     def log(self, record: dict) -> None:
         self.metrics.append(record)
-        with (self.out_dir / "metrics.jsonl").open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        if distributed.is_writer():  # every rank holds the same (all-reduced) records; one writes them
+            with (self.out_dir / "metrics.jsonl").open("a") as f:
+                f.write(json.dumps(record) + "\n")
 
     def prompts(self, examples: list[Example]) -> list[str]:
         return [format_prompt(self.tokenizer, ex.prompt) for ex in examples]
@@ -60,14 +63,17 @@ def batch_for(run: Run, phase: str, step: int) -> list[Example]:
 
 @torch.no_grad()
 def evaluate(run: Run, examples: list[Example], batch_size: int = 256) -> dict[str, float]:
-    """Greedy accuracy and format rate of the current weights on `examples`."""
+    """Greedy accuracy and format rate of the current weights on `examples` (shared by the processes)."""
+    rank, world = distributed.rank_and_world()
+    mine = examples[rank::world]
     answer = fmt = 0.0
-    for start in range(0, len(examples), batch_size):
-        chunk = examples[start : start + batch_size]
+    for start in range(0, len(mine), batch_size):
+        chunk = mine[start : start + batch_size]
         gen = generate(run.model, run.tokenizer, run.prompts(chunk), max_new_tokens=run.cfg.max_new_tokens)
-        scores = [run.task.score(ex, text) for ex, text in zip(chunk, gen.texts)]
+        scores = run.task.scores(chunk, gen.texts)
         answer += sum(s.answer for s in scores)
         fmt += sum(s.format for s in scores)
+    answer, fmt = distributed.all_sum([answer, fmt]).tolist()
     return {"accuracy": answer / len(examples), "format": fmt / len(examples)}
 
 
@@ -103,6 +109,7 @@ def es_iteration(run: Run, es: ES, step: int) -> dict[str, float]:
 
     eval_mode "member" generates member by member under each member's perturbation; "materialised" and
     "virtual" generate for the whole population in one call (fastes.batched), rows grouped by member.
+    Under torchrun each process evaluates its members (es.members()) and es.step all-reduces the rewards.
     """
     examples = batch_for(run, "es", step)
     prompts = run.prompts(examples)
@@ -120,13 +127,17 @@ def es_iteration(run: Run, es: ES, step: int) -> dict[str, float]:
                 gen = generate(run.model, run.tokenizer, prompts, max_new_tokens=max_new)
             texts.append(gen.texts)
             tokens += gen.num_tokens
-    scores = [[run.task.score(ex, t) for ex, t in zip(examples, member_texts)] for member_texts in texts]
+    flat = run.task.scores(examples * len(texts), [t for member_texts in texts for t in member_texts])
+    scores = [flat[i * len(examples) : (i + 1) * len(examples)] for i in range(len(texts))]
     rewards = es.step(
         torch.tensor([[s.reward(run.cfg.format_weight) for s in row] for row in scores], dtype=torch.float64)
     )
+    answers = torch.tensor([[s.answer for s in row] for row in scores], dtype=torch.float64)
+    answers = distributed.gather_strided(answers.view(len(texts), len(examples)), es.population)
+    tokens = int(distributed.all_sum([tokens])[0])
     seconds = time.perf_counter() - start
     per_member = rewards.mean(dim=1)
-    diversity = js_diversity(torch.tensor([[s.answer for s in row] for row in scores]))
+    diversity = js_diversity(answers)
     return {
         "reward": float(per_member.mean()),
         "reward_std": float(per_member.std(correction=0)),
@@ -150,81 +161,147 @@ def completion_logprobs(
     return logp, logits
 
 
+def grpo_advantages(rewards: torch.Tensor, scale_rewards: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """TRL's advantages of rewards [prompts, G]: r - group mean, divided by (std + 1e-4) where std is the
+    group's ("group"), the whole batch's ("batch") or not at all ("none"). Also returns that std per
+    completion (the group's for "none"), whose mean TRL logs as reward_std."""
+    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    if scale_rewards == "batch":
+        std = rewards.std().expand_as(rewards)
+    else:
+        std = rewards.std(dim=1, keepdim=True).expand_as(rewards)  # Bessel-corrected, as TRL
+    return (centred if scale_rewards == "none" else centred / (std + 1e-4)), std
+
+
+def completion_batch(gen, pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded prompt + completion rows: input ids, attention mask, and where the completions are."""
+    rows = [p + c for p, c in zip(gen.prompt_ids, gen.completion_ids)]
+    width = max(map(len, rows))
+    input_ids = torch.tensor([r + [pad_token_id] * (width - len(r)) for r in rows], device=device)
+    attention = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=device)
+    completion = torch.zeros_like(input_ids, dtype=torch.bool)
+    for i, (p, c) in enumerate(zip(gen.prompt_ids, gen.completion_ids)):
+        completion[i, len(p) : len(p) + len(c)] = True  # EOS included
+    return input_ids, attention, completion
+
+
 def grpo_step(run: Run, optimizer: torch.optim.Optimizer, reference, step: int) -> dict[str, float]:
-    """Sample G completions per prompt, normalise rewards per group, one clipped-surrogate update."""
+    """Sample G completions per prompt, then num_iterations clipped-surrogate updates on them (TRL's GRPO).
+
+    Under torchrun each process takes an equal slice of the prompts; rewards are gathered, so advantages
+    and metrics are the whole batch's, each loss is divided by the whole batch's normaliser, and the
+    gradients are summed before clipping: every process takes the step one process would take (up to the
+    order of float additions).
+    """
     g = run.cfg.grpo
+    rank, world = distributed.rank_and_world()
     examples = batch_for(run, "grpo", step)
+    share = len(examples) // world
+    mine = examples[rank * share : (rank + 1) * share]
     start = time.perf_counter()
     run.model.eval()
     gen = generate(
         run.model,
         run.tokenizer,
-        run.prompts(examples),
+        run.prompts(mine),
         max_new_tokens=run.cfg.max_new_tokens,
         temperature=g.temperature,
         top_p=g.top_p,
         seed=run.cfg.seed * 1_000_003 + step,
         num_return_sequences=g.num_generations,
+        first_row=rank * share * g.num_generations,
     )
-    repeated = [ex for ex in examples for _ in range(g.num_generations)]
-    rewards = torch.tensor(
-        [run.task.score(ex, t).reward(run.cfg.format_weight) for ex, t in zip(repeated, gen.texts)]
-    ).view(len(examples), g.num_generations)
-    group_std = rewards.std(dim=1, keepdim=True)  # Bessel-corrected, as TRL
-    advantages = ((rewards - rewards.mean(dim=1, keepdim=True)) / (group_std + 1e-4)).view(-1)
+    repeated = [ex for ex in mine for _ in range(g.num_generations)]
+    scores = run.task.scores(repeated, gen.texts)
+    local = torch.tensor([s.reward(run.cfg.format_weight) for s in scores], dtype=torch.float64)
+    rewards = distributed.gather_blocks(local.view(share, g.num_generations))  # the whole batch
+    if not bool(torch.isfinite(rewards).all()):
+        raise ValueError(
+            f"GRPO step {step}: {int((~torch.isfinite(rewards)).sum())} completions got a non-finite reward; "
+            "fix the reward function so that it returns finite numbers"
+        )
+    advantages, std = grpo_advantages(rewards, g.scale_rewards)
+    device = run.model.device
+    adv = advantages[rank * share : (rank + 1) * share].reshape(-1, 1).float().to(device)
 
-    # Right-padded prompt + completion rows; the mask keeps completion tokens (EOS included).
-    rows = [p + c for p, c in zip(gen.prompt_ids, gen.completion_ids)]
-    width = max(map(len, rows))
-    pad = run.tokenizer.pad_token_id
-    input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=run.model.device)
-    attention = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=run.model.device)
-    completion = torch.zeros_like(input_ids, dtype=torch.bool)
-    for i, (p, c) in enumerate(zip(gen.prompt_ids, gen.completion_ids)):
-        completion[i, len(p) : len(p) + len(c)] = True
+    input_ids, attention, completion = completion_batch(gen, run.tokenizer.pad_token_id, device)
+    eos = set(eos_token_ids(run.model, run.tokenizer))
+    truncated = torch.tensor([not ids or ids[-1] not in eos for ids in gen.completion_ids], device=device)
     mask = completion[:, 1:].float()
+    if g.mask_truncated_completions:  # a cut-off completion has no final answer to be judged on
+        mask = mask * (~truncated)[:, None]
+    rows = len(examples) * g.num_generations
+    tokens, lengths, n_truncated = distributed.all_sum(
+        [float(mask.sum()), float(sum(gen.lengths)), float(truncated.sum())]
+    ).tolist()
 
-    run.model.train()
-    logp, logits = completion_logprobs(run.model, input_ids, attention, g.temperature)
-    ratio = torch.exp(logp - logp.detach())  # one optimisation step per batch: old policy = current
-    adv = advantages[:, None].to(logp.device)
-    clipped = torch.clamp(ratio, 1 - g.epsilon, 1 + g.epsilon)
-    per_token = -torch.min(ratio * adv, clipped * adv)
-    kl = torch.zeros(())
-    if reference is not None:
-        with torch.no_grad():
+    with torch.no_grad():
+        old_logp = None  # with one update per batch the old policy is the current one
+        if g.num_iterations > 1:
+            old_logp, _ = completion_logprobs(run.model, input_ids, attention, g.temperature)
+        ref_logp = None
+        if reference is not None:
             ref_logp, _ = completion_logprobs(reference, input_ids, attention, g.temperature)
-        delta = ref_logp - logp
-        k3 = torch.exp(delta) - delta - 1  # unbiased, always >= 0
-        per_token = per_token + g.beta * k3
-        kl = (k3 * mask).sum() / mask.sum()
-    if g.loss_type == "grpo":
-        loss = ((per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
-    elif g.loss_type == "dapo":
-        loss = (per_token * mask).sum() / mask.sum().clamp(min=1)
-    else:  # dr_grpo: a constant normaliser, no length bias
-        loss = (per_token * mask).sum() / (mask.shape[0] * run.cfg.max_new_tokens)
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), g.max_grad_norm)
-    optimizer.step()
+    high = g.epsilon_high or g.epsilon  # 0 = symmetric clipping, as TRL's None
+    generated = completion[:, 1:]  # every generated token (entropy is the policy's, whatever is masked)
+    entropy_sum = 0.0
+    totals = torch.zeros(4, dtype=torch.float64)  # loss, low-clipped, high-clipped, kl: whole batch
+    grad_norms = 0.0
+    run.model.train()
+    for iteration in range(g.num_iterations):
+        logp, logits = completion_logprobs(run.model, input_ids, attention, g.temperature)
+        if iteration == 0 and generated.any():
+            entropy_sum = float(token_entropy(logits.detach(), generated)) * float(generated.sum())
+        ratio = torch.exp(logp - (logp.detach() if old_logp is None else old_logp))
+        clipped = torch.clamp(ratio, 1 - g.epsilon, 1 + high)
+        per_token = -torch.min(ratio * adv, clipped * adv)
+        kl = torch.zeros((), device=device)
+        if ref_logp is not None:
+            delta = ref_logp - logp
+            k3 = torch.exp(delta) - delta - 1  # unbiased, always >= 0
+            if g.use_bias_correction_kl:  # importance-corrected: samples came from the old policy
+                k3 = k3 * ratio
+            per_token = per_token + g.beta * k3
+            kl = (k3 * mask).sum()
+        if g.loss_type == "grpo":
+            loss = ((per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)).sum() / rows
+        elif g.loss_type == "dapo":
+            loss = (per_token * mask).sum() / max(tokens, 1.0)
+        else:  # dr_grpo: a constant normaliser, no length bias
+            loss = (per_token * mask).sum() / (rows * run.cfg.max_new_tokens)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        distributed.sum_gradients(run.model.parameters())
+        grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), g.max_grad_norm)
+        optimizer.step()
+        low_clipped = ((ratio < 1 - g.epsilon) & (adv < 0)).float() * mask
+        high_clipped = ((ratio > 1 + high) & (adv > 0)).float() * mask
+        parts = [loss.detach(), low_clipped.sum(), high_clipped.sum(), kl.detach()]
+        totals += distributed.all_sum([float(x) for x in parts])
+        grad_norms += float(grad_norm)  # the same on every process: the gradients were summed
     run.model.eval()
 
     seconds = time.perf_counter() - start
+    n = g.num_iterations
+    per_token = n * max(tokens, 1.0)
+    entropy_sum, generated_count = distributed.all_sum([entropy_sum, float(generated.sum())]).tolist()
+    low, high_share = float(totals[1]) / per_token, float(totals[2]) / per_token
+    group_std = rewards.std(dim=1)
     return {
         "reward": float(rewards.mean()),
-        "reward_std": float(rewards.std(dim=1).mean()),
-        "frac_reward_zero_std": float((group_std.squeeze(1) == 0).float().mean()),
-        "entropy": float(token_entropy(logits.detach(), completion[:, 1:])),
-        "kl": float(kl.detach()),
-        "loss": float(loss.detach()),
-        "grad_norm": float(grad_norm),
-        "clip_ratio": float(
-            (((ratio < 1 - g.epsilon) | (ratio > 1 + g.epsilon)).float() * mask).sum() / mask.sum()
-        ),
-        "completion_length": sum(gen.lengths) / len(gen.lengths),
+        "reward_std": float(std.mean()),  # TRL's: the std advantages are scaled by, averaged
+        "frac_reward_zero_std": float(group_std.isclose(torch.zeros_like(group_std)).double().mean()),
+        "entropy": entropy_sum / max(generated_count, 1.0),
+        "kl": float(totals[3]) / per_token,
+        "loss": float(totals[0]) / n,
+        "grad_norm": grad_norms / n,
+        "clip_ratio": low + high_share,  # TRL's region_mean: tokens where the clip is active
+        "clip_ratio/low_mean": low,
+        "clip_ratio/high_mean": high_share,
+        "completion_length": lengths / rows,
+        "completions/clipped_ratio": n_truncated / rows,
         "seconds": seconds,
-        "tokens_per_second": gen.num_tokens / seconds,
+        "tokens_per_second": lengths / seconds,
     }
 
 
@@ -255,6 +332,8 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.T
 
 
 def _checkpoint(run: Run, global_step: int, phase_index: int, step: int, es: ES | None, optimizer) -> None:
+    if not distributed.is_writer():  # every process holds the same state; one writes it
+        return
     tensors = {f"model.{k}": v for k, v in run.model.state_dict().items()}
     state: dict[str, Any] = {"phase_index": phase_index, "step": step, "config": config_dict(run.cfg)}
     if es is not None:
@@ -266,7 +345,33 @@ def _checkpoint(run: Run, global_step: int, phase_index: int, step: int, es: ES 
 
 
 def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
-    """Run the configured post-training; returns base and final test metrics."""
+    """Run the configured post-training; returns base and final test metrics.
+
+    Under torchrun the processes run one job (fastes.distributed): ES shares the population, GRPO the
+    prompts of each batch, and rank 0 alone writes the run directory.
+    """
+    device, joined = distributed.setup(cfg.device)
+    try:
+        return _train(dataclasses.replace(cfg, device=device), resume=resume)
+    finally:
+        distributed.teardown(joined)
+
+
+def check_world_size(cfg: TrainConfig, task: Task) -> None:
+    """Before any work: the processes must be able to share the population and the prompts equally."""
+    phases = PHASES[cfg.algorithm]
+    if "es" in phases:
+        distributed.require_divisible(
+            cfg.es.population, "es.population", "each process evaluates an equal share of the members"
+        )
+    if "grpo" in phases:
+        prompts = min(cfg.batch_size, len(task.split("train")))
+        distributed.require_divisible(
+            prompts, "GRPO prompts per step (batch_size)", "each process samples an equal share of them"
+        )
+
+
+def _train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
@@ -275,23 +380,27 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
     small = sum(p.numel() for p in model.parameters()) < 5_000_000
     torch.set_num_threads(cfg.threads or (1 if small else torch.get_num_threads()))
     run = Run(cfg, model, tokenizer, get_task(cfg.task, seed=cfg.task_seed), out_dir)
+    check_world_size(cfg, run.task)
     test = run.task.split("test")[: cfg.eval_size]
     phases = PHASES[cfg.algorithm]
     lengths = [cfg.grpo.steps if p == "grpo" else cfg.es.iterations for p in phases]
 
     # Where to start: from scratch, or just after the newest checkpoint.
     first_phase, first_step, saved = 0, 0, None
-    found = latest_checkpoint(out_dir) if resume else None
+    found = distributed.from_writer(lambda: latest_checkpoint(out_dir) if resume else None)
     if found is not None:
         global_step, tensors, saved = found
         model.load_state_dict({k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")})
         first_phase, first_step = saved["phase_index"], saved["step"]
-        kept = [m for m in _read_metrics(out_dir) if m["global_step"] <= global_step]
+        kept = distributed.from_writer(
+            lambda: [m for m in _read_metrics(out_dir) if m["global_step"] <= global_step]
+        )
         _write_metrics(out_dir, kept)
         run.metrics = kept
     else:
         _write_metrics(out_dir, [])
-        (out_dir / "config.json").write_text(json.dumps(config_dict(cfg), indent=2))
+        if distributed.is_writer():
+            (out_dir / "config.json").write_text(json.dumps(config_dict(cfg), indent=2))
         base = evaluate(run, test)
         run.log(
             {
@@ -304,7 +413,8 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
         )
 
     global_step = sum(lengths[:first_phase]) + first_step
-    bar = tqdm(total=sum(lengths), initial=global_step, disable=not cfg.progress, desc=cfg.algorithm)
+    quiet = not cfg.progress or not distributed.is_writer()
+    bar = tqdm(total=sum(lengths), initial=global_step, disable=quiet, desc=cfg.algorithm)
     for phase_index in range(first_phase, len(phases)):
         phase = phases[phase_index]
         es = make_es(run) if phase == "es" else None
@@ -335,13 +445,16 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
                 reward=f"{record['reward']:.3f}",
                 test=f"{record.get('test_accuracy', float('nan')):.3f}",
             )
+            if phase == "grpo" and (step + 1) % GRPO_CHECKSUM_EVERY == 0:
+                distributed.check_same_weights(model.parameters(), f"GRPO step {step + 1}")
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
                 _checkpoint(run, global_step, phase_index, step + 1, es, optimizer)
         if phase_index + 1 < len(phases):  # a phase boundary is a checkpoint: the next phase starts fresh
             _checkpoint(run, global_step, phase_index + 1, 0, None, None)
         saved = None
     bar.close()
-    save_model(model, tokenizer, out_dir / "final")
+    if distributed.is_writer():
+        save_model(model, tokenizer, out_dir / "final")
     base_accuracy = run.metrics[0]["test_accuracy"]
     final = [m for m in run.metrics if "test_accuracy" in m][-1]["test_accuracy"]
     summary = {
@@ -351,7 +464,8 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
         "out_dir": str(out_dir),
         "model_dir": str(out_dir / "final"),
     }
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if distributed.is_writer():
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
@@ -369,6 +483,8 @@ def _read_metrics(out_dir: Path) -> list[dict]:
 
 
 def _write_metrics(out_dir: Path, records: list[dict]) -> None:
+    if not distributed.is_writer():
+        return
     tmp = out_dir / "metrics.jsonl.tmp"
     tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
     tmp.replace(out_dir / "metrics.jsonl")
