@@ -70,9 +70,11 @@ def teardown(joined: bool) -> None:
 
 def require_divisible(count: int, what: str, fix: str) -> None:
     """A clear error, before any work, when `count` cannot be shared equally by the processes."""
+    from .config import ConfigError
+
     _, world = rank_and_world()
     if count % world:
-        raise ValueError(
+        raise ConfigError(
             f"{what} = {count} cannot be shared by {world} processes: it must be a multiple of the world "
             f"size {world}; {fix}"
         )
