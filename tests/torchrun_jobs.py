@@ -20,7 +20,8 @@ common = [
     "--progress", "false",
 ]
 es = ["--es.iterations", "3", "--es.population", "4", "--es.sigma", "0.002", "--es.lr", "5e-5"]
-grpo = ["--algorithm", "grpo", "--grpo.steps", "2", "--grpo.num_generations", "4", "--grpo.num_iterations", "2"]
+grpo = ["--algorithm", "grpo", "--grpo.steps", "2", "--grpo.num_generations", "4"]
+grpo += ["--grpo.num_iterations", "2"]
 
 distributed.setup("cpu")  # one process group for all the jobs; train() uses it and leaves it open
 rank = dist.get_rank()
