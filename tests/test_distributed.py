@@ -41,17 +41,36 @@ def two_processes(task, tmp_path_factory) -> Path:
     script = Path(__file__).with_name("torchrun_jobs.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         str(script), str(root), task],
-        capture_output=True, text=True, timeout=300, env=env,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(script),
+            str(root),
+            task,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     return root
 
 
 def one_process(task, out_dir, **options) -> Path:
-    common = {"task": task, "out_dir": str(out_dir), "batch_size": 8, "max_new_tokens": 3, "eval_size": 8,
-              "eval_every": 0, "progress": False}
+    common = {
+        "task": task,
+        "out_dir": str(out_dir),
+        "batch_size": 8,
+        "max_new_tokens": 3,
+        "eval_size": 8,
+        "eval_every": 0,
+        "progress": False,
+    }
     train(load_config(None, {**common, **options}))
     return out_dir
 

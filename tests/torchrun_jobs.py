@@ -16,8 +16,18 @@ from fastes import cli, distributed
 
 root, task = Path(sys.argv[1]), sys.argv[2]
 common = [
-    "--task", task, "--batch_size", "8", "--max_new_tokens", "3", "--eval_size", "8", "--eval_every", "0",
-    "--progress", "false",
+    "--task",
+    task,
+    "--batch_size",
+    "8",
+    "--max_new_tokens",
+    "3",
+    "--eval_size",
+    "8",
+    "--eval_every",
+    "0",
+    "--progress",
+    "false",
 ]
 es = ["--es.iterations", "3", "--es.population", "4", "--es.sigma", "0.002", "--es.lr", "5e-5"]
 grpo = ["--algorithm", "grpo", "--grpo.steps", "2", "--grpo.num_generations", "4"]
