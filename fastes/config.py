@@ -75,6 +75,8 @@ class TrainConfig:
     algorithm: str = "es"
     model: str = ""  # a Hugging Face model directory; empty = the built-in tiny model
     task: str = "countdown"
+    reward: str = ""  # "file.py:function": your reward function for a jsonl:<path> task of prompts
+    reward_timeout: float = 60.0  # seconds one call of that function may take
     task_seed: int = 0
     seed: int = 0
     out_dir: str = "runs/es"
@@ -180,6 +182,22 @@ def _check_device(device: str) -> None:
     )
 
 
+def _check_reward(cfg: TrainConfig) -> None:
+    """Load the reward function and read the task file now, so that a mistake fails before any work."""
+    if not cfg.reward:
+        return
+    _require(cfg.reward_timeout > 0, "reward_timeout", f"must be > 0 seconds, got {cfg.reward_timeout}")
+    _require(
+        cfg.task.startswith("jsonl:"), "reward", f"scores a jsonl:<path> task of prompts, not {cfg.task!r}"
+    )
+    from .tasks import get_task
+
+    try:
+        get_task(cfg.task, seed=cfg.task_seed, reward=cfg.reward, timeout=cfg.reward_timeout)
+    except (ValueError, OSError) as error:
+        raise ConfigError(f"reward: {error}") from None
+
+
 def _check_evolve(es: ESConfig) -> None:
     import re
 
@@ -208,6 +226,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         "task",
         f"{cfg.task!r} does not exist; available: {', '.join(available_tasks())}",
     )
+    _check_reward(cfg)
     if cfg.model:
         _require(Path(cfg.model).is_dir(), "model", f"model directory {cfg.model!r} does not exist")
     _require(0 <= cfg.seed < MAX_SEED, "seed", f"must be in [0, 2^32), got {cfg.seed}")

@@ -357,6 +357,13 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
         distributed.teardown(joined)
 
 
+def make_task(cfg: TrainConfig) -> Task:
+    """The configured task; with `reward`, a JSONL file of prompts scored by the user's function."""
+    if cfg.reward:
+        return get_task(cfg.task, seed=cfg.task_seed, reward=cfg.reward, timeout=cfg.reward_timeout)
+    return get_task(cfg.task, seed=cfg.task_seed)
+
+
 def check_world_size(cfg: TrainConfig, task: Task) -> None:
     """Before any work: the processes must be able to share the population and the prompts equally."""
     phases = PHASES[cfg.algorithm]
@@ -379,7 +386,7 @@ def _train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
     # A tiny model's matmuls are too small to share: extra threads only add synchronisation.
     small = sum(p.numel() for p in model.parameters()) < 5_000_000
     torch.set_num_threads(cfg.threads or (1 if small else torch.get_num_threads()))
-    run = Run(cfg, model, tokenizer, get_task(cfg.task, seed=cfg.task_seed), out_dir)
+    run = Run(cfg, model, tokenizer, make_task(cfg), out_dir)
     check_world_size(cfg, run.task)
     test = run.task.split("test")[: cfg.eval_size]
     phases = PHASES[cfg.algorithm]
