@@ -133,7 +133,7 @@ def es_iteration(run: Run, es: ES, step: int) -> dict[str, float]:
         torch.tensor([[s.reward(run.cfg.format_weight) for s in row] for row in scores], dtype=torch.float64)
     )
     answers = torch.tensor([[s.answer for s in row] for row in scores], dtype=torch.float64)
-    answers = distributed.gather_strided(answers.view(len(texts), len(examples)), es.population)
+    answers = distributed.gather_strided(answers, es.population)
     tokens = int(distributed.all_sum([tokens])[0])
     seconds = time.perf_counter() - start
     per_member = rewards.mean(dim=1)

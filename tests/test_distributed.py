@@ -4,6 +4,7 @@ and an exact resume."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -40,24 +41,22 @@ def two_processes(task, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("torchrun")
     script = Path(__file__).with_name("torchrun_jobs.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            str(script),
-            str(root),
-            task,
-        ],
-        capture_output=True,
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    # A session of its own, so that on a timeout the workers are stopped with the launcher.
+    launcher = subprocess.Popen(
+        [*command, str(script), str(root), task],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
-        timeout=300,
         env=env,
+        start_new_session=True,
     )
-    assert result.returncode == 0, result.stderr[-4000:]
+    try:
+        output, _ = launcher.communicate(timeout=400)
+    except subprocess.TimeoutExpired:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        raise
+    assert launcher.returncode == 0, output[-4000:]
     return root
 
 
@@ -104,6 +103,13 @@ def test_every_rank_resumes_from_the_same_checkpoint(two_processes):
     full, resumed = two_processes / "es_member", two_processes / "es_member_resumed"
     assert all(torch.equal(v, weights(resumed)[k]) for k, v in weights(full).items())
     assert metrics(resumed) == metrics(full)
+
+
+def test_a_damaged_checkpoint_stops_every_rank_with_one_message(two_processes):
+    for rank in (0, 1):
+        assert (two_processes / f"es_member_damaged.rank{rank}.exit").read_text() != "0"
+        message = (two_processes / f"es_member_damaged.rank{rank}.stderr").read_text()
+        assert "step-00000003" in message and "does not match its checksum" in message, message
 
 
 def test_batched_es_matches_one_process(two_processes, task, tmp_path):
