@@ -137,16 +137,16 @@ def es_iteration(run: Run, es: ES, step: int) -> dict[str, float]:
     tokens = int(distributed.all_sum([tokens])[0])
     seconds = time.perf_counter() - start
     per_member = rewards.mean(dim=1)
-    diversity = js_diversity(answers)
-    return {
+    record = {
         "reward": float(per_member.mean()),
         "reward_std": float(per_member.std(correction=0)),
         "reward_max": float(per_member.max()),
-        "js_diversity": float(diversity.normalized),
-        "members_agree": float(diversity.agreement),
-        "seconds": seconds,
-        "tokens_per_second": tokens / seconds,
     }
+    # JS diversity is defined on acceptance rates in [0, 1]: verifier outcomes, not any user reward.
+    if bool(((answers >= 0) & (answers <= 1)).all()):
+        diversity = js_diversity(answers)
+        record.update(js_diversity=float(diversity.normalized), members_agree=float(diversity.agreement))
+    return {**record, "seconds": seconds, "tokens_per_second": tokens / seconds}
 
 
 # --- GRPO -------------------------------------------------------------------------------------------

@@ -124,3 +124,50 @@ def test_a_matrix_in_an_unknown_layer_type_is_reported():
     with pytest.warns(UserWarning, match="neither nn.Linear nor Conv1D.*1.weight"):
         chosen = fastes.linear_weights(model)
     assert [n for n, _ in chosen] == ["0.weight"]
+
+
+@pytest.mark.parametrize("mode", ["materialised", "member"])
+def test_fastes_train_runs_es_on_a_gpt2_directory(tmp_path, mode):
+    """The command line path end to end on a GPT-2 checkpoint: Conv1D layers generate with the KV cache."""
+    from fastes.config import load_config
+    from fastes.models import build_tokenizer, save_model
+    from fastes.train import train
+
+    tokenizer = build_tokenizer()
+    config = transformers.GPT2Config(
+        vocab_size=len(tokenizer),
+        n_embd=32,
+        n_layer=1,
+        n_head=2,
+        n_positions=64,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    save_model(transformers.GPT2LMHeadModel(config), tokenizer, tmp_path / "gpt2")
+    # A random model never answers correctly: reward the variety of its characters, so members differ.
+    (tmp_path / "rewards.py").write_text(
+        "def variety(completions, **_):\n    return [len(set(c)) for c in completions]\n"
+    )
+    (tmp_path / "prompts.jsonl").write_text("".join(f'{{"prompt": "cmp {i} 5:"}}\n' for i in range(8)))
+    options = {"es.iterations": 2, "es.population": 4, "es.sigma": 0.05, "es.lr": 0.01, "es.eval_mode": mode}
+    cfg = load_config(
+        None,
+        {
+            "model": str(tmp_path / "gpt2"),
+            "task": f"jsonl:{tmp_path / 'prompts.jsonl'}",
+            "reward": f"{tmp_path / 'rewards.py'}:variety",
+            "out_dir": str(tmp_path / "run"),
+            "batch_size": 4,
+            "max_new_tokens": 4,
+            "eval_size": 4,
+            "progress": False,
+            **options,
+        },
+    )
+    train(cfg)
+    before = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "gpt2").state_dict()
+    after = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "run" / "final").state_dict()
+    moved = {k for k in before if not torch.equal(before[k], after[k])}
+    assert moved == {k for k in before if k.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight"))}
