@@ -103,9 +103,12 @@ def linear_weights(
         if keep:
             chosen.append((name, p))
     if not chosen:
-        what = "no parameter matches names=" + repr(names) if pattern else "no projection weights"
+        if pattern is not None:
+            problem = f": no parameter name matches names={names!r} among the projection weights"
+        else:
+            problem = " has no projection weights to evolve"
         raise ValueError(
-            f"{type(model).__name__} has {what} to evolve (nn.Linear or Conv1D); check the name filter "
+            f"{type(model).__name__}{problem} (nn.Linear or Conv1D); check the name filter "
             "(es.evolve), enable include_embeddings / include_norms (es.include_embeddings, "
             "es.include_norms), or pass the tensors to fastes.ES yourself"
         )

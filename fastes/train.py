@@ -24,7 +24,7 @@ from .analysis.diversity import js_diversity
 from .analysis.entropy import token_entropy
 from .batched import population_batched
 from .checkpoint import latest_checkpoint, save_checkpoint
-from .config import TrainConfig, config_dict
+from .config import ConfigError, ESConfig, TrainConfig, config_dict
 from .generation import eos_token_ids, generate
 from .models import format_prompt, load_model, save_model, tiny_model_path
 from .tasks import Example, Task, get_task
@@ -80,16 +80,21 @@ def evaluate(run: Run, examples: list[Example], batch_size: int = 256) -> dict[s
 # --- ES ---------------------------------------------------------------------------------------------
 
 
+def evolved_weights(model: torch.nn.Module, c: ESConfig) -> list[tuple[str, torch.nn.Parameter]]:
+    """The (name, tensor) pairs the config asks ES to evolve (es.evolve, es.include_*)."""
+    return linear_weights(
+        model,
+        names=c.evolve or None,
+        include_embeddings=c.include_embeddings,
+        include_norms=c.include_norms,
+        include_biases=c.include_biases,
+    )
+
+
 def make_es(run: Run) -> ES:
     c = run.cfg.es
     return ES(
-        linear_weights(
-            run.model,
-            names=c.evolve or None,
-            include_embeddings=c.include_embeddings,
-            include_norms=c.include_norms,
-            include_biases=c.include_biases,
-        ),
+        evolved_weights(run.model, c),
         sigma=c.sigma,
         lr=c.lr,
         population=c.population,
@@ -388,6 +393,11 @@ def _train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
     torch.set_num_threads(cfg.threads or (1 if small else torch.get_num_threads()))
     run = Run(cfg, model, tokenizer, make_task(cfg), out_dir)
     check_world_size(cfg, run.task)
+    if "es" in PHASES[cfg.algorithm]:
+        try:  # a selection that matches nothing fails before any work
+            evolved_weights(model, cfg.es)
+        except ValueError as error:
+            raise ConfigError(f"es.evolve: {error}") from None
     test = run.task.split("test")[: cfg.eval_size]
     phases = PHASES[cfg.algorithm]
     lengths = [cfg.grpo.steps if p == "grpo" else cfg.es.iterations for p in phases]

@@ -74,7 +74,7 @@ def test_the_cli_choices_add_and_filter(arch):
         layer0 = dict(fastes.linear_weights(model, names=r"\.0\."))
     assert layer0 and all(".0." in n for n in layer0)
     assert len(layer0) == PER_LAYER.get(name, 7)
-    with pytest.raises(ValueError, match="no parameter matches"):
+    with pytest.raises(ValueError, match="no parameter name matches names='no-such-layer'"):
         fastes.linear_weights(model, names="no-such-layer")
 
 
@@ -171,3 +171,13 @@ def test_fastes_train_runs_es_on_a_gpt2_directory(tmp_path, mode):
     after = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "run" / "final").state_dict()
     moved = {k for k in before if not torch.equal(before[k], after[k])}
     assert moved == {k for k in before if k.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight"))}
+
+
+def test_a_name_filter_that_matches_nothing_is_a_configuration_error(tmp_path, capsys):
+    from fastes import cli
+
+    code = cli.main(["train", "--es.evolve", "no_such_layer", "--out_dir", str(tmp_path / "run")])
+    assert code == 2
+    error = capsys.readouterr().err
+    assert "configuration error: es.evolve: LlamaForCausalLM: no parameter name matches" in error
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # before any work
