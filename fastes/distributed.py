@@ -180,27 +180,37 @@ def gather_blocks(local: torch.Tensor) -> torch.Tensor:
     return torch.cat(blocks).cpu()
 
 
+GRADIENT_BUCKET_ELEMENTS = 1 << 25  # 32 Mi elements per all-reduce of gradients
+
+
 def sum_gradients(params: Iterable[torch.nn.Parameter]) -> None:
     """Replace each parameter's gradient by its sum over the processes (data-parallel GRPO).
 
     The per-process losses are already divided by the global normaliser, so the sum is the gradient of
-    the whole batch. One flat buffer per dtype and device keeps it to a few collectives.
+    the whole batch. Gradients travel in flat buckets of one dtype of about GRADIENT_BUCKET_ELEMENTS
+    elements: few collectives, and about one bucket of extra memory.
     """
     if rank_and_world()[1] == 1:
         return
-    grads = [p.grad for p in params if p.grad is not None]
-    by_kind: dict[tuple, list[torch.Tensor]] = {}
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for grad in [p.grad for p in params if p.grad is not None]:
+        if bucket and (grad.dtype != bucket[0].dtype or size >= GRADIENT_BUCKET_ELEMENTS):
+            _sum_bucket(bucket)
+            bucket, size = [], 0
+        bucket.append(grad)
+        size += grad.numel()
+    if bucket:
+        _sum_bucket(bucket)
+
+
+def _sum_bucket(grads: list[torch.Tensor]) -> None:
+    flat = torch.cat([g.reshape(-1).to(_device()) for g in grads])
+    dist.all_reduce(flat)
+    offset = 0
     for g in grads:
-        by_kind.setdefault((g.dtype, g.device), []).append(g)
-    for group in by_kind.values():
-        flat = torch.cat([g.reshape(-1) for g in group])
-        on_device = flat.to(_device())
-        dist.all_reduce(on_device)
-        flat = on_device.to(flat.device)
-        offset = 0
-        for g in group:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 def check_same_weights(params: Iterable[torch.Tensor], where: str) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from fastes import cli
+from fastes import cli, distributed
 
 root, task = Path(sys.argv[1]), sys.argv[2]
 common = [
@@ -66,6 +66,7 @@ if rank == 0:  # damage the newest checkpoint: every rank must refuse it, none m
 dist.barrier()
 job("es_member_damaged", *es, "--es.eval_mode", "member", "--checkpoint_every", "1", "--resume")
 job("es_materialised", *es)
+distributed.GRADIENT_BUCKET_ELEMENTS = 5000  # many small all-reduces: the bucketing is tested too
 job("grpo", *grpo, "--checkpoint_every", "0")
 job("bad_world", *es, "--es.population", "3", "--es.antithetic", "false")
 dist.destroy_process_group()
