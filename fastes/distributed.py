@@ -145,6 +145,22 @@ def _broadcast_tensors(value: Any) -> Any:
     return value
 
 
+def require_same(value: str, what: str) -> None:
+    """Every process must hold rank 0's `value` (e.g. a run id); when one differs, all of them raise."""
+    from .config import ConfigError
+
+    _, world = rank_and_world()
+    if world == 1:
+        return
+    differs = int(all_sum([float(value != from_writer(lambda: value))])[0])
+    if differs:
+        raise ConfigError(
+            f"{differs} of {world} processes have other {what} than rank 0; give every process the same "
+            "config, flags and model (on several machines, a --resume that reads its settings from out_dir "
+            "needs out_dir on a filesystem every machine sees)"
+        )
+
+
 def all_sum(values: Iterable[float] | torch.Tensor) -> torch.Tensor:
     """The element-wise sum over all processes of a small vector (float64, on the CPU)."""
     local = torch.as_tensor(values, dtype=torch.float64)
