@@ -378,6 +378,8 @@ HELP: dict[str, str] = {
     "model": "a local Hugging Face model directory; empty: the built-in tiny model",
     "task": "countdown, arithmetic, reverse, compare, jsonl:<path> or reasoning_gym:<name>",
     "task_seed": "seed of the task's train/test problems",
+    "reward": "FILE.py:FUNCTION, your reward function (TRL's signature) for a jsonl:<path> task of prompts",
+    "reward_timeout": "seconds one call of the reward function may take",
     "seed": "run seed in [0, 2^32): noise, prompt batches and sampling",
     "out_dir": "run directory (config.json, metrics.jsonl, checkpoints/, final/)",
     "batch_size": "training prompts per ES iteration / GRPO step",
@@ -403,6 +405,10 @@ HELP: dict[str, str] = {
     "es.eval_mode": f"one of {', '.join(EVAL_MODES)}: how a generation is evaluated (virtual needs CUDA)",
     "es.noise_type": "full, or lowrank (eps = A B^T / sqrt(rank) for matrices)",
     "es.rank": "rank of low-rank noise",
+    "es.evolve": "regular expression: evolve only the parameters whose name it matches (empty: all)",
+    "es.include_embeddings": "also evolve the embeddings (a tied lm_head too); needs es.eval_mode member",
+    "es.include_norms": "also evolve norm weights; needs es.eval_mode member",
+    "es.include_biases": "also evolve biases; needs es.eval_mode member",
     "grpo.steps": "GRPO steps (may be raised when resuming)",
     "grpo.num_generations": "completions sampled per prompt (the group)",
     "grpo.temperature": "sampling temperature",
@@ -413,6 +419,11 @@ HELP: dict[str, str] = {
     "grpo.loss_type": f"one of {', '.join(LOSS_TYPES)}",
     "grpo.max_grad_norm": "gradient clipping norm",
     "grpo.weight_decay": "AdamW weight decay",
+    "grpo.num_iterations": "optimisation steps per batch of samples (TRL's num_iterations)",
+    "grpo.epsilon_high": "upper clip 1 + epsilon_high (clip-higher); 0: epsilon",
+    "grpo.scale_rewards": "divide advantages by the std of the group, the batch, or none",
+    "grpo.mask_truncated_completions": "leave completions cut at max_new_tokens out of the loss",
+    "grpo.use_bias_correction_kl": "multiply the k3 KL by the importance ratio (beta > 0)",
 }
 
 

@@ -30,12 +30,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..errors import FastesError
 from .base import Example, Score, Task, check_split
 
 RESERVED = ("completions", "prompts")  # argument names the function gets from fastes itself
 
 
-class RewardFunctionError(ValueError):
+class RewardFunctionError(FastesError, ValueError):
     """A user reward function that cannot be loaded, failed, timed out or returned the wrong thing."""
 
 
