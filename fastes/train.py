@@ -25,6 +25,7 @@ from .analysis.entropy import token_entropy
 from .batched import population_batched
 from .checkpoint import latest_checkpoint, save_checkpoint, write_atomic
 from .config import ConfigError, ESConfig, TrainConfig
+from .es import CollectiveError
 from .generation import eos_token_ids, generate
 from .models import ModelError, format_prompt, load_model, save_model, tiny_model_path
 from .tasks import Example, Task, get_task
@@ -404,9 +405,14 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) ->
     """
     device, joined = distributed.setup(cfg.device)
     try:
-        return _train(cfg, resume=resume, overwrite=overwrite, device=device)
-    finally:
+        result = _train(cfg, resume=resume, overwrite=overwrite, device=device)
+    except CollectiveError:
+        raise  # the group is broken: leaving it would wait for the lost peer (the CLI exits at once)
+    except BaseException:
         distributed.teardown(joined)
+        raise
+    distributed.teardown(joined)
+    return result
 
 
 def make_task(cfg: TrainConfig) -> Task:
