@@ -44,6 +44,7 @@ def virtual_linear_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    TRANSPOSED: tl.constexpr,
     K_MULTIPLE_OF_4: tl.constexpr,
     NOISE: tl.constexpr,
     ROWS_WORD_ALIGNED: tl.constexpr,
@@ -69,9 +70,17 @@ def virtual_linear_kernel(
             x + rows[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
         )
         w_mask = col_ok[:, None] & k_ok[None, :]
-        w = tl.load(weight + cols[:, None] * stride_w + ks[None, :], mask=w_mask, other=0.0).to(tl.float32)
+        if TRANSPOSED:  # a Conv1D weight [K, N]: element (k, n) is at k * stride + n, noise index k N + n
+            w_offsets = ks[None, :] * stride_w + cols[:, None]
+        else:
+            w_offsets = cols[:, None] * stride_w + ks[None, :]
+        w = tl.load(weight + w_offsets, mask=w_mask, other=0.0).to(tl.float32)
         if NOISE == NOISE_RADEMACHER:
-            eps = _sign_noise(k0, k1, tensor_id, cols, k_start, K, ROWS_WORD_ALIGNED, BLOCK_N, BLOCK_K)
+            eps = _sign_noise(
+                k0, k1, tensor_id, cols, ks, k_start, K, N, TRANSPOSED, ROWS_WORD_ALIGNED, BLOCK_N, BLOCK_K
+            )
+        elif TRANSPOSED:  # a tile's 4-element Philox runs lie along N, not K: one block per element
+            eps = normal_at(k0, k1, tensor_id, 0, ks[None, :] * N + cols[:, None])
         elif K_MULTIPLE_OF_4:  # a tile row is BLOCK_K // 4 whole Philox blocks: one block per 4 elements
             blocks = (cols[:, None] * K + k_start) // 4 + tl.arange(0, BLOCK_K // 4)[None, :]
             e0, e1, e2, e3 = normals4(*block_words(k0, k1, tensor_id, 0, blocks))
@@ -94,20 +103,25 @@ def _sign_noise(
     k1,
     tensor_id,
     cols,
+    ks,
     k_start,
     K,
+    N,
+    TRANSPOSED: tl.constexpr,
     ROWS_WORD_ALIGNED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Signs of weight elements [cols, k_start : k_start + BLOCK_K] (row-major index n * K + k), fp32."""
-    if ROWS_WORD_ALIGNED:  # K % 32 == 0: each row's 32 consecutive signs are one Philox word
+    """Signs (fp32 +-1) of the weight elements of a [BLOCK_N, BLOCK_K] tile (noise index n K + k, or
+    k N + n for a transposed Conv1D weight)."""
+    if TRANSPOSED:
+        eps = sign_at(k0, k1, tensor_id, STREAM_SIGN, ks[None, :] * N + cols[:, None])
+    elif ROWS_WORD_ALIGNED:  # K % 32 == 0: each row's 32 consecutive signs are one Philox word
         word_starts = cols[:, None] * K + (k_start + 32 * tl.arange(0, BLOCK_K // 32))[None, :]
         words = sign_words_at(k0, k1, tensor_id, STREAM_SIGN, word_starts)  # [BLOCK_N, BLOCK_K // 32]
         bits = (words[:, :, None] >> tl.arange(0, 32).to(tl.uint32)[None, None, :]) & 1
         eps = 1.0 - 2.0 * tl.reshape(bits, (BLOCK_N, BLOCK_K)).to(tl.float32)
     else:
-        ks = (k_start + tl.arange(0, BLOCK_K)).to(tl.int64)
         eps = sign_at(k0, k1, tensor_id, STREAM_SIGN, cols[:, None] * K + ks[None, :])
     return eps
 
@@ -124,19 +138,20 @@ def launch_virtual_linear(
     block_m: int | None = None,
     block_n: int = 32,
     block_k: int = 32,
+    transposed: bool = False,
     noise: str = "gaussian",
 ) -> None:
     """y = per-member perturbed x W^T; x [members * rows_per_member, K], weight [N, K], y [rows, N].
 
-    `noise` is the distribution of eps ("gaussian" or "rademacher").
-
+    `transposed`: the weight is a Conv1D's [K, N] and y = x W (its noise follows that layout).
+    `noise`: the distribution of eps, "gaussian" or "rademacher".
     By default one M-tile covers all of a member's rows (up to 128), so each member's noise tile is
     generated once rather than once per M-tile.
     """
     if block_m is None:
         block_m = min(128, max(16, triton.next_power_of_2(rows_per_member)))
     members = keys.shape[0]
-    n_out, k_in = weight.shape
+    k_in, n_out = weight.shape if transposed else weight.shape[::-1]
     grid = (triton.cdiv(rows_per_member, block_m), triton.cdiv(n_out, block_n), members)
     virtual_linear_kernel[grid](
         x,
@@ -156,7 +171,8 @@ def launch_virtual_linear(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        TRANSPOSED=transposed,
         K_MULTIPLE_OF_4=k_in % 4 == 0,
         NOISE=NOISE_CODES[noise],
-        ROWS_WORD_ALIGNED=k_in % 32 == 0 and block_k % 32 == 0,
+        ROWS_WORD_ALIGNED=not transposed and k_in % 32 == 0 and block_k % 32 == 0,
     )
