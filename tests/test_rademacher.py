@@ -521,3 +521,27 @@ def test_comparison_benchmark_quick_mode_writes_its_report(tmp_path):
     report = stem.with_suffix(".md").read_text()
     assert "| README toy" in report and "Countdown: not run" in report
     assert stem.with_suffix(".png").stat().st_size > 0 and stem.with_suffix(".json").exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_virtual_linear_with_signs_on_a_transposed_conv1d_weight(dtype):
+    # A Conv1D weight is [K, N] (y = x W): its signs follow its own row-major layout, index k N + n.
+    members, rows, n_in, n_out = 2, 3, 40, 33
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(members * rows, n_in, generator=gen).to(dtype)
+    weight = (torch.randn(n_in, n_out, generator=gen) * 0.1).to(dtype)
+    keys = [noise.member_key(9, 0, m) for m in range(members)]
+    scales = [0.05, -0.05]
+    tid = noise.tensor_id("h.0.mlp.c_fc.weight")
+    y = torch.empty(members * rows, n_out, dtype=dtype)
+    launch_virtual_linear(
+        x, weight, y, torch.tensor(keys), torch.tensor(scales), tid, rows, ops.triton_dtype(dtype),
+        None, 32, 32, True, "rademacher",
+    )  # fmt: skip
+    expected = []
+    for m, (key, scale) in enumerate(zip(keys, scales)):
+        w = torch.empty_like(weight)
+        ops.perturb_reference([weight], [w], [tid], key, scale, "rademacher")
+        expected.append(x[m * rows : (m + 1) * rows].float() @ w.float())
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(y.float(), torch.cat(expected), rtol=tolerance, atol=tolerance)
