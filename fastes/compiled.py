@@ -35,7 +35,7 @@ import torch
 
 from . import noise
 
-CHUNK = 1 << 16  # elements per compiled call: eps and the update's sum (256 KB each) stay in L2
+CHUNK = 1 << 18  # elements per compiled call (1 MB of fp32): Python overhead per call stays small
 BLOCKS = CHUNK // 4  # Philox blocks per chunk
 _CACHED_PLAN_ELEMENTS = 1 << 22  # larger layouts build their counters per chunk instead of holding them
 
@@ -201,19 +201,33 @@ class _Piece:
     counters: torch.Tensor | None
 
 
-_BLOCK_INDEX = torch.arange(BLOCKS, dtype=torch.int64)
+_BLOCK_INDEX = torch.arange(BLOCKS, dtype=torch.int32)
 
 
 def _counters(parts: Sequence[tuple[int, int, int, int]], tensor_ids: Sequence[int]) -> torch.Tensor:
-    """The [3, BLOCKS] int32 counter input of a chunk: block index low and high words, tensor id."""
-    words = torch.zeros(3, BLOCKS, dtype=torch.int64)
+    """The [3, BLOCKS] int32 counter input of a chunk: block index low and high words, tensor id.
+
+    Unused blocks (a partly filled chunk) keep zero counters; their lanes are computed and ignored.
+    """
+    words = (
+        torch.zeros(3, BLOCKS, dtype=torch.int32)
+        if len(parts) > 1
+        else torch.empty(3, BLOCKS, dtype=torch.int32)
+    )
     for index, start, n, lane in parts:
-        first, count = lane // 4, (n + 3) // 4
-        blocks = _BLOCK_INDEX[:count] + start // 4
-        words[0, first : first + count] = blocks & noise.MASK32
-        words[1, first : first + count] = blocks >> 32
-        words[2, first : first + count] = tensor_ids[index]
-    return words.to(torch.int32)  # uint32 values -> their int32 bit patterns (conversion wraps)
+        first, count, block = lane // 4, (n + 3) // 4, start // 4
+        if len(parts) == 1 and (first or count < BLOCKS):
+            words.zero_()
+        low, high = block & noise.MASK32, block >> 32
+        if low + count <= 1 << 32:  # int32 addition wraps like uint32: the low words, exactly
+            torch.add(_BLOCK_INDEX[:count], _int32(low), out=words[0, first : first + count])
+            words[1, first : first + count] = _int32(high)
+        else:  # the range crosses a multiple of 2^32 blocks: the high word steps inside it
+            blocks = _BLOCK_INDEX[:count].to(torch.int64) + block
+            words[0, first : first + count] = (blocks & noise.MASK32).to(torch.int32)
+            words[1, first : first + count] = (blocks >> 32).to(torch.int32)
+        words[2, first : first + count] = _int32(tensor_ids[index])
+    return words
 
 
 _plans: OrderedDict = OrderedDict()  # the last few plans, keyed by layout
