@@ -1459,16 +1459,35 @@ def _json_text(value: Any) -> str:
 # --- the whole run ----------------------------------------------------------------------------------
 
 
+def _check_out(out: Path, overwrite: bool) -> None:
+    """Refuse to replace what is in `out` without --overwrite; with it, say what is replaced."""
+    present = sorted(p.name + ("/" if p.is_dir() else "") for p in out.iterdir()) if out.is_dir() else []
+    if not present:
+        return
+    shown = ", ".join(present[:6]) + (", ..." if len(present) > 6 else "")
+    if not overwrite:
+        raise ConfigError(
+            f"--out: {str(out)!r} is not empty ({shown}); the experiment would delete and replace the "
+            "runs there. Choose another --out, or pass --overwrite"
+        )
+    print(
+        f"fastes: --overwrite: replacing the experiment in {out} ({shown}): its runs/ and sweep/ "
+        "folders are deleted and run again (a pretrained models/small is reused)"
+    )
+
+
 def run_experiment(
     preset: str | Preset = "tiny",
     out_dir: str | Path = "runs/experiment",
     model: str | Path | None = None,
     progress: bool = True,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Train the three arms, measure the four models, write metrics.json, the plots and report.md.
 
     `preset` is a name in PRESETS or a Preset; `model` a local HF model directory (default: the built-in
-    tiny model). Returns the metrics (also in out_dir/metrics.json).
+    tiny model). Returns the metrics (also in out_dir/metrics.json). An out_dir that already holds
+    anything is refused unless `overwrite` (the experiment replaces its runs/, sweep/ and models/).
     """
     if isinstance(preset, str):
         if preset not in PRESETS:
@@ -1483,6 +1502,7 @@ def run_experiment(
         raise ConfigError(f"model: model directory {str(model)!r} does not exist")
     started = time.perf_counter()
     out = Path(out_dir)
+    _check_out(out, overwrite)
     out.mkdir(parents=True, exist_ok=True)
     base_path = Path(model) if model else tiny_model_path()
     device = preset.device if preset.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
