@@ -171,9 +171,10 @@ def _run(kind: str, counters: torch.Tensor, stream: int, keys: torch.Tensor) -> 
     if _compiled is None:
         _compiled = _compile(_chunk)
     try:
-        out = _compiled(
-            counters, torch.tensor(_int32(stream), dtype=torch.int32), keys, _RAW[kind == "words"]
+        stream_word = (
+            _STREAMS[stream] if stream < len(_STREAMS) else torch.tensor(_int32(stream), dtype=torch.int32)
         )
+        out = _compiled(counters, stream_word, keys, _RAW[kind == "words"])
     except Exception as error:
         if _ran:
             raise
