@@ -1,8 +1,9 @@
 """Population-batched evaluation: every member of a generation in one forward / generate call.
 
-Inside `population_batched(es, model, mode)`, each nn.Linear whose weight ES evolves is swapped for a
-population layer, and the batch is read as `members` equal groups of rows: row r belongs to member
-r // (batch / members). `generate` with its KV cache works unchanged. Two modes:
+Inside `population_batched(es, model, mode)`, each projection (nn.Linear, or transformers' Conv1D with
+its [in, out] weight) whose weight ES evolves is swapped for a population layer, and the batch is read
+as `members` equal groups of rows: row r belongs to member r // (batch / members). `generate` with its
+KV cache works unchanged. Three modes:
 - "materialised": `PopulationLinear` holds all members' perturbed weights in one [members, out, in]
   buffer (built by the perturb kernel) and applies them with a batched matmul. Any device.
 - "virtual": `VirtualLinear` runs the Triton kernel that regenerates each member's noise tile in
@@ -21,15 +22,17 @@ import torch
 
 from . import lowrank, ops
 from .es import ES, Member
+from .params import Projection, projections
 
 
 class PopulationLinear(torch.nn.Module):
-    """A linear layer with one weight per member; input rows are grouped by member."""
+    """A projection with one weight per member; input rows are grouped by member."""
 
-    def __init__(self, base: torch.nn.Linear, weights: torch.Tensor) -> None:
+    def __init__(self, base: torch.nn.Module, weights: torch.Tensor, transposed: bool = False) -> None:
         super().__init__()
         self.base = base
-        self.weights = weights  # [members, out, in]
+        self.weights = weights  # [members, out, in], or [members, in, out] for a Conv1D (transposed)
+        self.transposed = transposed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         members = self.weights.shape[0]
@@ -40,23 +43,29 @@ class PopulationLinear(torch.nn.Module):
                 f"by member), got {batch}"
             )
         grouped = x.reshape(members, -1, x.shape[-1])  # [members, rows * positions, in]
-        y = torch.bmm(grouped, self.weights.transpose(1, 2))
+        y = torch.bmm(grouped, self.weights if self.transposed else self.weights.transpose(1, 2))
         if self.base.bias is not None:
             y = y + self.base.bias
-        return y.reshape(*x.shape[:-1], self.weights.shape[1])
+        return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 class VirtualLinear(torch.nn.Module):
     """A linear layer whose members' weights W + scale_m * eps_m exist only inside the kernel."""
 
     def __init__(
-        self, base: torch.nn.Linear, tensor_id: int, keys: torch.Tensor, scales: torch.Tensor
+        self,
+        base: torch.nn.Module,
+        tensor_id: int,
+        keys: torch.Tensor,
+        scales: torch.Tensor,
+        transposed: bool = False,
     ) -> None:
         super().__init__()
         self.base = base
         self.tensor_id = tensor_id
         self.keys = keys  # int64 [members, 2]
         self.scales = scales  # fp32 [members]: sign * sigma
+        self.transposed = transposed  # Conv1D: the weight (and its noise) is laid out [in, out]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from .kernels import launch_virtual_linear
@@ -69,7 +78,8 @@ class VirtualLinear(torch.nn.Module):
                 f"population-batched input must have a multiple of {members} rows (rows grouped "
                 f"by member), got {x.shape[0]}"
             )
-        y = torch.empty(flat.shape[0], weight.shape[0], dtype=weight.dtype, device=weight.device)
+        out_features = weight.shape[1 if self.transposed else 0]
+        y = torch.empty(flat.shape[0], out_features, dtype=weight.dtype, device=weight.device)
         launch_virtual_linear(
             flat.to(weight.dtype),
             weight,
@@ -79,24 +89,34 @@ class VirtualLinear(torch.nn.Module):
             self.tensor_id,
             flat.shape[0] // members,
             ops.triton_dtype(weight.dtype),
+            transposed=self.transposed,
         )
         if self.base.bias is not None:
             y = y + self.base.bias
-        return y.reshape(*x.shape[:-1], weight.shape[0])
+        return y.reshape(*x.shape[:-1], out_features)
 
 
 class LowRankLinear(torch.nn.Module):
-    """y_m = x_m W^T + scale_m / sqrt(r) * (x_m B_m) A_m^T: the members' rank-r noise is never formed."""
+    """y_m = x_m W^T + scale_m / sqrt(r) * (x_m B_m) A_m^T: the members' rank-r noise is never formed.
+
+    The factors follow the weight's own layout (eps = A B^T has the weight's shape): for a Conv1D weight
+    [in, out], A is the input side and B the output side, so the roles swap.
+    """
 
     def __init__(
-        self, base: torch.nn.Linear, factors: list[tuple[torch.Tensor, torch.Tensor]], scales: list[float]
+        self,
+        base: torch.nn.Module,
+        factors: list[tuple[torch.Tensor, torch.Tensor]],
+        scales: list[float],
+        transposed: bool = False,
     ) -> None:
         super().__init__()
         self.base = base
         rank = factors[0][0].shape[1]
         dtype = base.weight.dtype
-        self.a = torch.stack([a for a, _ in factors]).to(dtype)  # [members, out, r]
-        self.b = torch.stack([b for _, b in factors]).to(dtype)  # [members, in, r]
+        a = torch.stack([a for a, _ in factors]).to(dtype)  # [members, rows of the weight, r]
+        b = torch.stack([b for _, b in factors]).to(dtype)  # [members, columns of the weight, r]
+        self.a, self.b = (b, a) if transposed else (a, b)  # a: output side, b: input side
         self.scales = (torch.tensor(scales) / rank**0.5).to(device=base.weight.device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -111,16 +131,13 @@ class LowRankLinear(torch.nn.Module):
         return (self.base(grouped) + low).reshape(*x.shape[:-1], self.a.shape[1])
 
 
-def _linear_owners(model: torch.nn.Module) -> dict[int, tuple[str, torch.nn.Linear]]:
-    """id(weight) -> (module path, module) for every nn.Linear of the model."""
-    return {id(m.weight): (name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-
-
 MODES = ("materialised", "virtual", "lowrank")
 
 
-def _population_layers(es: ES, group: dict, members: list[Member], linears: list, mode: str) -> list:
-    """One population layer per evolved weight of `group`; `linears` are the weights' nn.Linear modules."""
+def _population_layers(
+    es: ES, group: dict, members: list[Member], linears: list[Projection], mode: str
+) -> list[torch.nn.Module]:
+    """One population layer per evolved weight of `group`; `linears` are the weights' projections."""
     if mode == "virtual":
         if es.noise_type != "full":
             raise ValueError("eval mode 'virtual' generates full-rank noise; use 'lowrank' or 'materialised'")
@@ -132,56 +149,57 @@ def _population_layers(es: ES, group: dict, members: list[Member], linears: list
             )
         keys = torch.tensor([m.key for m in members], dtype=torch.int64, device=device)
         scales = torch.tensor([m.sign * group["sigma"] for m in members], dtype=torch.float32, device=device)
-        return [VirtualLinear(linear, tid, keys, scales) for linear, tid in zip(linears, group["ids"])]
+        return [
+            VirtualLinear(linear.module, tid, keys, scales, linear.transposed)
+            for linear, tid in zip(linears, group["ids"])
+        ]
     if mode == "lowrank":
         if es.noise_type != "lowrank":
             raise ValueError("eval mode 'lowrank' needs ES(noise_type='lowrank')")
         scales = [m.sign * group["sigma"] for m in members]
         return [
             LowRankLinear(
-                linear,
-                [
-                    lowrank.factors(
-                        m.key, tid, linear.weight.shape, es.rank, linear.weight.device, es.backend
-                    )
-                    for m in members
-                ],
+                linear.module,
+                [lowrank.factors(m.key, tid, p.shape, es.rank, p.device, es.backend) for m in members],
                 scales,
+                linear.transposed,
             )
-            for linear, tid in zip(linears, group["ids"])
+            for linear, tid, p in zip(linears, group["ids"], group["params"])
         ]
     buffers = [torch.empty((len(members), *p.shape), dtype=p.dtype, device=p.device) for p in group["params"]]
     for index, member in enumerate(members):
         es.perturb_into(group, [b[index] for b in buffers], member)
-    return [PopulationLinear(linear, buffer) for linear, buffer in zip(linears, buffers)]
+    return [
+        PopulationLinear(linear.module, buffer, linear.transposed) for linear, buffer in zip(linears, buffers)
+    ]
 
 
 @contextmanager
 def population_batched(es: ES, model: torch.nn.Module, mode: str = "materialised") -> Iterator[list[Member]]:
-    """Swap the evolved linear layers of `model` for population-batched ones; yields the members.
+    """Swap the evolved projection layers of `model` for population-batched ones; yields the members.
 
     Feed the model `len(members) * b` rows, member i's rows being i * b ... (i + 1) * b - 1.
     """
     if mode not in MODES:
         raise ValueError(f"unknown batched mode {mode!r}; choose one of {MODES}")
     members = list(es.members())
-    owners = _linear_owners(model)
-    swapped: list[tuple[torch.nn.Module, str, torch.nn.Linear]] = []
+    owners = projections(model)
+    swapped: list[tuple[torch.nn.Module, str, torch.nn.Module]] = []
     try:
         for group in es.param_groups:
             for name, p in zip(group["names"], group["params"]):
                 if id(p) not in owners:
                     raise ValueError(
-                        f"batched evaluation evolves nn.Linear weights only; {name!r} is not one "
-                        "(use eval_mode 'member' to evolve embeddings or norms)"
+                        f"batched evaluation evolves projection weights (nn.Linear, Conv1D) only; {name!r} "
+                        "is not one (use eval_mode 'member' to evolve embeddings, norms or biases)"
                     )
             linears = [owners[id(p)] for p in group["params"]]
-            layers = _population_layers(es, group, members, [linear for _, linear in linears], mode)
-            for (path, linear), layer in zip(linears, layers):
-                parent_path, _, attribute = path.rpartition(".")
+            layers = _population_layers(es, group, members, linears, mode)
+            for linear, layer in zip(linears, layers):
+                parent_path, _, attribute = linear.path.rpartition(".")
                 parent = model.get_submodule(parent_path)
                 setattr(parent, attribute, layer)
-                swapped.append((parent, attribute, linear))
+                swapped.append((parent, attribute, linear.module))
         yield members
     finally:
         for parent, attribute, linear in swapped:

@@ -69,7 +69,8 @@ def test_modules_are_put_back_and_weights_untouched(tiny):
 def test_batched_mode_refuses_non_linear_parameters_and_bad_row_counts(tiny):
     model, tokenizer = tiny
     es = fastes.ES(fastes.linear_weights(model, include_norms=True), sigma=0.05, lr=0.01, population=2)
-    with pytest.raises(ValueError, match="nn.Linear weights only"), population_batched(es, model):
+    only_projections = r"projection weights \(nn.Linear, Conv1D\) only"
+    with pytest.raises(ValueError, match=only_projections), population_batched(es, model):
         pass
     es = make_es(model)
     batch = tokenizer(PROMPTS[:3], return_tensors="pt", padding=True)
