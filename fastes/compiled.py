@@ -35,9 +35,8 @@ import torch
 
 from . import noise
 
-CHUNK = 1 << 16  # elements per compiled call: eps and the update's sum (256 KB each) stay in L2
+CHUNK = 1 << 18  # elements per compiled call (1 MB of fp32): Python overhead per call stays small
 BLOCKS = CHUNK // 4  # Philox blocks per chunk
-SIGN_BLOCKS = CHUNK // noise.SIGN_BLOCK  # Philox blocks per chunk of sign noise (128 elements each)
 _CACHED_PLAN_ELEMENTS = 1 << 22  # larger layouts build their counters per chunk instead of holding them
 
 Key = tuple[int, int]
@@ -172,7 +171,7 @@ class CompileUnavailable(RuntimeError):
 
 _ran = False  # the compiled graph has run in this process
 _RAW = {False: torch.tensor(False), True: torch.tensor(True)}
-_STREAMS = [torch.tensor(stream, dtype=torch.int32) for stream in range(4)]
+_STREAMS = [torch.tensor(stream, dtype=torch.int32) for stream in range(7)]  # every fastes.noise stream
 
 
 @torch.no_grad()
@@ -184,16 +183,18 @@ def _run(kind: str, counters: torch.Tensor, stream: int, keys: torch.Tensor) -> 
     (no toolchain, a broken one) nothing was written and the caller can fall back to the reference.
     """
     global _compiled, _compiled_sign, _ran
-    stream_tensor = torch.tensor(_int32(stream), dtype=torch.int32)
     try:
+        stream_word = (
+            _STREAMS[stream] if stream < len(_STREAMS) else torch.tensor(_int32(stream), dtype=torch.int32)
+        )
         if kind == "sign":
             if _compiled_sign is None:
                 _compiled_sign = _compile(_sign_chunk)
-            out = _compiled_sign(counters, stream_tensor, keys)
+            out = _compiled_sign(counters, stream_word, keys)
         else:
             if _compiled is None:
                 _compiled = _compile(_chunk)
-            out = _compiled(counters, stream_tensor, keys, _RAW[kind == "words"])
+            out = _compiled(counters, stream_word, keys, _RAW[kind == "words"])
     except Exception as error:
         if _ran:
             raise
@@ -221,22 +222,37 @@ class _Piece:
     counters: torch.Tensor | None
 
 
-_BLOCK_INDEX = torch.arange(BLOCKS, dtype=torch.int64)
+_BLOCK_INDEX = torch.arange(BLOCKS, dtype=torch.int32)
 
 
 def _counters(
     parts: Sequence[tuple[int, int, int, int]], tensor_ids: Sequence[int], per_block: int = 4
 ) -> torch.Tensor:
     """The [3, CHUNK / per_block] int32 counter input of a chunk: block index low and high words, tensor
-    id, for blocks of `per_block` elements (4: normals, words; 128: signs). Lanes must be block-aligned."""
-    words = torch.zeros(3, CHUNK // per_block, dtype=torch.int64)
+    id, for blocks of `per_block` elements (4: normals and words; 128: signs). Lanes are block-aligned.
+
+    Unused blocks (a partly filled chunk) keep zero counters; their lanes are computed and ignored.
+    """
+    n_blocks = CHUNK // per_block
+    words = (
+        torch.zeros(3, n_blocks, dtype=torch.int32)
+        if len(parts) > 1
+        else torch.empty(3, n_blocks, dtype=torch.int32)
+    )
     for index, start, n, lane in parts:
-        first, count = lane // per_block, (n + per_block - 1) // per_block
-        blocks = _BLOCK_INDEX[:count] + start // per_block
-        words[0, first : first + count] = blocks & noise.MASK32
-        words[1, first : first + count] = blocks >> 32
-        words[2, first : first + count] = tensor_ids[index]
-    return words.to(torch.int32)  # uint32 values -> their int32 bit patterns (conversion wraps)
+        first, count, block = lane // per_block, (n + per_block - 1) // per_block, start // per_block
+        if len(parts) == 1 and (first or count < n_blocks):
+            words.zero_()
+        low, high = block & noise.MASK32, block >> 32
+        if low + count <= 1 << 32:  # int32 addition wraps like uint32: the low words, exactly
+            torch.add(_BLOCK_INDEX[:count], _int32(low), out=words[0, first : first + count])
+            words[1, first : first + count] = _int32(high)
+        else:  # the range crosses a multiple of 2^32 blocks: the high word steps inside it
+            blocks = _BLOCK_INDEX[:count].to(torch.int64) + block
+            words[0, first : first + count] = (blocks & noise.MASK32).to(torch.int32)
+            words[1, first : first + count] = (blocks >> 32).to(torch.int32)
+        words[2, first : first + count] = _int32(tensor_ids[index])
+    return words
 
 
 _plans: OrderedDict = OrderedDict()  # the last few plans, keyed by layout

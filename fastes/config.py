@@ -272,6 +272,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         "backend",
         "choose auto, triton, inductor or torch",
     )
+    _require(
+        not (cfg.backend == "inductor" and cfg.device.startswith("cuda")),
+        "backend",
+        f"'inductor' is the compiled CPU backend, but device = {cfg.device!r}; use backend 'auto' or 'torch'",
+    )
     _require(math.isfinite(cfg.format_weight) and cfg.format_weight >= 0, "format_weight", "must be >= 0")
     es = cfg.es
     _require(es.iterations >= 0, "es.iterations", f"must be >= 0, got {es.iterations}")
@@ -398,7 +403,7 @@ HELP: dict[str, str] = {
     "checkpoint_every": "checkpoint every this many steps (0: never); --resume continues the newest",
     "dtype": "float32, bfloat16 or float16",
     "device": "cpu, cuda, cuda:1, ...",
-    "backend": "noise kernels: auto (Triton on CUDA, else torch), triton or torch",
+    "backend": "noise kernels: auto (Triton on CUDA, compiled C++ on CPU), triton, inductor (CPU) or torch",
     "threads": "torch CPU threads (0: 1 for models under 5M parameters, else torch's default)",
     "progress": "show a progress bar",
     "collective_timeout": "seconds a multi-process collective waits for the other ranks before failing",

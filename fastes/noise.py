@@ -1,11 +1,12 @@
 """The noise contract in plain torch: the one definition every backend must reproduce.
 
 Every ES perturbation is a pure function of (member key, tensor id, element index). This module is the
-reference that defines it, runs on any device, and is the CPU backend. The Triton kernels in
-`fastes.kernels.philox` implement the same stream; docs/noise.md is the written specification.
+reference that defines it and runs on any device (backend "torch": the specification, test oracle and
+fallback). The Triton kernels in `fastes.kernels.philox` and the compiled CPU backend `fastes.compiled`
+implement the same stream; docs/noise.md is the written specification.
 
-Integers are carried in int64 tensors holding uint32 values (torch has no full uint32 arithmetic), and
-every product is split into 16-bit halves so that nothing ever overflows int64.
+Integers are carried in int64 tensors holding uint32 values (torch has no full uint32 arithmetic);
+products wrap modulo 2^64, which keeps both 32-bit words of every product exact (see _mulhilo).
 """
 
 from __future__ import annotations

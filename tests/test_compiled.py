@@ -126,8 +126,14 @@ def test_update_matches_reference(dtype, mode):
             assert all(torch.equal(p, t) for p, t in zip(params, theta))
         results[backend] = grads if mode == "gradient" else params
     for f, r, t in zip(results["inductor"], results["torch"], theta):
-        base = torch.zeros_like(t) if mode == "gradient" else t
-        assert_close_to(f, r, magnitude_of(base, weights, coef, decay))
+        if mode != "gradient":
+            assert_close_to(f, r, magnitude_of(t, weights, coef, decay))
+            continue
+        # A gradient is a sum of noises that can cancel to ~0, where a 16-bit ulp is far below the
+        # ~1e-7 by which the sums may differ: allow that absolute difference, or one ulp of the value.
+        ulp = torch.finfo(t.dtype).eps * r.float().abs()
+        allowed = torch.maximum(ulp, 1e-6 * magnitude_of(torch.zeros_like(t), weights, coef))
+        assert ((f.float() - r.float()).abs() <= allowed).all()
     changed = sum(int((f != t).sum()) for f, t in zip(results["inductor"], theta))
     assert changed > 0.5 * sum(t.numel() for t in theta)
 
