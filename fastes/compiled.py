@@ -14,6 +14,9 @@ How it stays fast:
   elements: the counters (block index words and tensor id of every Philox block), the stream and the
   round keys are tensor inputs, so new keys, tensors and tensor sizes reuse the compiled code. Small
   tensors share a chunk; a partly used chunk computes a few unused lanes.
+- Sign noise (noise "rademacher", docs/noise.md 6a) has a second graph on the same chunks, whose
+  counters are 128-element sign blocks (every slice on a 128-aligned lane); signs are exact, so its
+  perturb and update equal the reference's bit for bit.
 - The consumers (perturb, update, fill) run per chunk on chunk-sized slices: the weights are read and
   written once, and no temporary is larger than a chunk.
 - inductor writes the thread count (torch.get_num_threads()) into the code; torch.compile guards on it,
