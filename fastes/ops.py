@@ -29,7 +29,7 @@ _REFERENCE_CHUNK = 1 << 18  # elements per reference pass: int64 temporaries of 
 _CACHED_PLAN_ELEMENTS = 1 << 22  # larger layouts rebuild their counters per call rather than hold them
 _BLOCK = 1024  # elements per Triton program (a multiple of 4: whole Philox blocks)
 # Sign noise: larger tiles, so that each thread's 32 elements share one Philox call per 128 elements
-# (python -m benchmarks --static: ~6.5 SASS instructions per element per direction in the update at
+# (python -m benchmarks --static: ~6.6 SASS instructions per element per direction in the update at
 # 2048, ~10 at 1024; 4096 needs 168 registers). A multiple of 128: whole sign blocks.
 _SIGN_BLOCK = 2048
 
