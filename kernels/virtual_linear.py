@@ -45,7 +45,7 @@ def virtual_linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     TRANSPOSED: tl.constexpr,
-    K_MULTIPLE_OF_4: tl.constexpr,
+    RUNS_OF_4: tl.constexpr,
     NOISE: tl.constexpr,
     ROWS_WORD_ALIGNED: tl.constexpr,
 ):
@@ -75,16 +75,21 @@ def virtual_linear_kernel(
         else:
             w_offsets = cols[:, None] * stride_w + ks[None, :]
         w = tl.load(weight + w_offsets, mask=w_mask, other=0.0).to(tl.float32)
+        # Whole Philox blocks (one per 4 elements) when the weight's contiguous axis is a multiple of 4.
         if NOISE == NOISE_RADEMACHER:
             eps = _sign_noise(
                 k0, k1, tensor_id, cols, ks, k_start, K, N, TRANSPOSED, ROWS_WORD_ALIGNED, BLOCK_N, BLOCK_K
             )
-        elif TRANSPOSED:  # a tile's 4-element Philox runs lie along N, not K: one block per element
-            eps = normal_at(k0, k1, tensor_id, 0, ks[None, :] * N + cols[:, None])
-        elif K_MULTIPLE_OF_4:  # a tile row is BLOCK_K // 4 whole Philox blocks: one block per 4 elements
+        elif RUNS_OF_4 and TRANSPOSED:  # a [BLOCK_K, BLOCK_N] run of the [K, N] weight, then transposed
+            blocks = (ks[:, None] * N + pid_n * BLOCK_N) // 4 + tl.arange(0, BLOCK_N // 4)[None, :]
+            e0, e1, e2, e3 = normals4(*block_words(k0, k1, tensor_id, 0, blocks))
+            eps = tl.trans(tl.reshape(tl.join(tl.join(e0, e2), tl.join(e1, e3)), (BLOCK_K, BLOCK_N)))
+        elif RUNS_OF_4:  # a tile row is BLOCK_K // 4 whole Philox blocks
             blocks = (cols[:, None] * K + k_start) // 4 + tl.arange(0, BLOCK_K // 4)[None, :]
             e0, e1, e2, e3 = normals4(*block_words(k0, k1, tensor_id, 0, blocks))
             eps = tl.reshape(tl.join(tl.join(e0, e2), tl.join(e1, e3)), (BLOCK_N, BLOCK_K))
+        elif TRANSPOSED:  # otherwise each element computes its block and keeps its lane
+            eps = normal_at(k0, k1, tensor_id, 0, ks[None, :] * N + cols[:, None])
         else:
             eps = normal_at(k0, k1, tensor_id, 0, cols[:, None] * K + ks[None, :])
         # Round like a stored perturbed weight; masked lanes stay 0 so they add nothing.
@@ -152,6 +157,9 @@ def launch_virtual_linear(
         block_m = min(128, max(16, triton.next_power_of_2(rows_per_member)))
     members = keys.shape[0]
     k_in, n_out = weight.shape if transposed else weight.shape[::-1]
+    runs_of_4 = (n_out if transposed else k_in) % 4 == 0
+    rows_word_aligned = not transposed and k_in % 32 == 0 and block_k % 32 == 0  # signs: whole words
+    whole_blocks = rows_word_aligned if noise == "rademacher" else runs_of_4 and not transposed
     grid = (triton.cdiv(rows_per_member, block_m), triton.cdiv(n_out, block_n), members)
     virtual_linear_kernel[grid](
         x,
@@ -172,7 +180,10 @@ def launch_virtual_linear(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         TRANSPOSED=transposed,
-        K_MULTIPLE_OF_4=k_in % 4 == 0,
+        RUNS_OF_4=runs_of_4,
         NOISE=NOISE_CODES[noise],
-        ROWS_WORD_ALIGNED=not transposed and k_in % 32 == 0 and block_k % 32 == 0,
+        ROWS_WORD_ALIGNED=rows_word_aligned,
+        # The per-element and transposed noise paths hold more per element: more warps keep them in
+        # registers (no spills for sm_80 / sm_90 in kernels/aot.py).
+        num_warps=4 if whole_blocks else 8,
     )
