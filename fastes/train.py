@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -59,16 +60,27 @@ def batch_for(run: Run, phase: str, step: int) -> list[Example]:
 
 
 @torch.no_grad()
-def evaluate(run: Run, examples: list[Example], batch_size: int = 256) -> dict[str, float]:
-    """Greedy accuracy and format rate of the current weights on `examples`."""
-    answer = fmt = 0.0
+def evaluate(run: Run, examples: list[Example], batch_size: int = 256) -> dict[str, Any]:
+    """Greedy accuracy and format rate of the current weights on `examples`, and which ones it solves."""
+    correct, fmt = [], 0.0
     for start in range(0, len(examples), batch_size):
         chunk = examples[start : start + batch_size]
         gen = generate(run.model, run.tokenizer, run.prompts(chunk), max_new_tokens=run.cfg.max_new_tokens)
         scores = [run.task.score(ex, text) for ex, text in zip(chunk, gen.texts)]
-        answer += sum(s.answer for s in scores)
+        correct += [s.answer for s in scores]
         fmt += sum(s.format for s in scores)
-    return {"accuracy": answer / len(examples), "format": fmt / len(examples)}
+    return {"accuracy": sum(correct) / len(examples), "format": fmt / len(examples), "correct": correct}
+
+
+def paired_gain(before: list[float], after: list[float]) -> tuple[float, float]:
+    """Mean per-problem gain of `after` over `before` on the same problems, and its standard error.
+
+    Pairing removes the problem-to-problem variance that two independent accuracies would carry, so a
+    gain of 3 standard errors is a real improvement, not a lucky test set.
+    """
+    diff = torch.tensor(after, dtype=torch.float64) - torch.tensor(before, dtype=torch.float64)
+    se = float(diff.std(correction=1) / math.sqrt(len(diff))) if len(diff) > 1 else math.inf
+    return float(diff.mean()), se
 
 
 # --- ES ---------------------------------------------------------------------------------------------
@@ -287,6 +299,7 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
         _write_metrics(out_dir, [])
         (out_dir / "config.json").write_text(json.dumps(config_dict(cfg), indent=2))
         base = evaluate(run, test)
+        (out_dir / "base_test.json").write_text(json.dumps(base["correct"]))  # for the paired gain
         run.log(
             {
                 "global_step": 0,
@@ -298,6 +311,7 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
         )
 
     global_step = sum(lengths[:first_phase]) + first_step
+    last_eval = None
     bar = tqdm(total=sum(lengths), initial=global_step, disable=not cfg.progress, desc=cfg.algorithm)
     for phase_index in range(first_phase, len(phases)):
         phase = phases[phase_index]
@@ -320,7 +334,7 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
             global_step += 1
             record = {"global_step": global_step, "phase": phase, "step": step + 1, **record}
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 or step + 1 == lengths[phase_index]:
-                result = evaluate(run, test)
+                result = last_eval = evaluate(run, test)
                 record.update(test_accuracy=result["accuracy"], test_format=result["format"])
             run.log(record)
             bar.update(1)
@@ -336,11 +350,16 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
         saved = None
     bar.close()
     save_model(model, tokenizer, out_dir / "final")
-    base_accuracy = run.metrics[0]["test_accuracy"]
-    final = [m for m in run.metrics if "test_accuracy" in m][-1]["test_accuracy"]
+    final = last_eval or evaluate(run, test)
+    base_file = out_dir / "base_test.json"  # absent in run directories of older fastes versions
+    base_correct = json.loads(base_file.read_text()) if base_file.is_file() else None
+    gain, gain_se = paired_gain(base_correct, final["correct"]) if base_correct else (math.nan, math.nan)
     summary = {
-        "base_test_accuracy": base_accuracy,
-        "final_test_accuracy": final,
+        "base_test_accuracy": run.metrics[0]["test_accuracy"],
+        "final_test_accuracy": final["accuracy"],
+        "test_gain": gain,
+        "test_gain_se": gain_se,
+        "test_problems": len(test),
         "steps": global_step,
         "out_dir": str(out_dir),
         "model_dir": str(out_dir / "final"),
