@@ -46,6 +46,53 @@ class PopulationLinear(torch.nn.Module):
         return y.reshape(*x.shape[:-1], self.weights.shape[1])
 
 
+class PopulationEmbedding(torch.nn.Module):
+    """An embedding with one table per member; rows of input ids are grouped by member."""
+
+    def __init__(self, base: torch.nn.Embedding, weights: torch.Tensor) -> None:
+        super().__init__()
+        self.base = base
+        self.weights = weights  # [members, vocab, dim]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        members = self.weights.shape[0]
+        if ids.shape[0] % members:
+            raise ValueError(
+                f"population-batched input must have a multiple of {members} rows (rows grouped "
+                f"by member), got {ids.shape[0]}"
+            )
+        grouped = ids.reshape(members, -1, *ids.shape[1:])
+        index = torch.arange(members, device=ids.device).view(members, *[1] * (grouped.dim() - 1))
+        return self.weights[index, grouped].reshape(*ids.shape, self.weights.shape[-1])
+
+
+class PopulationNorm(torch.nn.Module):
+    """A norm layer (any module scaling by a `weight`) with one weight per member, rows grouped by member.
+
+    Each member's rows go through the original module with that member's weight (torch.func), so any
+    norm implementation works unchanged.
+    """
+
+    def __init__(self, base: torch.nn.Module, weights: torch.Tensor) -> None:
+        super().__init__()
+        self.base = base
+        self.weights = weights  # [members, *weight shape]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        members = self.weights.shape[0]
+        if x.shape[0] % members:
+            raise ValueError(
+                f"population-batched input must have a multiple of {members} rows (rows grouped "
+                f"by member), got {x.shape[0]}"
+            )
+        grouped = x.reshape(members, -1, *x.shape[1:])
+        outputs = [
+            torch.func.functional_call(self.base, {"weight": self.weights[m]}, (grouped[m],))
+            for m in range(members)
+        ]
+        return torch.cat(outputs)
+
+
 class VirtualLinear(torch.nn.Module):
     """A linear layer whose members' weights W + scale_m * eps_m exist only inside the kernel."""
 
@@ -111,16 +158,54 @@ class LowRankLinear(torch.nn.Module):
         return (self.base(grouped) + low).reshape(*x.shape[:-1], self.a.shape[1])
 
 
-def _linear_owners(model: torch.nn.Module) -> dict[int, tuple[str, torch.nn.Linear]]:
-    """id(weight) -> (module path, module) for every nn.Linear of the model."""
-    return {id(m.weight): (name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+def _owners(model: torch.nn.Module) -> dict[int, list[tuple[str, torch.nn.Module]]]:
+    """id(weight) -> every (module path, module) whose `weight` it is (a tied embedding has two)."""
+    owners: dict[int, list[tuple[str, torch.nn.Module]]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.nn.Parameter):
+            owners.setdefault(id(weight), []).append((name, module))
+    return owners
+
+
+def _population_module(module: torch.nn.Module, buffer: torch.Tensor) -> torch.nn.Module:
+    """The materialised population version of `module` whose weight the members' `buffer` replaces."""
+    if isinstance(module, torch.nn.Linear):
+        return PopulationLinear(module, buffer)
+    if isinstance(module, torch.nn.Embedding):
+        return PopulationEmbedding(module, buffer)
+    return PopulationNorm(module, buffer)
 
 
 MODES = ("materialised", "virtual", "lowrank")
 
 
+def _check_owners(name: str, owners: list[tuple[str, torch.nn.Module]], mode: str) -> None:
+    """Refuse a tensor that the batched evaluation of `mode` cannot swap in."""
+    kinds = [type(module).__name__ for _, module in owners]
+    linear_only = mode != "materialised"
+    if not owners or (linear_only and (len(owners) > 1 or not isinstance(owners[0][1], torch.nn.Linear))):
+        what = "nn.Linear weights only" if linear_only else "nn.Linear, nn.Embedding and norm weights"
+        raise ValueError(
+            f"batched evaluation ({mode}) evolves {what}; {name!r} is the weight of "
+            f"{', '.join(kinds) or 'no module'} (use eval_mode 'member', or 'materialised' for embeddings "
+            "and norms)"
+        )
+    for _, module in owners:
+        known = (
+            isinstance(module, (torch.nn.Linear, torch.nn.Embedding))
+            or "norm" in type(module).__name__.lower()
+        )
+        if not known:
+            raise ValueError(
+                f"batched evaluation evolves nn.Linear, nn.Embedding and norm weights; {name!r} is the "
+                f"weight of a {type(module).__name__} (use eval_mode 'member')"
+            )
+
+
 def _population_layers(es: ES, group: dict, members: list[Member], linears: list, mode: str) -> list:
-    """One population layer per evolved weight of `group`; `linears` are the weights' nn.Linear modules."""
+    """One population layer per evolved weight of `group` in the virtual and lowrank modes; `linears`
+    are the weights' nn.Linear modules."""
     if mode == "virtual":
         if es.noise_type != "full":
             raise ValueError("eval mode 'virtual' generates full-rank noise; use 'lowrank' or 'materialised'")
@@ -148,39 +233,54 @@ def _population_layers(es: ES, group: dict, members: list[Member], linears: list
             )
             for linear, tid in zip(linears, group["ids"])
         ]
+    raise ValueError(f"unknown batched mode {mode!r}")
+
+
+def _materialised_buffers(es: ES, group: dict, members: list[Member]) -> list[torch.Tensor]:
+    """Every member's perturbed copy of each tensor of `group`: [members, *shape] per tensor."""
     buffers = [torch.empty((len(members), *p.shape), dtype=p.dtype, device=p.device) for p in group["params"]]
     for index, member in enumerate(members):
         es.perturb_into(group, [b[index] for b in buffers], member)
-    return [PopulationLinear(linear, buffer) for linear, buffer in zip(linears, buffers)]
+    return buffers
+
+
+def _swaps(es: ES, group: dict, members: list[Member], owners: dict, mode: str) -> list:
+    """(module path, original module, population module) for every module using a tensor of `group`."""
+    for name, p in zip(group["names"], group["params"]):
+        _check_owners(name, owners.get(id(p), []), mode)
+    if mode != "materialised":
+        linears = [owners[id(p)][0] for p in group["params"]]
+        layers = _population_layers(es, group, members, [linear for _, linear in linears], mode)
+        return [(path, linear, layer) for (path, linear), layer in zip(linears, layers)]
+    buffers = _materialised_buffers(es, group, members)
+    return [
+        (path, module, _population_module(module, buffer))
+        for p, buffer in zip(group["params"], buffers)
+        for path, module in owners[id(p)]
+    ]
 
 
 @contextmanager
 def population_batched(es: ES, model: torch.nn.Module, mode: str = "materialised") -> Iterator[list[Member]]:
-    """Swap the evolved linear layers of `model` for population-batched ones; yields the members.
+    """Swap the modules whose weights ES evolves for population-batched ones; yields the members.
 
-    Feed the model `len(members) * b` rows, member i's rows being i * b ... (i + 1) * b - 1.
+    Feed the model `len(members) * b` rows, member i's rows being i * b ... (i + 1) * b - 1. The
+    materialised mode swaps nn.Linear, nn.Embedding and norm layers (a tied embedding in both places),
+    the virtual and lowrank modes nn.Linear layers only.
     """
     if mode not in MODES:
         raise ValueError(f"unknown batched mode {mode!r}; choose one of {MODES}")
     members = list(es.members())
-    owners = _linear_owners(model)
-    swapped: list[tuple[torch.nn.Module, str, torch.nn.Linear]] = []
+    owners = _owners(model)
+    swapped: list[tuple[torch.nn.Module, str, torch.nn.Module]] = []
     try:
         for group in es.param_groups:
-            for name, p in zip(group["names"], group["params"]):
-                if id(p) not in owners:
-                    raise ValueError(
-                        f"batched evaluation evolves nn.Linear weights only; {name!r} is not one "
-                        "(use eval_mode 'member' to evolve embeddings or norms)"
-                    )
-            linears = [owners[id(p)] for p in group["params"]]
-            layers = _population_layers(es, group, members, [linear for _, linear in linears], mode)
-            for (path, linear), layer in zip(linears, layers):
+            for path, module, layer in _swaps(es, group, members, owners, mode):
                 parent_path, _, attribute = path.rpartition(".")
                 parent = model.get_submodule(parent_path)
                 setattr(parent, attribute, layer)
-                swapped.append((parent, attribute, linear))
+                swapped.append((parent, attribute, module))
         yield members
     finally:
-        for parent, attribute, linear in swapped:
-            setattr(parent, attribute, linear)
+        for parent, attribute, module in reversed(swapped):
+            setattr(parent, attribute, module)

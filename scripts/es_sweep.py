@@ -47,15 +47,9 @@ def correct(model, tok, task, examples, max_new: int = 12) -> list[float]:
 
 def rewards_of(model, tok, task, es, examples, args) -> torch.Tensor:
     prompts = [ex.prompt for ex in examples]
-    if args.params == "linear":
-        with population_batched(es, model) as members:
-            gen = generate(model, tok, prompts * len(members), max_new_tokens=12)
-        texts = [gen.texts[i * len(prompts) : (i + 1) * len(prompts)] for i in range(len(members))]
-    else:
-        texts = []
-        for member in es.members():
-            with member:
-                texts.append(generate(model, tok, prompts, max_new_tokens=12).texts)
+    with population_batched(es, model) as members:
+        gen = generate(model, tok, prompts * len(members), max_new_tokens=12)
+    texts = [gen.texts[i * len(prompts) : (i + 1) * len(prompts)] for i in range(len(members))]
     return torch.tensor(
         [[task.score(ex, t).reward(args.format_weight) for ex, t in zip(examples, row)] for row in texts],
         dtype=torch.float64,
