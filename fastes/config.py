@@ -19,6 +19,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 ALGORITHMS = ("es", "grpo", "grpo_es")
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+EVOLVE_KINDS = ("linear", "embeddings", "norms")
 EVAL_MODES = ("materialised", "virtual", "lowrank", "member")
 MAX_SEED = 2**32  # seeds are in [0, 2^32): ES takes up to 2^64, GRPO samples with seed * 1_000_003 + step
 
@@ -41,6 +42,8 @@ class ESConfig:
     eval_mode: str = "materialised"
     noise_type: str = "full"  # "lowrank": matrices get eps = A B^T / sqrt(rank) (EGGROLL-style)
     rank: int = 1
+    # which weights ES evolves: "+"-joined kinds out of linear, embeddings, norms (see fastes.train)
+    evolve: str = "linear"
 
 
 @dataclass
@@ -210,6 +213,13 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         es.noise_type in ("full", "lowrank"), "es.noise_type", f"{es.noise_type!r}: choose full or lowrank"
     )
     _require(es.rank >= 1, "es.rank", f"must be at least 1, got {es.rank}")
+    kinds = es.evolve.split("+")
+    _require(
+        all(kind in EVOLVE_KINDS for kind in kinds) and len(set(kinds)) == len(kinds),
+        "es.evolve",
+        f"{es.evolve!r}: join distinct kinds out of {', '.join(EVOLVE_KINDS)} with '+' "
+        "(e.g. embeddings+norms)",
+    )
     _require(
         es.eval_mode != "lowrank" or es.noise_type == "lowrank",
         "es.eval_mode",

@@ -86,10 +86,19 @@ def paired_gain(before: list[float], after: list[float]) -> tuple[float, float]:
 # --- ES ---------------------------------------------------------------------------------------------
 
 
+def evolved_weights(model: torch.nn.Module, evolve: str) -> list[tuple[str, torch.nn.Parameter]]:
+    """The (name, tensor) pairs ES evolves: the kinds in `evolve` ("linear", "embeddings", "norms",
+    joined with "+"). A tied output projection counts as an embedding, as in fastes.linear_weights."""
+    kinds = set(evolve.split("+"))
+    linear = {id(p) for _, p in linear_weights(model)}
+    chosen = linear_weights(model, include_embeddings="embeddings" in kinds, include_norms="norms" in kinds)
+    return [(n, p) for n, p in chosen if "linear" in kinds or id(p) not in linear]
+
+
 def make_es(run: Run) -> ES:
     c = run.cfg.es
     return ES(
-        linear_weights(run.model),
+        evolved_weights(run.model, c.evolve),
         sigma=c.sigma,
         lr=c.lr,
         population=c.population,
