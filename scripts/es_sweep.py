@@ -1,5 +1,5 @@
-"""One ES configuration on countdown, measured on the validation problems: the sweep behind README's
-"What works for ES at small scale" table.
+"""One ES configuration on countdown, measured on validation problems: the sweep behind
+docs/es_small_scale.md (what works for ES at small scale, and what does not).
 
     python scripts/es_sweep.py --name demo --iterations 60 --sigma 0.002 --lr 2e-5 >> sweep.jsonl
 
@@ -19,21 +19,14 @@ import time
 
 import torch
 
-from fastes import ES, linear_weights
+from fastes import ES
 from fastes.batched import population_batched
 from fastes.generation import generate
 from fastes.models import load_model, tiny_model_path
 from fastes.tasks import get_task
+from fastes.train import evolved_weights
 
 VALIDATION = slice(1000, 2000)
-
-
-def evolved(model: torch.nn.Module, which: str) -> list:
-    if which == "linear":
-        return linear_weights(model)
-    chosen = linear_weights(model, include_embeddings=True, include_norms=True)
-    keep = {"embed": ("embed",), "norms": ("norm",), "embed+norms": ("embed", "norm")}[which]
-    return [(n, p) for n, p in chosen if any(k in n for k in keep)]
 
 
 def correct(model, tok, task, examples, max_new: int = 12) -> list[float]:
@@ -47,7 +40,7 @@ def correct(model, tok, task, examples, max_new: int = 12) -> list[float]:
 
 def rewards_of(model, tok, task, es, examples, args) -> torch.Tensor:
     prompts = [ex.prompt for ex in examples]
-    with population_batched(es, model) as members:
+    with population_batched(es, model) as members:  # batched: linear, embedding and norm weights alike
         gen = generate(model, tok, prompts * len(members), max_new_tokens=12)
     texts = [gen.texts[i * len(prompts) : (i + 1) * len(prompts)] for i in range(len(members))]
     return torch.tensor(
@@ -60,7 +53,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--name", default="")
     p.add_argument("--model", default=str(tiny_model_path()))
-    p.add_argument("--params", default="linear", choices=["linear", "embed", "norms", "embed+norms"])
+    p.add_argument("--params", default="linear", help="what ES evolves, as es.evolve: e.g. embeddings+norms")
     p.add_argument("--iterations", type=int, default=60)
     p.add_argument("--population", type=int, default=32)
     p.add_argument("--batch", type=int, default=64)
@@ -78,8 +71,14 @@ def main() -> None:
     train = task.split("train")
     val = task.split("test")[VALIDATION][: args.val]
     base = correct(model, tok, task, val)
-    es = ES(evolved(model, args.params), sigma=args.sigma, lr=args.lr, population=args.population,
-            shaping=args.shaping, seed=args.seed)
+    es = ES(
+        evolved_weights(model, args.params),
+        sigma=args.sigma,
+        lr=args.lr,
+        population=args.population,
+        shaping=args.shaping,
+        seed=args.seed,
+    )
     tied = []
     for step in range(args.iterations):
         batch = random.Random(f"{args.seed}:es:{step}").sample(train, args.batch)
@@ -90,15 +89,20 @@ def main() -> None:
     trained = correct(model, tok, task, val)
     diff = torch.tensor(trained) - torch.tensor(base)
     se = float(diff.std(correction=1) / math.sqrt(len(diff)))
-    print(json.dumps({
-        **vars(args),
-        "base": sum(base) / len(base),
-        "trained": sum(trained) / len(trained),
-        "gain": float(diff.mean()),
-        "paired_se": se,
-        "tied_pairs": sum(tied) / len(tied),
-        "seconds": round(time.perf_counter() - start, 1),
-    }), flush=True)
+    print(
+        json.dumps(
+            {
+                **vars(args),
+                "base": sum(base) / len(base),
+                "trained": sum(trained) / len(trained),
+                "gain": float(diff.mean()),
+                "paired_se": se,
+                "tied_pairs": sum(tied) / len(tied),
+                "seconds": round(time.perf_counter() - start, 1),
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":
