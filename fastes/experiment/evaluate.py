@@ -100,11 +100,19 @@ def relative_update_norm(base: torch.nn.Module, model: torch.nn.Module) -> float
     return math.sqrt(delta / norm)
 
 
+def _load_masked(model: PreTrainedModel, masked: dict[str, torch.Tensor]) -> None:
+    """Write the masked tensors theta_0 + M * delta into `model` (the others stay as they are)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name in masked:
+                param.copy_(masked[name])
+
+
 def gain_retained_curves(ctx: Context, base_dir: str, trained_dir: str) -> dict[str, Any]:
     """Greedy accuracy of theta_0 + M * delta for the kept fractions and mask kinds, and the gain retained.
 
     Masks are over the tensors the training changed (the update's support by tensor: for ES the evolved
-    linear weights), counted globally; theta_0 is the base and theta_1 the trained model.
+    weights), counted globally; theta_0 is the base and theta_1 the trained model.
     """
     p = ctx.preset
     examples = ctx.task.split("test")[: p.eval_size]
@@ -122,21 +130,14 @@ def gain_retained_curves(ctx: Context, base_dir: str, trained_dir: str) -> dict[
     accuracy: dict[str, dict[str, float]] = {kind: {} for kind in MASK_KINDS}
     fractions = sorted(p.keep_fractions)
     with ctx.bar(len(MASK_KINDS) * len(fractions), "gain retained") as bar:
-        for kind in MASK_KINDS:
-            for fraction in fractions:
-                if fraction == 1.0 or not changed:  # keeps everything: the trained model itself
-                    accuracy[kind][str(fraction)] = acc_trained
-                else:
-                    kept = {n: before[n] for n in changed}
-                    masked = topk_mask_state(
-                        kept, {n: after[n] for n in changed}, fraction, kind=kind, seed=p.seed
-                    )
-                    with torch.no_grad():
-                        for name, param in model.named_parameters():
-                            if name in masked:
-                                param.copy_(masked[name])
-                    accuracy[kind][str(fraction)] = accuracy_of(model)
-                bar.update(1)
+        for kind, fraction in [(kind, f) for kind in MASK_KINDS for f in fractions]:
+            if fraction == 1.0 or not changed:  # keeps everything: the trained model itself
+                accuracy[kind][str(fraction)] = acc_trained
+            else:
+                kept, trained = ({n: state[n] for n in changed} for state in (before, after))
+                _load_masked(model, topk_mask_state(kept, trained, fraction, kind=kind, seed=p.seed))
+                accuracy[kind][str(fraction)] = accuracy_of(model)
+            bar.update(1)
     gains = {
         kind: {f: float(gain_retained(acc, acc_base, acc_trained)) for f, acc in per_fraction.items()}
         for kind, per_fraction in accuracy.items()
