@@ -2,9 +2,10 @@
 
 A checkpoint is a directory `step-NNNNNNNN/` under the run's `checkpoints/`, holding
 - tensors.safetensors: the model weights and any optimizer tensors (safetensors: no pickle),
-- state.json: the loop's plain state (ES state, step counters, config) and the SHA-256 of the tensors.
-It is written into a temporary directory and renamed into place, so a reader sees either the whole
-checkpoint or none of it. The newest `keep` checkpoints are kept; resuming takes the newest that verifies.
+- state.json: the loop's plain state (ES state, step counters, config, metrics), the step, the SHA-256
+  of the tensors, and a SHA-256 over all of that, so a changed digit anywhere is caught.
+It is written into a temporary directory, synced to disk and renamed into place, so a reader sees either
+the whole checkpoint or none of it. The newest `keep` checkpoints are kept; resuming takes the newest.
 """
 
 from __future__ import annotations
@@ -19,12 +20,34 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from .errors import FastesError
+
 TENSORS_FILE = "tensors.safetensors"
 STATE_FILE = "state.json"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(FastesError, RuntimeError):
     """A checkpoint is missing, truncated or does not match its checksum."""
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Replace `path` by `text` so that a crash at any moment leaves the old file or the new one, on disk."""
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _sha256(path: Path) -> str:
@@ -54,12 +77,23 @@ def _discard(path: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def remove_leftovers(run_dir: str | Path) -> None:
+    """Delete what a crash can leave behind: half-written (.tmp-) and half-deleted (.trash-) checkpoints."""
+    root = Path(run_dir) / "checkpoints"
+    for path in root.glob(".t*-step-*") if root.is_dir() else []:
+        if path.name.startswith((".tmp-step-", ".trash-step-")):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def checkpoint_steps(run_dir: str | Path) -> list[int]:
+    """The steps of the checkpoints under `run_dir`, oldest first (not verified)."""
+    return [step for step, _ in _checkpoints(Path(run_dir) / "checkpoints")]
+
+
+def _state_digest(step: int, tensors_sha256: str, state: dict[str, Any]) -> str:
+    """SHA-256 over everything in state.json but itself (JSON floats round-trip exactly)."""
+    body = {"step": step, "tensors_sha256": tensors_sha256, "state": state}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 def save_checkpoint(
@@ -80,11 +114,17 @@ def save_checkpoint(
     for later, stale in _checkpoints(root):
         if later > step:
             _discard(stale)
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove_leftovers(run_dir)
     tmp.mkdir()
     # Tied or shared tensors are stored once per name: safetensors refuses aliased storage.
     save_file({k: v.detach().contiguous().clone() for k, v in tensors.items()}, str(tmp / TENSORS_FILE))
-    record = {"step": step, "sha256": _sha256(tmp / TENSORS_FILE), "state": state}
+    tensors_sha256 = _sha256(tmp / TENSORS_FILE)
+    record = {
+        "step": step,
+        "tensors_sha256": tensors_sha256,
+        "state": state,
+        "sha256": _state_digest(step, tensors_sha256, state),
+    }
     with (tmp / STATE_FILE).open("w") as f:
         json.dump(record, f)
         f.flush()
@@ -94,27 +134,38 @@ def save_checkpoint(
     if final.exists():  # the same step again (a phase boundary); a crash between the two lines
         _discard(final)  # leaves no step-N at all, and a resume takes the previous checkpoint
     os.replace(tmp, final)
-    _fsync_dir(root)
+    fsync_dir(root)
     for _, old in _checkpoints(root)[:-keep]:
         _discard(old)
     return final
 
 
 def load_checkpoint(path: str | Path) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]]:
-    """(step, tensors, state) of the checkpoint directory `path`, after verifying its checksum."""
+    """(step, tensors, state) of the checkpoint directory `path`, after verifying both files' checksums
+    and that the directory's name is the step recorded inside it."""
     path = Path(path)
+    fix = "delete this directory to resume from the previous checkpoint"
     try:
         record = json.loads((path / STATE_FILE).read_text())
-        expected = record["sha256"]
-    except (OSError, ValueError, KeyError) as error:
-        raise CheckpointError(f"checkpoint {path} is incomplete or corrupt ({STATE_FILE}: {error})") from None
+        step, tensors_sha256, state = record["step"], record["tensors_sha256"], record["state"]
+        intact = record["sha256"] == _state_digest(step, tensors_sha256, state)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete or corrupt ({STATE_FILE}: {error}); {fix}"
+        ) from None
+    if not intact:
+        raise CheckpointError(
+            f"checkpoint {path}: {STATE_FILE} does not match its checksum (modified); {fix}"
+        )
+    if path.name != f"step-{step:08d}":
+        raise CheckpointError(f"checkpoint {path} records step {step}, not the step in its name; {fix}")
     tensor_file = path / TENSORS_FILE
-    if not tensor_file.is_file() or _sha256(tensor_file) != expected:
+    if not tensor_file.is_file() or _sha256(tensor_file) != tensors_sha256:
         raise CheckpointError(
             f"checkpoint {path}: {TENSORS_FILE} is missing or does not match its checksum "
-            "(truncated or modified); delete this directory to resume from the previous checkpoint"
+            f"(truncated or modified); {fix}"
         )
-    return int(record["step"]), load_file(str(tensor_file)), record["state"]
+    return step, load_file(str(tensor_file)), state
 
 
 def latest_checkpoint(run_dir: str | Path) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]] | None:

@@ -12,11 +12,53 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError, flag_specs, load_config
+from . import __version__
+from .config import ConfigError, flag_help, flag_specs, load_config
+from .errors import FastesError
+from .es import CollectiveError
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with a usage error printed as one line like every other fastes error."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"fastes: {message} (see `{self.prog} --help`)\n")
+
+
+class Interrupted(Exception):
+    """Ctrl-C during a run; the message says how to continue it."""
+
+
+def _positive(kind: type) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not value > 0 or not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
+def _normalise_flags(argv: list[str]) -> list[str]:
+    """--max-new-tokens and --max_new_tokens are the same flag: dashes inside a flag name become
+    underscores (the config keys' spelling)."""
+    out = []
+    for token in argv:
+        if token.startswith("--") and len(token) > 2:
+            name, eq, value = token[2:].partition("=")
+            token = "--" + name.replace("-", "_") + eq + value
+        out.append(token)
+    return out
 
 
 def _parse_bool(text: str) -> bool:
@@ -29,6 +71,14 @@ def _parse_bool(text: str) -> bool:
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, help="a TOML file of settings (flags override it)")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in out_dir from its newest checkpoint, with its own settings",
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace a previous run in out_dir (says what it deletes)"
+    )
     for key, kind in flag_specs():
         parser.add_argument(
             f"--{key}",
@@ -36,6 +86,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
             type=_parse_bool if kind is bool else kind,
             default=None,
             metavar=kind.__name__.upper(),
+            help=flag_help(key),
         )
 
 
@@ -64,11 +115,30 @@ def _curve_plot(metrics: list[dict], path: Path) -> Path:
     )
 
 
+def _resume_hint(command: str, out_dir: str) -> str:
+    from .checkpoint import checkpoint_steps
+    from .rundir import RUN_FILE
+
+    if not (Path(out_dir) / RUN_FILE).is_file():
+        return "interrupted before the run started; nothing was written"
+    steps = checkpoint_steps(out_dir)
+    saved = f"its newest checkpoint is step {steps[-1]}" if steps else "it has no checkpoint yet"
+    return f"interrupted; {saved}. Continue with: fastes {command} --out_dir {shlex.quote(out_dir)} --resume"
+
+
 def cmd_train(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> dict:
+    from .rundir import saved_identity
     from .train import train
 
-    cfg = load_config(args.config, _overrides(args, defaults))
-    summary = train(cfg, resume=args.resume)
+    overrides = _overrides(args, defaults)
+    cfg = load_config(args.config, overrides)
+    saved = saved_identity(cfg.out_dir) if args.resume else None
+    if saved is not None:  # a resume continues with the run's own settings; only flags given now differ
+        cfg = load_config(args.config, {**overrides, "out_dir": cfg.out_dir}, base=saved["config"])
+    try:
+        summary = train(cfg, resume=args.resume, overwrite=args.overwrite)
+    except KeyboardInterrupt:
+        raise Interrupted(_resume_hint(args.command, cfg.out_dir)) from None
     metrics = [json.loads(line) for line in (Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()]
     summary["plot"] = str(_curve_plot(metrics, Path(cfg.out_dir) / "curve.png"))
     base, final = summary["base_test_accuracy"], summary["final_test_accuracy"]
@@ -97,8 +167,13 @@ def cmd_eval(args: argparse.Namespace) -> dict:
     from .models import format_prompt, load_model, tiny_model_path
     from .tasks import get_task
 
+    try:
+        task = get_task(args.task, seed=args.task_seed)
+    except ValueError as error:
+        if isinstance(error, FastesError):
+            raise
+        raise ConfigError(f"--task: {error}") from None
     model, tokenizer = load_model(args.model or tiny_model_path(), dtype=args.dtype)
-    task = get_task(args.task, seed=args.task_seed)
     examples = task.split(args.split)[: args.limit]
     prompts = [format_prompt(tokenizer, ex.prompt) for ex in examples]
     greedy = generate(model, tokenizer, prompts, max_new_tokens=args.max_new_tokens)
@@ -134,7 +209,7 @@ def cmd_pretrain(args: argparse.Namespace) -> dict:
 def cmd_experiment(args: argparse.Namespace) -> dict:
     from .experiment import run_experiment
 
-    metrics = run_experiment(args.preset, args.out, model=args.model)
+    metrics = run_experiment(args.preset, args.out, model=args.model, overwrite=args.overwrite)
     print(f"\nreport: {Path(args.out) / 'report.md'}   metrics: {Path(args.out) / 'metrics.json'}")
     for finding in metrics["findings"]:
         print(f"- {finding['claim']}: {finding['verdict']}")
@@ -142,30 +217,37 @@ def cmd_experiment(args: argparse.Namespace) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="fastes", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = Parser(
+        prog="fastes",
+        description=__doc__ + "\nFlags may be spelled with dashes or underscores (--max-new-tokens).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"fastes {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="ES on the built-in tiny model and countdown (the main job)")
-    demo.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     _add_config_flags(demo)
 
     train = sub.add_parser("train", help="post-train a model with ES, GRPO or GRPO then ES")
-    train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     _add_config_flags(train)
 
-    ev = sub.add_parser("eval", help="greedy accuracy and Pass@K of a model directory on a task")
-    ev.add_argument("--model", default="", help="model directory (default: the built-in tiny model)")
-    ev.add_argument("--task", default="countdown")
-    ev.add_argument("--task-seed", type=int, default=0)
-    ev.add_argument("--split", default="test", choices=["train", "test"])
-    ev.add_argument("--limit", type=int, default=200, help="number of examples")
-    ev.add_argument("--samples", type=int, default=16, help="samples per prompt for Pass@K (1 = greedy only)")
-    ev.add_argument("--temperature", type=float, default=1.0)
-    ev.add_argument("--max-new-tokens", type=int, default=12)
-    ev.add_argument("--dtype", default=None)
-    ev.add_argument("--seed", type=int, default=0)
+    ev = sub.add_parser(
+        "eval",
+        help="greedy accuracy and Pass@K of a model directory on a task",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    ev.add_argument("--model", default="", help="model directory (empty: the built-in tiny model)")
+    ev.add_argument("--task", default="countdown", help="a task name, jsonl:<path> or reasoning_gym:<name>")
+    ev.add_argument("--task_seed", type=int, default=0, help="seed of the task's problems")
+    ev.add_argument("--split", default="test", choices=["train", "test"], help="which problems")
+    ev.add_argument("--limit", type=_positive(int), default=200, help="number of problems")
+    ev.add_argument(
+        "--samples", type=_positive(int), default=16, help="samples per problem for Pass@K (1: greedy only)"
+    )
+    ev.add_argument("--temperature", type=_positive(float), default=1.0, help="sampling temperature")
+    ev.add_argument("--max_new_tokens", type=_positive(int), default=12, help="tokens per completion")
+    ev.add_argument("--dtype", default=None, help="float32, bfloat16 or float16; None: the model's own")
+    ev.add_argument("--seed", type=int, default=0, help="sampling seed")
 
     pre = sub.add_parser("pretrain", help="supervised pretraining of the tiny model")
     pre.add_argument("--out", type=Path, required=True, help="where to write the model directory")
@@ -177,11 +259,14 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--preset", default="tiny", choices=["tiny", "quick"], help="quick: a smoke run")
     exp.add_argument("--out", type=Path, default=Path("runs/experiment"), help="the report directory")
     exp.add_argument("--model", default=None, help="a local HF model directory (default: the tiny model)")
+    exp.add_argument(
+        "--overwrite", action="store_true", help="replace what is already in --out (says what it deletes)"
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_normalise_flags(sys.argv[1:] if argv is None else argv))
     try:
         if args.command == "demo":
             cmd_train(args, defaults={"out_dir": "runs/demo"})
@@ -196,6 +281,18 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"fastes: configuration error: {error}", file=sys.stderr)
         return 2
+    except FastesError as error:
+        print(f"fastes: {error}", file=sys.stderr)
+        return 2
+    except (Interrupted, KeyboardInterrupt) as interrupt:
+        print(f"\nfastes: {str(interrupt) or 'interrupted'}", file=sys.stderr)
+        return 130
+    except CollectiveError as error:
+        # The process group is broken and torch would wait for the lost peer at shutdown: leave now.
+        print(f"fastes: {error}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     return 0
 
 

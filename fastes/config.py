@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,8 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
+from .errors import FastesError
+
 ALGORITHMS = ("es", "grpo", "grpo_es")
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
 EVOLVE_KINDS = ("linear", "embeddings", "norms")
@@ -24,7 +27,7 @@ EVAL_MODES = ("materialised", "virtual", "lowrank", "member")
 MAX_SEED = 2**32  # seeds are in [0, 2^32): ES takes up to 2^64, GRPO samples with seed * 1_000_003 + step
 
 
-class ConfigError(ValueError):
+class ConfigError(FastesError, ValueError):
     """A configuration value is missing, unknown, of the wrong type or out of range."""
 
 
@@ -79,6 +82,7 @@ class TrainConfig:
     backend: str = "auto"
     threads: int = 0  # CPU threads for torch; 0 = auto (1 for models under 5M parameters, else torch's)
     progress: bool = True
+    collective_timeout: float = 1800.0  # seconds a multi-process collective may wait for the other ranks
     es: ESConfig = field(default_factory=ESConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
 
@@ -168,6 +172,28 @@ def _check_device(device: str) -> None:
         "device",
         f"{device!r} asked for, but torch sees no CUDA device; use cpu",
     )
+    _require(
+        parsed.type != "cuda" or parsed.index is None or parsed.index < torch.cuda.device_count(),
+        "device",
+        f"{device!r} asked for, but torch sees {torch.cuda.device_count()} CUDA device(s); use cuda:0",
+    )
+
+
+def _check_triton(cfg: TrainConfig) -> None:
+    """Triton kernels need a CUDA device; on CPU only the interpreter (TRITON_INTERPRET=1) runs them."""
+    if cfg.device.startswith("cuda") or os.environ.get("TRITON_INTERPRET") == "1" or cfg.algorithm == "grpo":
+        return
+    _require(
+        cfg.es.eval_mode != "virtual",
+        "es.eval_mode",
+        f"'virtual' runs a Triton kernel and needs a CUDA device, but device = {cfg.device!r}; "
+        "use es.eval_mode = 'materialised' on CPU",
+    )
+    _require(
+        cfg.backend != "triton",
+        "backend",
+        f"'triton' needs a CUDA device, but device = {cfg.device!r}; use backend = 'auto' or 'torch'",
+    )
 
 
 def validate(cfg: TrainConfig) -> TrainConfig:
@@ -187,6 +213,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _require(0 <= cfg.seed < MAX_SEED, "seed", f"must be in [0, 2^32), got {cfg.seed}")
     _check_out_dir(cfg)
     _check_device(cfg.device)
+    _check_triton(cfg)
+    timeout = cfg.collective_timeout
+    _require(timeout > 0, "collective_timeout", f"must be > 0 seconds, got {timeout}")
     for key in ("batch_size", "max_new_tokens", "eval_size"):
         _require(getattr(cfg, key) >= 1, key, f"must be at least 1, got {getattr(cfg, key)}")
     for key in ("eval_every", "checkpoint_every", "threads"):
@@ -244,9 +273,14 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
-def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
-    """Defaults, then the TOML file at `path`, then `overrides` ({"es.sigma": 0.01, ...}); validated."""
-    cfg = TrainConfig()
+def load_config(
+    path: str | Path | None = None,
+    overrides: dict[str, Any] | None = None,
+    base: dict[str, Any] | None = None,
+) -> TrainConfig:
+    """Defaults (or `base`, a config_dict such as a run's saved config), then the TOML file at `path`, then
+    `overrides` ({"es.sigma": 0.01, ...}); validated."""
+    cfg = config_from_dict(base or {})
     if path is not None:
         path = Path(path)
         if not path.is_file():
@@ -269,6 +303,13 @@ def config_dict(cfg: TrainConfig) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
+def config_from_dict(values: dict[str, Any]) -> TrainConfig:
+    """The config that config_dict() gave `values`; keys and types are checked, ranges are not."""
+    cfg = TrainConfig()
+    _merge(cfg, values)
+    return cfg
+
+
 def flag_specs() -> list[tuple[str, type]]:
     """("es.sigma", float), ...: every leaf key, for building command-line flags."""
     specs = []
@@ -283,3 +324,55 @@ def flag_specs() -> list[tuple[str, type]]:
 
     walk(TrainConfig(), "")
     return specs
+
+
+# One line per key, for `fastes train --help` (the default is appended there).
+HELP: dict[str, str] = {
+    "algorithm": f"one of {', '.join(ALGORITHMS)} (grpo_es: a GRPO phase, then ES from its result)",
+    "model": "a local Hugging Face model directory; empty: the built-in tiny model",
+    "task": "countdown, arithmetic, reverse, compare, jsonl:<path> or reasoning_gym:<name>",
+    "task_seed": "seed of the task's train/test problems",
+    "seed": "run seed in [0, 2^32): noise, prompt batches and sampling",
+    "out_dir": "run directory (config.json, metrics.jsonl, checkpoints/, final/)",
+    "batch_size": "training prompts per ES iteration / GRPO step",
+    "max_new_tokens": "tokens generated per completion",
+    "format_weight": "reward = format_weight * well-formed + correct answer",
+    "eval_every": "test accuracy every this many steps (0: only at the end of each phase)",
+    "eval_size": "test problems per evaluation",
+    "checkpoint_every": "checkpoint every this many steps (0: never); --resume continues the newest",
+    "dtype": "float32, bfloat16 or float16",
+    "device": "cpu, cuda, cuda:1, ...",
+    "backend": "noise kernels: auto (Triton on CUDA, else torch), triton or torch",
+    "threads": "torch CPU threads (0: 1 for models under 5M parameters, else torch's default)",
+    "progress": "show a progress bar",
+    "collective_timeout": "seconds a multi-process collective waits for the other ranks before failing",
+    "es.iterations": "ES iterations (may be raised when resuming)",
+    "es.population": "members per iteration (even when antithetic)",
+    "es.sigma": "noise scale",
+    "es.lr": "step size alpha in theta += alpha / (N sigma) sum_i w_i eps_i",
+    "es.shaping": "reward shaping: centered_rank, zscore, group_zscore or raw",
+    "es.antithetic": "members 2j and 2j+1 use the same noise with opposite signs",
+    "es.weight_decay": "decoupled weight decay",
+    "es.stochastic_rounding": "round bf16/fp16 updates stochastically (reproducibly)",
+    "es.eval_mode": f"one of {', '.join(EVAL_MODES)}: how a generation is evaluated (virtual needs CUDA)",
+    "es.noise_type": "full, or lowrank (eps = A B^T / sqrt(rank) for matrices)",
+    "es.rank": "rank of low-rank noise",
+    "grpo.steps": "GRPO steps (may be raised when resuming)",
+    "grpo.num_generations": "completions sampled per prompt (the group)",
+    "grpo.temperature": "sampling temperature",
+    "grpo.top_p": "nucleus sampling threshold",
+    "grpo.lr": "AdamW learning rate",
+    "grpo.beta": "weight of the KL (k3) to the starting model; 0: no reference model",
+    "grpo.epsilon": "clipping range of the probability ratio",
+    "grpo.loss_type": f"one of {', '.join(LOSS_TYPES)}",
+    "grpo.max_grad_norm": "gradient clipping norm",
+    "grpo.weight_decay": "AdamW weight decay",
+}
+
+
+def flag_help(key: str) -> str:
+    """The help line of a dotted key, with its default."""
+    default: Any = TrainConfig()
+    for part in key.split("."):
+        default = getattr(default, part)
+    return f"{HELP[key]} (default: {default!r})"

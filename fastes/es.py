@@ -30,6 +30,13 @@ NOISE_TYPES = ("full", "lowrank")
 _GROUP_DEFAULT_KEYS = ("sigma", "lr", "weight_decay")
 
 
+DEFAULT_TIMEOUT = 1800.0  # seconds; torch's own default for gloo process groups
+
+
+class CollectiveError(RuntimeError):
+    """A cross-process collective failed: another process died or did not answer in time."""
+
+
 class Member:
     """One population member: a context manager that applies its perturbation and restores exactly."""
 
@@ -73,7 +80,10 @@ class ES:
         backend: "auto", "triton" or "torch" (see fastes.ops).
         checksum_every: compare a checksum of the weights across processes every this many generations.
         timeout: seconds each cross-process collective (rewards, checksum) may wait for the other
-            processes before raising; None (default) leaves it to the process group's own timeout.
+            processes before raising CollectiveError (default 30 minutes); None leaves it to the process
+            group's own timeout. After that error the process group is unusable, and the process
+            cannot exit normally while a peer hangs (torch waits for the peer at shutdown): end it with
+            os._exit, as the `fastes` command does.
         noise_type: "full" (default) or "lowrank": matrices get eps = A B^T / sqrt(rank) (fastes.lowrank),
             other tensors full-rank noise.
     """
@@ -94,7 +104,7 @@ class ES:
         nonfinite: str = "error",
         backend: str = "auto",
         checksum_every: int = 10,
-        timeout: float | None = None,
+        timeout: float | None = DEFAULT_TIMEOUT,
         noise_type: str = "full",
         rank: int = 1,
     ) -> None:
@@ -306,7 +316,7 @@ class ES:
                 raise RuntimeError("the wait timed out")
         except RuntimeError as error:  # torch.distributed.DistBackendError is a RuntimeError
             limit = "the process group's timeout" if self.timeout is None else f"{self.timeout:g} s"
-            raise RuntimeError(
+            raise CollectiveError(
                 f"ES generation {self.generation}, rank {rank} of {world}: {what} failed: another process "
                 f"died or did not answer within {limit} ({error}). The process group cannot be used "
                 "any more: stop every process and resume from the last checkpoint"

@@ -6,6 +6,7 @@ files), so the tiny model and a real one go through exactly the same code path.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
+from fastes.errors import FastesError, MissingFileError
 from fastes.tasks.base import ALPHABET
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
@@ -46,6 +48,14 @@ DTYPES: dict[str, torch.dtype | str] = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
+
+
+# A tokenizer needs one of these (fast, sentencepiece, BPE or WordPiece vocabularies).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+class ModelError(FastesError, ValueError):
+    """A model directory that cannot be used as it is; the message names the file and the fix."""
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
@@ -121,42 +131,97 @@ def load_model(
     Code shipped inside the checkpoint is never run unless `trust_remote_code=True`.
     """
     path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"model directory {path} does not exist (pass a local HF checkpoint directory)"
-        )
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} has no config.json, so it is not a Hugging Face model directory")
-    if not any(path.glob("*.safetensors")) and not any(path.glob("*.safetensors.index.json")):
-        if any(path.glob("*.bin")) or any(path.glob("*.pt")) or any(path.glob("*.pth")):
-            raise ValueError(
-                f"{path} only has pickle weights (.bin/.pt); they can run arbitrary code when loaded, "
-                "so fastes only loads safetensors. Convert them once with a trusted script, "
-                "e.g. model.save_pretrained(dir, safe_serialization=True)."
-            )
-        raise FileNotFoundError(f"{path} has no *.safetensors weights")
+    _check_model_files(path)
     torch_dtype = _resolve_dtype(dtype)
     hf_logging.disable_progress_bar()  # a bar per load is noise next to fastes' own progress
-
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its load report would repeat, at length, what ModelError says
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model, info = AutoModelForCausalLM.from_pretrained(
             path,
             dtype=torch_dtype,
             use_safetensors=True,
             local_files_only=True,
             trust_remote_code=trust_remote_code,
+            output_loading_info=True,
+            ignore_mismatched_sizes=True,  # reported below with every other mismatch, not as a traceback
         )
     except SafetensorError as error:  # the library's message names neither the file nor the cause
-        raise ValueError(
+        raise ModelError(
             f"{path}: the safetensors weights cannot be read ({error}); the file is truncated, damaged "
             "or not a safetensors file"
         ) from None
-    tokenizer = AutoTokenizer.from_pretrained(
-        path, local_files_only=True, trust_remote_code=trust_remote_code
-    )
+    except (OSError, ValueError, KeyError) as error:
+        raise ModelError(f"{path}: transformers cannot load this model ({error})") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    _check_loading_info(path, info)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            path, local_files_only=True, trust_remote_code=trust_remote_code
+        )
+    except Exception as error:  # tokenizers raises plain Exceptions for a file it cannot parse
+        raise ModelError(
+            f"{path}: the tokenizer cannot be loaded ({type(error).__name__}: {error}); copy the tokenizer "
+            "files of the model this one was made from"
+        ) from None
     if tokenizer.pad_token is None:  # many real tokenizers have none; batching needs one
         tokenizer.pad_token = tokenizer.eos_token
     return model.to(device).eval(), tokenizer
+
+
+def _check_model_files(path: Path) -> None:
+    """What can be checked before transformers reads anything: each failure names the file and the fix."""
+    if not path.is_dir():
+        raise MissingFileError(
+            f"model directory {path} does not exist (pass a local HF checkpoint directory)"
+        )
+    if not (path / "config.json").is_file():
+        raise MissingFileError(f"{path} has no config.json, so it is not a Hugging Face model directory")
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.safetensors.index.json")):
+        if any(path.glob("*.bin")) or any(path.glob("*.pt")) or any(path.glob("*.pth")):
+            raise ModelError(
+                f"{path} only has pickle weights (.bin/.pt); they can run arbitrary code when loaded, "
+                "so fastes only loads safetensors. Convert them once with a trusted script, "
+                "e.g. model.save_pretrained(dir, safe_serialization=True)."
+            )
+        raise MissingFileError(f"{path} has no *.safetensors weights")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise MissingFileError(
+            f"{path} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)}, with "
+            "tokenizer_config.json); copy them from the model this one was made from"
+        )
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        if (path / name).is_file():
+            try:
+                json.loads((path / name).read_text(encoding="utf-8"))
+            except (ValueError, UnicodeDecodeError) as error:
+                raise ModelError(
+                    f"{path / name} is not valid JSON ({error}); restore it from the model's source"
+                ) from None
+
+
+def _check_loading_info(path: Path, info: dict) -> None:
+    """Refuse weights that do not fit the architecture in config.json (transformers would fill the gaps
+    with random values and carry on)."""
+    problems = []
+    for kind, keys in (("missing", info["missing_keys"]), ("unexpected", info["unexpected_keys"])):
+        keys = sorted(keys)
+        if keys:
+            shown = ", ".join(keys[:3]) + (", ..." if len(keys) > 3 else "")
+            problems.append(f"{len(keys)} {kind} tensors ({shown})")
+    mismatched = sorted(info.get("mismatched_keys") or [], key=lambda entry: entry[0])
+    if mismatched:
+        name, found, expected = mismatched[0][:3]
+        problems.append(
+            f"{len(mismatched)} tensors of the wrong shape ({name}: {tuple(found)} in the file, "
+            f"{tuple(expected)} in config.json)"
+        )
+    if problems:
+        raise ModelError(
+            f"{path}: the weights do not match config.json: {'; '.join(problems)}. The weight files and "
+            "config.json must come from the same model"
+        )
 
 
 def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | str:
@@ -164,10 +229,10 @@ def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | str:
         return "auto"
     if isinstance(dtype, torch.dtype):
         if dtype not in {torch.float32, torch.bfloat16, torch.float16}:
-            raise ValueError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
+            raise ModelError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
         return dtype
     if dtype not in DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+        raise ModelError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPES)}")
     return DTYPES[dtype]
 
 

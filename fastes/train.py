@@ -1,8 +1,9 @@
 """Post-training loops: ES and GRPO on a verifiable task, or GRPO then ES, in one resumable run.
 
-A run directory holds config.json, metrics.jsonl (one line per step), checkpoints/ and, at the end,
-final/ (a Hugging Face model directory). Everything random is derived from (seed, phase, step), so a run
-resumed from a checkpoint continues exactly as the uninterrupted run would have.
+A run directory holds run.json (the run's identity, fastes/rundir.py), config.json, metrics.jsonl (one
+line per step), checkpoints/ and, at the end, final/ (a Hugging Face model directory). Everything random
+is derived from (seed, phase, step), so a run resumed from a checkpoint continues exactly as the
+uninterrupted run would have.
 """
 
 from __future__ import annotations
@@ -19,14 +20,14 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from . import ES, linear_weights
+from . import ES, linear_weights, rundir
 from .analysis.diversity import js_diversity
 from .analysis.entropy import token_entropy
 from .batched import population_batched
-from .checkpoint import latest_checkpoint, save_checkpoint
-from .config import TrainConfig, config_dict
+from .checkpoint import latest_checkpoint, save_checkpoint, write_atomic
+from .config import ConfigError, TrainConfig
 from .generation import generate
-from .models import format_prompt, load_model, save_model, tiny_model_path
+from .models import ModelError, format_prompt, load_model, save_model, tiny_model_path
 from .tasks import Example, Task, get_task
 
 PHASES = {"es": ("es",), "grpo": ("grpo",), "grpo_es": ("grpo", "es")}
@@ -41,12 +42,12 @@ class Run:
     tokenizer: Any
     task: Task
     out_dir: Path
+    identity: dict[str, Any] = field(default_factory=dict)  # rundir.run_identity, saved in checkpoints
     metrics: list[dict] = field(default_factory=list)
 
     def log(self, record: dict) -> None:
         self.metrics.append(record)
-        with (self.out_dir / "metrics.jsonl").open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        rundir.append_metrics(self.out_dir, record)
 
     def prompts(self, examples: list[Example]) -> list[str]:
         return [format_prompt(self.tokenizer, ex.prompt) for ex in examples]
@@ -110,6 +111,7 @@ def make_es(run: Run) -> ES:
         backend=run.cfg.backend,
         noise_type=c.noise_type,
         rank=c.rank,
+        timeout=run.cfg.collective_timeout,
     )
 
 
@@ -271,7 +273,12 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.T
 
 def _checkpoint(run: Run, global_step: int, phase_index: int, step: int, es: ES | None, optimizer) -> None:
     tensors = {f"model.{k}": v for k, v in run.model.state_dict().items()}
-    state: dict[str, Any] = {"phase_index": phase_index, "step": step, "config": config_dict(run.cfg)}
+    state: dict[str, Any] = {
+        "phase_index": phase_index,
+        "step": step,
+        "run": run.identity,
+        "metrics": run.metrics,  # metrics.jsonl up to here: rewritten from this on resume
+    }
     if es is not None:
         state["es"] = es.state_dict()
     if optimizer is not None:
@@ -280,35 +287,94 @@ def _checkpoint(run: Run, global_step: int, phase_index: int, step: int, es: ES 
     save_checkpoint(run.out_dir, global_step, tensors, state)
 
 
-def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
-    """Run the configured post-training; returns base and final test metrics."""
+def _check_task(task: Task, cfg: TrainConfig) -> None:
+    for split in ("train", "test"):
+        if not task.split(split):
+            raise ConfigError(f"task: {cfg.task!r} has no {split} problems; add some, or choose another task")
+
+
+def _check_evolvable(model: torch.nn.Module, model_dir: Path) -> None:
+    try:
+        linear_weights(model)
+    except ValueError as error:
+        raise ModelError(f"{model_dir}: {error}. ES cannot train it; use algorithm = 'grpo'") from None
+
+
+def _resume_point(
+    out_dir: Path, identity: dict[str, Any], phases: tuple[str, ...]
+) -> tuple[tuple[int, dict, dict] | None, str]:
+    """The newest checkpoint of the run in out_dir (None: none written yet), after checking that this is
+    the same run: same settings (the length may grow) and the same starting model."""
+    saved = rundir.saved_identity(out_dir)
+    found = latest_checkpoint(out_dir)
+    if found is None and saved is None:
+        raise rundir.RunDirError(
+            f"--resume: {out_dir} holds no run to resume (no {rundir.RUN_FILE}, no checkpoints); "
+            "start a new run without --resume"
+        )
+    recorded, finished = saved, ()
+    if found is not None:
+        step, _, state = found
+        recorded = rundir.checkpoint_identity(state, out_dir / "checkpoints" / f"step-{step:08d}", saved)
+        ended = phases[: state["phase_index"]]
+        finished = tuple("grpo.steps" if p == "grpo" else "es.iterations" for p in ended)
+    rundir.check_resume(identity, recorded, out_dir, finished)
+    return found, recorded["run_id"]
+
+
+def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
+    """Run the configured post-training; returns base and final test metrics.
+
+    A new run needs a new or empty out_dir; `overwrite` lets it replace a previous run there. `resume`
+    continues the run in out_dir from its newest checkpoint, exactly, with that run's own settings (only
+    es.iterations / grpo.steps may be raised). Everything that can be checked is checked before any work.
+    """
+    if resume and overwrite:
+        raise rundir.RunDirError("--resume continues the run in out_dir, --overwrite deletes it: choose one")
     out_dir = Path(cfg.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = Path(cfg.model) if cfg.model else tiny_model_path()
+    phases = PHASES[cfg.algorithm]
+    lengths = [cfg.grpo.steps if p == "grpo" else cfg.es.iterations for p in phases]
+    task = get_task(cfg.task, seed=cfg.task_seed)
+    _check_task(task, cfg)
+    identity = rundir.run_identity(cfg, model_dir)
+    if resume:
+        found, run_id = _resume_point(out_dir, identity, phases)
+    else:
+        found, previous = None, rundir.check_fresh(out_dir, overwrite)
     torch.manual_seed(cfg.seed)
-    model, tokenizer = load_model(cfg.model or tiny_model_path(), dtype=cfg.dtype, device=cfg.device)
+    model, tokenizer = load_model(model_dir, dtype=cfg.dtype, device=cfg.device)
+    if "es" in phases:
+        _check_evolvable(model, model_dir)
     # A tiny model's matmuls are too small to share: extra threads only add synchronisation.
     small = sum(p.numel() for p in model.parameters()) < 5_000_000
     torch.set_num_threads(cfg.threads or (1 if small else torch.get_num_threads()))
-    run = Run(cfg, model, tokenizer, get_task(cfg.task, seed=cfg.task_seed), out_dir)
-    test = run.task.split("test")[: cfg.eval_size]
-    phases = PHASES[cfg.algorithm]
-    lengths = [cfg.grpo.steps if p == "grpo" else cfg.es.iterations for p in phases]
+    run = Run(cfg, model, tokenizer, task, out_dir, identity)
+    test = task.split("test")[: cfg.eval_size]
+    # GRPO's KL reference is the starting model, also when the run resumes with trained weights.
+    reference = None
+    if "grpo" in phases and cfg.grpo.beta > 0:
+        reference = copy.deepcopy(model).eval().requires_grad_(False)
 
     # Where to start: from scratch, or just after the newest checkpoint.
     first_phase, first_step, saved = 0, 0, None
-    found = latest_checkpoint(out_dir) if resume else None
+    if not resume:
+        rundir.remove_run(out_dir, previous)
+    rundir.clean(out_dir)
+    rundir.start_run(out_dir, identity)  # on resume: records a raised length
     if found is not None:
         global_step, tensors, saved = found
+        print(f"Resuming run {run_id} from step {global_step} ({out_dir})")
         model.load_state_dict({k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")})
         first_phase, first_step = saved["phase_index"], saved["step"]
-        kept = [m for m in _read_metrics(out_dir) if m["global_step"] <= global_step]
-        _write_metrics(out_dir, kept)
-        run.metrics = kept
+        run.metrics = list(saved["metrics"])
+        rundir.restore_metrics(out_dir, run.metrics, global_step)
     else:
-        _write_metrics(out_dir, [])
-        (out_dir / "config.json").write_text(json.dumps(config_dict(cfg), indent=2))
+        if resume:
+            print(f"Resuming run {run_id} from step 0: no checkpoint was written yet, so it starts over")
+        rundir.write_metrics(out_dir, [])
         base = evaluate(run, test)
-        (out_dir / "base_test.json").write_text(json.dumps(base["correct"]))  # for the paired gain
+        write_atomic(out_dir / "base_test.json", json.dumps(base["correct"]))  # for the paired gain
         run.log(
             {
                 "global_step": 0,
@@ -326,9 +392,6 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
         phase = phases[phase_index]
         es = make_es(run) if phase == "es" else None
         optimizer = make_grpo_optimizer(run) if phase == "grpo" else None
-        reference = None
-        if phase == "grpo" and cfg.grpo.beta > 0:
-            reference = copy.deepcopy(model).eval().requires_grad_(False)
         start_step = first_step if phase_index == first_phase else 0
         if saved is not None and phase_index == first_phase:
             # A checkpoint at a phase boundary carries no optimizer state: the next phase starts fresh.
@@ -358,7 +421,7 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
             _checkpoint(run, global_step, phase_index + 1, 0, None, None)
         saved = None
     bar.close()
-    save_model(model, tokenizer, out_dir / "final")
+    rundir.replace_dir(out_dir, "final", lambda path: save_model(model, tokenizer, path))
     final = last_eval or evaluate(run, test)
     base_file = out_dir / "base_test.json"  # absent in run directories of older fastes versions
     base_correct = json.loads(base_file.read_text()) if base_file.is_file() else None
@@ -373,24 +436,5 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
         "out_dir": str(out_dir),
         "model_dir": str(out_dir / "final"),
     }
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_atomic(out_dir / "summary.json", json.dumps(summary, indent=2))
     return summary
-
-
-def _read_metrics(out_dir: Path) -> list[dict]:
-    path = out_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    lines = []
-    for line in path.read_text().splitlines():
-        try:
-            lines.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut short by a crash: everything after it is redone
-            break
-    return lines
-
-
-def _write_metrics(out_dir: Path, records: list[dict]) -> None:
-    tmp = out_dir / "metrics.jsonl.tmp"
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
-    tmp.replace(out_dir / "metrics.jsonl")

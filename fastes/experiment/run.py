@@ -36,6 +36,23 @@ def _resolve(preset: str | Preset, model: str | Path | None) -> tuple[Preset, Bu
     return preset, plan
 
 
+def _check_out(out: Path, overwrite: bool) -> None:
+    """Refuse to replace what is in `out` without --overwrite; with it, say what is replaced."""
+    present = sorted(p.name + ("/" if p.is_dir() else "") for p in out.iterdir()) if out.is_dir() else []
+    if not present:
+        return
+    shown = ", ".join(present[:6]) + (", ..." if len(present) > 6 else "")
+    if not overwrite:
+        raise ConfigError(
+            f"--out: {str(out)!r} is not empty ({shown}); the experiment would delete and replace the "
+            "runs there. Choose another --out, or pass --overwrite"
+        )
+    print(
+        f"fastes: --overwrite: replacing the experiment in {out} ({shown}): its runs/ and sweep/ "
+        "folders are deleted and run again (a pretrained models/small is reused)"
+    )
+
+
 def _stage(ctx: Context, name: str, work: Any, *args: Any) -> Any:
     """work(*args), timed as stage `name`."""
     start = time.perf_counter()
@@ -61,15 +78,18 @@ def run_experiment(
     out_dir: str | Path = "runs/experiment",
     model: str | Path | None = None,
     progress: bool = True,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Train the three arms, measure the four models, write metrics.json, the plots and report.md.
 
     `preset` is a name in PRESETS or a Preset; `model` a local HF model directory (default: the built-in
-    tiny model). Returns the metrics (also in out_dir/metrics.json).
+    tiny model). Returns the metrics (also in out_dir/metrics.json). An out_dir that already holds
+    anything is refused unless `overwrite` (the experiment replaces its runs/, sweep/ and models/).
     """
     preset, plan = _resolve(preset, model)
     started = time.perf_counter()
     out = Path(out_dir)
+    _check_out(out, overwrite)
     out.mkdir(parents=True, exist_ok=True)
     base_path = Path(model) if model else tiny_model_path()
     device = preset.device if preset.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")

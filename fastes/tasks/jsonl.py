@@ -27,6 +27,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+from ..errors import FastesError, MissingFileError
 from .base import ALPHABET, Example, Score, Task, check_split, outside_alphabet
 from .countdown import solve_countdown
 from .verify import ANSWER_END, parse_number, score_countdown, score_exact, score_numeric
@@ -37,7 +38,7 @@ _OPTIONAL_KEYS = ("split", "numbers", "solution", "meta")
 _MAX_SEARCH_NUMBERS = 4  # solve_countdown is quick up to here
 
 
-class JsonlTaskError(ValueError):
+class JsonlTaskError(FastesError, ValueError):
     """A JSONL task file that cannot be used; the message names the file, the line and the fix."""
 
 
@@ -136,7 +137,7 @@ def load_jsonl_examples(path: str | Path, strict_alphabet: bool = True) -> list[
     """Read and check every line of a JSONL task file: (example, explicit split or None) per line."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"JSONL task file {str(path)!r} not found or not a file; check the path after 'jsonl:'"
         )
     try:

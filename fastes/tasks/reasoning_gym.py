@@ -20,6 +20,7 @@ import importlib
 import math
 from typing import Any
 
+from ..errors import MissingPackageError
 from .base import Example, Score, Task, check_split
 from .verify import ANSWER_END, extract_answer
 
@@ -28,7 +29,7 @@ def _import_reasoning_gym() -> Any:
     try:
         return importlib.import_module("reasoning_gym")
     except ImportError as error:
-        raise ImportError(
+        raise MissingPackageError(
             "reasoning_gym tasks need the optional 'reasoning-gym' package: pip install reasoning-gym"
         ) from error
 
