@@ -357,6 +357,7 @@ HELP: dict[str, str] = {
     "es.eval_mode": f"one of {', '.join(EVAL_MODES)}: how a generation is evaluated (virtual needs CUDA)",
     "es.noise_type": "full, or lowrank (eps = A B^T / sqrt(rank) for matrices)",
     "es.rank": "rank of low-rank noise",
+    "es.evolve": "the weights ES evolves: kinds out of linear, embeddings, norms joined by '+'",
     "grpo.steps": "GRPO steps (may be raised when resuming)",
     "grpo.num_generations": "completions sampled per prompt (the group)",
     "grpo.temperature": "sampling temperature",
