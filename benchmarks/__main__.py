@@ -22,7 +22,17 @@ def main(argv: list[str] | None = None) -> None:
         "--suites", default=",".join(SUITES), help=f"comma-separated subset of {list(SUITES)}"
     )
     parser.add_argument("--note", action="append", default=[], help="a line for the report's notes")
+    parser.add_argument(
+        "--static",
+        action="store_true",
+        help="no timing: compile the kernels for sm_90 and write the predicted (SASS-based) report",
+    )
     args = parser.parse_args(argv)
+    if args.static:
+        from .static import run_static
+
+        run_static(args.out)
+        return
     _, paths = run(
         quick=args.quick,
         out=args.out,

@@ -1,50 +1,93 @@
-"""The compiled Triton kernels vs the torch reference, on the same CUDA tensors (scripts/gpu_check.sh).
+"""The compiled Triton kernels vs the torch reference, step by step (scripts/gpu_check.sh runs it).
 
-    python -m benchmarks.gpu_check [--skip-large]
+    python -m benchmarks.gpu_check --out DIR [--steps environment,stream,...] [--device cuda] [--small]
 
-The test suite runs the kernels under the Triton interpreter on CPU; this is the same comparison with
-the kernels compiled for the GPU. Contract (docs/noise.md): raw Philox words bit-identical; normals within
-1e-5; perturb and update results within float tolerance (fp32) or one ulp in under 1% of elements
-(16-bit, where a ~1e-7 difference in a normal can flip a rounding); restore bit-exact. Exit status 0 when
-every check passes, 1 when one fails, 2 when there is no CUDA device.
+Steps: environment (GPU, driver, CUDA, torch, triton), stream (raw Philox words exact, normals), perturb,
+update (every mode), virtual (virtual_linear vs materialised weights), es (exact restore, ES.step vs the
+CPU reference), large (a tensor past 2^31 elements), bench (a short benchmark). Keys, rounding keys and
+tensor ids of 1 are included: Triton used to turn an int argument equal to 1 into a constant.
+
+Each step runs on its own: a failure or crash in one is recorded and the next step still runs. After each
+step DIR/<step>.log and DIR/<step>.json are written and DIR/summary.json is updated (steps run in separate
+processes by gpu_check.sh add to the same summary). Contract (docs/noise.md): raw words bit-identical;
+normals within 1e-5; fp32 results within 1e-5 of their magnitude; 16-bit results at most one ulp apart in
+under 1% of elements; restore bit-exact. Exit status: 0 all passed, 1 a check failed, 2 no CUDA device.
+
+`--device cpu` runs the same steps on the Triton interpreter (TRITON_INTERPRET=1) with `--small` sizes:
+that is how the test suite checks this script's logic without a GPU.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import io
+import json
 import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
-# Compiled kernels and automatic dispatch, whatever the calling shell set; before triton is imported.
-os.environ.pop("TRITON_INTERPRET", None)
-os.environ.pop("FASTES_BACKEND", None)
-
-import argparse  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-
-import torch  # noqa: E402
+import torch
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-SHAPES = [(1,), (7,), (33, 5), (4097,), (1000, 1031)]
 NAMES = ["emb", "layers.0.q.weight", "layers.0.mlp.weight", "lm_head.weight", "layers.1.o.weight"]
 NORMAL_TOL = 1e-5
-# (element offset, count) of the stream checks; offsets crossing the 2^32-block boundary (element 2^34)
-# exercise the high counter word.
-STREAM_CASES = [(0, 1), (0, 4097), (1028, 1 << 20), ((1 << 34) - 2048, 8192), (1 << 40, 3001)]
+EDGE_KEYS = [(1, 1), (1, 0xFFFFFFFF), (16, 1 << 31)]  # key words Triton used to specialise
+STEP_NAMES = ("environment", "stream", "perturb", "update", "virtual", "es", "large", "bench")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How big each step's tensors are: full on a GPU, small under the interpreter."""
+
+    shapes: tuple
+    stream_cases: tuple  # (element offset, count); offsets past element 2^34 use the high counter word
+    virtual_shapes: tuple  # (members, rows per member, in, out)
+    large: int  # elements of the one huge tensor (0: skip)
+    bench_elements: int
+    bench_rounds: int
+    thin: bool = False  # fewer keys, scales and modes (each edge case still once): the interpreter
+
+
+FULL = Sizes(
+    shapes=((1,), (7,), (33, 5), (4097,), (1000, 1031)),
+    stream_cases=((0, 1), (0, 4097), (1028, 1 << 20), ((1 << 34) - 2048, 8192), (1 << 40, 3001)),
+    virtual_shapes=((4, 1, 4096, 1024), (3, 17, 1000, 333), (2, 5, 37, 48)),
+    large=(1 << 31) + 4099,
+    bench_elements=1 << 28,
+    bench_rounds=5,
+)
+SMALL = Sizes(
+    shapes=((1,), (7,), (33, 5), (1029,)),
+    stream_cases=((0, 1), (1028, 1100), ((1 << 34) - 8, 16)),
+    virtual_shapes=((2, 1, 64, 48), (2, 3, 37, 33)),
+    large=0,
+    bench_elements=1 << 11,
+    bench_rounds=1,
+    thin=True,
+)
 
 
 class Checks:
     """Collects named pass/fail results and prints each as it comes."""
 
     def __init__(self) -> None:
-        self.failed: list[str] = []
-        self.count = 0
+        self.results: list[dict] = []
+        self.facts: dict = {}
+
+    @property
+    def failed(self) -> list[str]:
+        return [r["name"] for r in self.results if not r["ok"]]
 
     def check(self, name: str, ok: bool, detail: str = "") -> None:
-        self.count += 1
+        self.results.append({"name": name, "ok": bool(ok), "detail": detail})
         print(f"{'PASS' if ok else 'FAIL'}  {name}{'  ' + detail if detail else ''}", flush=True)
-        if not ok:
-            self.failed.append(name)
 
     def run(self, name: str, fn: Callable[[], tuple[bool, str]]) -> None:
         try:
@@ -69,9 +112,10 @@ def compare(
     result: torch.Tensor, expected: torch.Tensor, magnitude: torch.Tensor | float
 ) -> tuple[bool, str]:
     """fp32: |diff| <= 1e-5 * magnitude; 16-bit: at most one ulp, and off by it in < 1% of elements."""
+    result, expected = result.cpu(), expected.cpu()
     if result.dtype == torch.float32:
         diff = (result - expected).abs()
-        bound = NORMAL_TOL * (magnitude if isinstance(magnitude, float) else magnitude.float())
+        bound = NORMAL_TOL * (magnitude if isinstance(magnitude, float) else magnitude.float().cpu())
         worst = float((diff / bound).max()) if diff.numel() else 0.0
         return bool((diff <= bound).all()), f"max diff {float(diff.max()):.2e} ({worst:.2f} of tolerance)"
     ulps = (ordered(result) - ordered(expected)).abs()
@@ -79,133 +123,171 @@ def compare(
     return int(ulps.max()) <= 1 and share < 0.01, f"max {int(ulps.max())} ulp, {100 * share:.3f}% off by one"
 
 
-def make_tensors(dtype: torch.dtype, seed: int, device: torch.device, shapes=SHAPES) -> list[torch.Tensor]:
+def make_tensors(dtype: torch.dtype, seed: int, device: torch.device, shapes) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(s, generator=g).to(dtype).to(device) for s in shapes]
 
 
 # ---------------------------------------------------------------------------------------------------
+# Steps
+# ---------------------------------------------------------------------------------------------------
 
 
-def check_stream(c: Checks, device: torch.device) -> None:
+def step_environment(c: Checks, device: torch.device, sizes: Sizes) -> None:
+    import triton
+
+    facts = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "triton": triton.__version__,
+        "device": str(device),
+        "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
+    }
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        facts.update(
+            gpu=p.name,
+            capability=f"{p.major}.{p.minor}",
+            sms=p.multi_processor_count,
+            memory_gib=round(p.total_memory / 2**30, 1),
+        )
+        try:
+            smi = subprocess.run(
+                [
+                    "nvidia-smi",
+                    "--query-gpu=driver_version,clocks.max.sm,power.limit",
+                    "--format=csv,noheader",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=20,
+            )
+            facts["nvidia_smi"] = smi.stdout.strip()
+        except (OSError, subprocess.TimeoutExpired) as error:
+            facts["nvidia_smi"] = f"unavailable: {error}"
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+            timeout=10,
+        )
+        facts["fastes_commit"] = commit.stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        facts["fastes_commit"] = "unknown"
+    c.facts.update(facts)
+    for key, value in facts.items():
+        print(f"{key}: {value}")
+    c.check(
+        "environment",
+        True,
+        f"{facts.get('gpu', 'cpu')}, torch {torch.__version__}, triton {triton.__version__}",
+    )
+
+
+def step_stream(c: Checks, device: torch.device, sizes: Sizes) -> None:
     from fastes import kernels, noise
 
-    keys = [noise.member_key(0, 0, 0), noise.member_key(1234, 7, 5), (0, 0), (0xFFFFFFFF, 0xFFFFFFFF)]
-    ids = [0, noise.tensor_id("model.layers.0.mlp.up_proj.weight"), 0xFFFFFFFF]
-    cases = STREAM_CASES
+    keys = [noise.member_key(1234, 7, 5), *EDGE_KEYS, (0, 0), (0xFFFFFFFF, 0xFFFFFFFF)]
+    ids = [1, 0xFFFFFFFF, noise.tensor_id("model.layers.0.mlp.up_proj.weight")]
+    if sizes.thin:
+        keys, ids = keys[:2], ids[:2]
     for key in keys:
         for tid in ids:
-            for offset, n in cases:
-                name = f"fill bits   key={key[0]:#x},{key[1]:#x} id={tid:#x} offset={offset} n={n}"
+            for stream in (noise.STREAM_NOISE, noise.STREAM_ROUNDING):
 
-                def bits(key=key, tid=tid, offset=offset, n=n) -> tuple[bool, str]:
-                    out = torch.full((n,), -1, dtype=torch.int64, device=device)
-                    kernels.launch_fill(out, key, tid, offset, noise.STREAM_NOISE, True)
-                    c0, c1, start, _ = noise._counter_words(n, offset, device)
-                    words = noise.philox4x32(c0, c1, tid, noise.STREAM_NOISE, key[0], key[1])
-                    expected = torch.stack(words, dim=1).reshape(-1)[offset - start : offset - start + n]
-                    cpu = torch.stack(
-                        noise.philox4x32(c0.cpu(), c1.cpu(), tid, noise.STREAM_NOISE, key[0], key[1]), dim=1
-                    ).reshape(-1)[offset - start : offset - start + n]
-                    mismatches = int((out != expected).sum())
-                    ref_agree = torch.equal(expected.cpu(), cpu)
-                    return (
-                        mismatches == 0 and ref_agree,
-                        f"{mismatches} words differ; cpu ref agrees: {ref_agree}",
-                    )
+                def bits(key=key, tid=tid, stream=stream) -> tuple[bool, str]:
+                    mismatches = 0
+                    for offset, n in sizes.stream_cases:
+                        out = torch.full((n,), -1, dtype=torch.int64, device=device)
+                        kernels.launch_fill(out, key, tid, offset, stream, True)
+                        c0, c1, start, _ = noise._counter_words(n, offset, "cpu")
+                        words = torch.stack(noise.philox4x32(c0, c1, tid, stream, key[0], key[1]), dim=1)
+                        expected = words.reshape(-1)[offset - start : offset - start + n]
+                        mismatches += int((out.cpu() != expected).sum())
+                    return mismatches == 0, f"{mismatches} words differ"
 
-                c.run(name, bits)
-            name = f"fill normal key={key[0]:#x},{key[1]:#x} id={tid:#x}"
+                c.run(f"stream bits   key={key[0]:#x},{key[1]:#x} id={tid:#x} stream={stream}", bits)
 
             def normals(key=key, tid=tid) -> tuple[bool, str]:
                 worst = 0.0
-                for offset, n in cases:
+                for offset, n in sizes.stream_cases:
                     out = torch.empty(n, dtype=torch.float32, device=device)
                     kernels.launch_fill(out, key, tid, offset, noise.STREAM_NOISE, False)
-                    ref = noise.normal(key, tid, n, offset=offset, device=device)
-                    ref_cpu = noise.normal(key, tid, n, offset=offset, device="cpu")
-                    scale = ref.abs().clamp(min=1.0)
-                    worst = max(worst, float(((out - ref).abs() / scale).max()))
-                    worst = max(worst, float(((ref.cpu() - ref_cpu).abs() / scale.cpu()).max()))
-                return worst <= NORMAL_TOL, f"max relative diff {worst:.2e} (kernel and cpu reference)"
+                    ref = noise.normal(key, tid, n, offset=offset, device="cpu")
+                    worst = max(worst, float(((out.cpu() - ref).abs() / ref.abs().clamp(min=1.0)).max()))
+                return worst <= NORMAL_TOL, f"max relative diff {worst:.2e}"
 
-            c.run(name, normals)
+            c.run(f"stream normal key={key[0]:#x},{key[1]:#x} id={tid:#x}", normals)
 
 
-def check_perturb(c: Checks, device: torch.device) -> None:
+def step_perturb(c: Checks, device: torch.device, sizes: Sizes) -> None:
     from fastes import noise, ops
 
-    ids = [noise.tensor_id(n) for n in NAMES]
+    ids = [1, *(noise.tensor_id(n) for n in NAMES[1:])][: len(sizes.shapes)]
     for dtype in DTYPES:
-        for seed in (0, 31337):
-            for sign in (1, -1):
+        for key in [EDGE_KEYS[0]] if sizes.thin else [noise.member_key(31337, 3, 1), EDGE_KEYS[0]]:
+            for scale in (0.05,) if sizes.thin else (0.05, -0.05):
                 for in_place in (False, True):
-                    key = noise.member_key(seed, 3, 1)
-                    scale = sign * 0.05
-                    label = f"perturb {str(dtype)[6:]:8s} seed={seed} sign={sign:+d} in_place={in_place}"
 
-                    def one(
-                        dtype=dtype, seed=seed, key=key, scale=scale, in_place=in_place
-                    ) -> tuple[bool, str]:
-                        src = make_tensors(dtype, seed, device)
-                        before = [t.clone() for t in src]
-                        expected = [torch.empty_like(t) for t in src]
+                    def one(dtype=dtype, key=key, scale=scale, in_place=in_place) -> tuple[bool, str]:
+                        src = make_tensors(dtype, 7, device, sizes.shapes)
+                        before = [t.cpu().clone() for t in src]
+                        expected = [torch.empty_like(t) for t in before]
                         ops.perturb_reference(before, expected, ids, key, scale)
-                        if in_place:
-                            ops.perturb(src, src, ids, key, scale, backend="triton")
-                            got = src
-                        else:
-                            got = [torch.empty_like(t) for t in src]
-                            ops.perturb(src, got, ids, key, scale, backend="triton")
-                            if not all(torch.equal(a, b) for a, b in zip(src, before)):
-                                return False, "the sources were modified by an out-of-place perturb"
+                        got = src if in_place else [torch.empty_like(t) for t in src]
+                        ops.perturb(src, got, ids, key, scale, backend="triton")
                         sync(device)
-                        details, ok = [], True
-                        for r, e, theta in zip(got, expected, before):
-                            good, detail = compare(r, e, theta.float().abs() + abs(scale) * 6)
-                            ok &= good
-                            details.append(detail)
-                        return ok, "; ".join(details[-2:])
+                        if not in_place and not all(torch.equal(a.cpu(), b) for a, b in zip(src, before)):
+                            return False, "the sources were modified by an out-of-place perturb"
+                        results = [
+                            compare(r, e, t.float().abs() + abs(scale) * 6)
+                            for r, e, t in zip(got, expected, before)
+                        ]
+                        return all(ok for ok, _ in results), "; ".join(d for _, d in results[-2:])
 
-                    c.run(label, one)
+                    name = f"perturb {str(dtype)[6:]:8s} key={key[0]:#x} scale={scale:+} in_place={in_place}"
+                    c.run(name, one)
 
 
-def check_update(c: Checks, device: torch.device) -> None:
+def step_update(c: Checks, device: torch.device, sizes: Sizes) -> None:
     from fastes import noise, ops
 
-    ids = [noise.tensor_id(n) for n in NAMES]
+    ids = [1, *(noise.tensor_id(n) for n in NAMES[1:])][: len(sizes.shapes)]
     cases = [
-        ("apply", 0, 0, [0.75, -1.25, 0.5], 0.02, 1.0),
-        ("apply+decay", 977, 12, [1.0, -0.5], 0.03, 0.995),
-        ("apply N=30", 5, 1, [((i * 7919) % 13 - 6) / 6 for i in range(30)], 0.01, 1.0),
-        ("stochastic", 11, 4, [0.3, -0.9, 1.1, 0.2], 0.02, 1.0),
-        ("gradient", 21, 2, [0.5, -1.5, 0.25], -0.04, 1.0),
+        ("apply", [0.75, -1.25, 0.5], 0.02, 1.0, None),
+        ("apply+decay", [1.0, -0.5], 0.03, 0.995, None),
+        ("apply N=30", [((i * 7919) % 13 - 6) / 6 for i in range(15)], 0.01, 1.0, None),
+        ("stochastic", [0.3, -0.9, 1.1, 0.2], 0.02, 1.0, noise.rounding_key(11, 4)),
+        ("stochastic key 1", [0.3, -0.9], 0.02, 1.0, EDGE_KEYS[0]),
+        ("gradient", [0.5, -1.5, 0.25], -0.04, 1.0, None),
     ]
+    if sizes.thin:  # each mode once per dtype where it differs: stochastic 16-bit, gradient bf16
+        cases = [cases[0], cases[4], cases[5]]
     for dtype in DTYPES:
-        for mode, seed, generation, weights, coef, decay in cases:
-            label = f"update  {str(dtype)[6:]:8s} {mode}"
+        for mode, weights, coef, decay, rounding in cases:
+            if sizes.thin and (
+                mode.startswith("stochastic")
+                and dtype == torch.float32
+                or mode == "gradient"
+                and dtype != torch.bfloat16
+            ):
+                continue
 
-            def one(
-                dtype=dtype,
-                mode=mode,
-                seed=seed,
-                generation=generation,
-                weights=weights,
-                coef=coef,
-                decay=decay,
-            ) -> tuple[bool, str]:
-                keys = [noise.member_key(seed, generation, j) for j in range(len(weights))]
-                rounding = noise.rounding_key(seed, generation) if mode == "stochastic" else None
-                params = make_tensors(dtype, seed, device)
-                reference = [t.clone() for t in params]
-                theta = [t.clone() for t in params]
+            def one(dtype=dtype, mode=mode, weights=weights, coef=coef, decay=decay, rounding=rounding):
+                keys = [EDGE_KEYS[0], *(noise.member_key(5, 2, j) for j in range(1, len(weights)))]
+                params = make_tensors(dtype, 3, device, sizes.shapes)
+                reference = [t.cpu().clone() for t in params]
+                theta = [t.clone() for t in reference]
                 kwargs = dict(coef=coef, decay=decay, rounding_key=rounding)
                 if mode == "gradient":
                     got = [torch.empty_like(t) for t in params]
-                    expected = [torch.empty_like(t) for t in params]
+                    expected = [torch.empty_like(t) for t in reference]
                     ops.es_update(params, ids, keys, weights, grads=got, backend="triton", **kwargs)
                     ops.es_update_reference(reference, ids, keys, weights, grads=expected, **kwargs)
-                    if not all(torch.equal(a, b) for a, b in zip(params, theta)):
+                    if not all(torch.equal(a.cpu(), b) for a, b in zip(params, theta)):
                         return False, "gradient mode modified the parameters"
                 else:
                     ops.es_update(params, ids, keys, weights, backend="triton", **kwargs)
@@ -213,54 +295,99 @@ def check_update(c: Checks, device: torch.device) -> None:
                     got, expected = params, reference
                 sync(device)
                 spread = abs(coef) * sum(abs(w) for w in weights) * 6
-                ok, details = True, []
-                for r, e, t in zip(got, expected, theta):
-                    good, detail = compare(r, e, t.float().abs() * decay + spread)
-                    ok &= good
-                    details.append(detail)
-                return ok, "; ".join(details[-2:])
+                results = [
+                    compare(r, e, t.float().abs() * decay + spread) for r, e, t in zip(got, expected, theta)
+                ]
+                return all(ok for ok, _ in results), "; ".join(d for _, d in results[-2:])
 
-            c.run(label, one)
+            c.run(f"update  {str(dtype)[6:]:8s} {mode}", one)
 
 
-def check_es(c: Checks, device: torch.device) -> None:
+def step_virtual(c: Checks, device: torch.device, sizes: Sizes) -> None:
+    from fastes import noise, ops
+    from fastes.kernels import launch_virtual_linear
+
+    tolerance = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+    for dtype in DTYPES:
+        for members, rows, n_in, n_out in sizes.virtual_shapes:
+            for tid in (1,) if sizes.thin else (1, noise.tensor_id("model.layers.3.mlp.down_proj.weight")):
+
+                def one(dtype=dtype, members=members, rows=rows, n_in=n_in, n_out=n_out, tid=tid):
+                    g = torch.Generator().manual_seed(members * 100 + n_in)
+                    x = torch.randn(members * rows, n_in, generator=g).to(dtype)
+                    weight = (torch.randn(n_out, n_in, generator=g) / n_in**0.5).to(dtype)
+                    keys = [EDGE_KEYS[0], *(noise.member_key(7, 1, m) for m in range(1, members))]
+                    scales = [0.05 * (-1) ** m for m in range(members)]
+                    y = torch.empty(members * rows, n_out, dtype=dtype, device=device)
+                    launch_virtual_linear(
+                        x.to(device),
+                        weight.to(device),
+                        y,
+                        torch.tensor(keys, device=device),
+                        torch.tensor(scales, device=device),
+                        tid,
+                        rows,
+                        ops.triton_dtype(dtype),
+                    )
+                    sync(device)
+                    expected = []
+                    for m, (key, scale) in enumerate(zip(keys, scales)):
+                        w = torch.empty_like(weight)
+                        ops.perturb_reference([weight], [w], [tid], key, scale)
+                        expected.append(x[m * rows : (m + 1) * rows].float() @ w.float().T)
+                    expected = torch.cat(expected)
+                    error = float(
+                        (y.cpu().float() - expected).abs().max() / expected.abs().max().clamp(min=1.0)
+                    )
+                    return error <= tolerance[dtype], f"max error {error:.2e} of the largest output"
+
+                c.run(
+                    f"virtual {str(dtype)[6:]:8s} {members}x{rows} rows K={n_in} N={n_out} id={tid:#x}",
+                    one,
+                )
+
+
+def step_es(c: Checks, device: torch.device, sizes: Sizes) -> None:
     import fastes
 
     def restore() -> tuple[bool, str]:
-        params = [(n, t) for n, t in zip(NAMES, make_tensors(torch.bfloat16, 7, device))]
+        params = [(n, t) for n, t in zip(NAMES, make_tensors(torch.bfloat16, 7, device, sizes.shapes))]
         before = [t.clone() for _, t in params]
         es = fastes.ES(params, sigma=1e-3, lr=5e-4, population=8, seed=3, checksum_every=0)
-        for _ in range(25):
+        for _ in range(3):
             for member in es.members():
                 with member:
                     pass
         exact = all(torch.equal(a, t) for a, (_, t) in zip(before, params))
-        return exact, "weights bit-identical after 200 member enter/exit cycles"
+        return exact, "weights bit-identical after 24 member enter/exit cycles"
 
     def step_matches_cpu() -> tuple[bool, str]:
-        gpu = [(n, t) for n, t in zip(NAMES, make_tensors(torch.bfloat16, 8, device))]
+        gpu = [(n, t) for n, t in zip(NAMES, make_tensors(torch.bfloat16, 8, device, sizes.shapes))]
         cpu = [(n, t.cpu().clone()) for n, t in gpu]
         rewards = torch.linspace(-1, 1, 8, dtype=torch.float64)
-        for params in (gpu, cpu):
-            es = fastes.ES(params, sigma=1e-2, lr=1e-2, population=8, seed=5, checksum_every=0)
-            es.step(rewards)
-        ok, details = True, []
-        for (_, g), (_, h) in zip(gpu, cpu):
-            good, detail = compare(g.cpu(), h, 1.0)
-            ok &= good
-            details.append(detail)
-        return ok, "ES.step on CUDA (kernels) vs CPU (reference): " + details[-1]
+        fastes.ES(gpu, sigma=1e-2, lr=1e-2, population=8, seed=5, checksum_every=0, backend="triton").step(
+            rewards
+        )
+        fastes.ES(cpu, sigma=1e-2, lr=1e-2, population=8, seed=5, checksum_every=0, backend="torch").step(
+            rewards
+        )
+        results = [compare(g, h, 1.0) for (_, g), (_, h) in zip(gpu, cpu)]
+        return all(ok for ok, _ in results), "ES.step with the kernels vs the torch reference: " + results[
+            -1
+        ][1]
 
-    c.run("ES exact restore (bf16, cuda)", restore)
-    c.run("ES.step cuda vs cpu", step_matches_cpu)
+    c.run("ES exact restore (bf16)", restore)
+    c.run("ES.step kernels vs reference", step_matches_cpu)
 
 
-def check_large(c: Checks, device: torch.device) -> None:
+def step_large(c: Checks, device: torch.device, sizes: Sizes) -> None:
     """One tensor past 2^31 elements: 64-bit offsets in the kernels (about 13 GB of GPU memory)."""
     from fastes import noise, ops
 
     def large() -> tuple[bool, str]:
-        n = (1 << 31) + 4099
+        n = sizes.large
+        if n == 0 or device.type != "cuda":
+            return True, "skipped: only with full sizes on a GPU"
         free, _ = torch.cuda.mem_get_info(device)
         if free < 6 * n * 2:
             return True, f"skipped: needs {6 * n * 2 / 2**30:.0f} GiB free, {free / 2**30:.0f} GiB are"
@@ -268,49 +395,184 @@ def check_large(c: Checks, device: torch.device) -> None:
         src = torch.zeros(n, dtype=torch.bfloat16, device=device)
         got = torch.empty_like(src)
         ops.perturb([src], [got], [tid], key, 1.0, backend="triton")
-        ok, detail = True, ""
-        # The reference on the last 2^20 elements and around 2^31: where 32-bit offsets would wrap.
-        for start in ((1 << 31) - 512, n - (1 << 20)):
+        ok, details = True, []
+        for start in ((1 << 31) - 512, n - (1 << 20)):  # where 32-bit offsets would wrap, and the end
             expected = noise.normal(key, tid, min(1 << 20, n - start), offset=start, device=device)
             good, detail = compare(got[start : start + expected.numel()], expected.to(torch.bfloat16), 1.0)
             ok &= good
+            details.append(detail)
         del src, got
         torch.cuda.empty_cache()
-        return ok, detail
+        return ok, "; ".join(details)
 
-    c.run("perturb bf16 tensor of 2^31 + 4099 elements", large)
+    c.run("perturb bf16 tensor past 2^31 elements", large)
+
+
+def step_bench(c: Checks, device: torch.device, sizes: Sizes) -> None:
+    """Kernel throughput against a copy of the same bytes and against the naive N-pass update."""
+    for dtype in (torch.bfloat16, torch.float32):
+        _bench_dtype(c, device, dtype, sizes.bench_elements, sizes.bench_rounds, 2 if sizes.thin else 15)
+
+
+def _seconds(fn: Callable[[], object], device: torch.device, rounds: int) -> float:
+    """Best of `rounds` timed calls after one warm-up call (which may compile)."""
+    fn()
+    sync(device)
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _bench_dtype(
+    c: Checks, device: torch.device, dtype: torch.dtype, n: int, rounds: int, directions: int
+) -> None:
+    from fastes import noise, ops
+
+    from .naive import naive_update
+
+    name = str(dtype)[6:]
+    src = torch.randn(n, device=device).to(dtype)
+    dst = torch.empty_like(src)
+    tid, key = noise.tensor_id("bench"), noise.member_key(0, 0, 0)
+    perturb = _seconds(lambda: ops.perturb([src], [dst], [tid], key, 1e-3, backend="triton"), device, rounds)
+    copy = _seconds(lambda: dst.copy_(src), device, rounds)
+    gbytes = 2 * n * src.element_size() / 1e9
+    c.facts[f"perturb_{name}"] = {
+        "elements": n,
+        "perturb_s": perturb,
+        "copy_s": copy,
+        "perturb_gb_s": gbytes / perturb,
+        "copy_gb_s": gbytes / copy,
+    }
+    c.check(
+        f"bench perturb {name}",
+        True,
+        f"{gbytes / perturb:.0f} GB/s = {copy / perturb:.0%} of a copy ({gbytes / copy:.0f} GB/s)",
+    )
+    keys = [noise.member_key(0, 0, j) for j in range(directions)]
+    weights = [((j * 7) % 5 - 2) / 2 for j in range(directions)]
+    fused = _seconds(
+        lambda: ops.es_update([dst], [tid], keys, weights, coef=1e-6, backend="triton"), device, rounds
+    )
+    naive = _seconds(lambda: naive_update([dst], list(range(directions)), weights, 1e-6), device, rounds)
+    c.facts[f"update_{name}"] = {"directions": directions, "fused_s": fused, "naive_s": naive}
+    c.check(
+        f"bench update {name} N={2 * directions}",
+        True,
+        f"fused {1e3 * fused:.2f} ms vs naive {1e3 * naive:.2f} ms: {naive / fused:.1f}x; "
+        f"{n * directions / fused / 1e9:.2f} G normals/s",
+    )
+
+
+STEPS: dict[str, Callable[[Checks, torch.device, Sizes], None]] = {
+    "environment": step_environment,
+    "stream": step_stream,
+    "perturb": step_perturb,
+    "update": step_update,
+    "virtual": step_virtual,
+    "es": step_es,
+    "large": step_large,
+    "bench": step_bench,
+}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Running steps and recording them
+# ---------------------------------------------------------------------------------------------------
+
+
+class _Tee(io.TextIOBase):
+    """Writes to several streams at once (the console and a step's log file)."""
+
+    def __init__(self, *streams) -> None:
+        self.streams = streams
+
+    def write(self, text: str) -> int:
+        for s in self.streams:
+            s.write(text)
+            s.flush()
+        return len(text)
+
+
+def run_step(name: str, out: Path, device: torch.device, sizes: Sizes) -> dict:
+    """Run one step; whatever happens, write out/<name>.log, out/<name>.json and update the summary."""
+    c = Checks()
+    start = time.perf_counter()
+    error = ""
+    with open(out / f"{name}.log", "w") as log, contextlib.redirect_stdout(_Tee(sys.stdout, log)):
+        print(f"== {name} ==", flush=True)
+        try:
+            STEPS[name](c, device, sizes)
+        except Exception:  # the step's own crash: recorded, and the next step still runs
+            error = traceback.format_exc()
+            print(error, flush=True)
+    record = {
+        "step": name,
+        "passed": not error and not c.failed,
+        "failed": c.failed + ([f"{name} crashed"] if error else []),
+        "error": error,
+        "checks": c.results,
+        "facts": c.facts,
+        "seconds": round(time.perf_counter() - start, 2),
+    }
+    (out / f"{name}.json").write_text(json.dumps(record, indent=1))
+    record_in_summary(out, record)
+    return record
+
+
+def record_in_summary(out: Path, record: dict) -> None:
+    """Add a step's outcome to out/summary.json (written atomically: a crash never leaves half a file)."""
+    path = out / "summary.json"
+    summary = json.loads(path.read_text()) if path.exists() else {"steps": {}}
+    summary["steps"][record["step"]] = {k: record[k] for k in ("passed", "failed", "seconds")}
+    summary["passed"] = all(s["passed"] for s in summary["steps"].values())
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(summary, indent=1))
+    tmp.replace(path)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__)
-    parser.add_argument("--skip-large", action="store_true", help="skip the 2^31-element tensor check")
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.gpu_check", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--out", type=Path, required=True, help="folder for the logs and JSON files")
+    parser.add_argument(
+        "--steps", default=",".join(STEP_NAMES), help=f"comma-separated, of {list(STEP_NAMES)}"
+    )
+    parser.add_argument("--device", default="cuda", help="cuda (compiled kernels) or cpu (the interpreter)")
+    parser.add_argument("--small", action="store_true", help="small sizes (the interpreter, tests)")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        message = (
-            "gpu_check: no CUDA device visible to torch (torch.cuda.is_available() is False); "
-            "run this on a machine with an NVIDIA GPU and a CUDA build of torch"
-        )
-        print(message, file=sys.stderr)
+    steps = [s for s in args.steps.split(",") if s]
+    unknown = [s for s in steps if s not in STEPS]
+    if unknown:
+        parser.error(f"unknown steps {unknown}; choose from {list(STEP_NAMES)}")
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        if "triton" not in sys.modules:  # compiled kernels, whatever the calling shell set
+            os.environ.pop("TRITON_INTERPRET", None)
+        if not torch.cuda.is_available():
+            print(
+                "gpu_check: no CUDA device visible to torch (torch.cuda.is_available() is False); run it "
+                "on a machine with an NVIDIA GPU and a CUDA build of torch, or use --device cpu",
+                file=sys.stderr,
+            )
+            return 2
+    elif os.environ.get("TRITON_INTERPRET") != "1":
+        print("gpu_check: --device cpu needs the Triton interpreter: set TRITON_INTERPRET=1", file=sys.stderr)
         return 2
-    import triton
-
-    device = torch.device("cuda")
-    name = torch.cuda.get_device_name(device)
-    print(f"gpu_check on {name}: torch {torch.__version__}, triton {triton.__version__}")
-    start = time.perf_counter()
-    c = Checks()
-    check_stream(c, device)
-    check_perturb(c, device)
-    check_update(c, device)
-    check_es(c, device)
-    if not args.skip_large:
-        check_large(c, device)
-    seconds = time.perf_counter() - start
-    if c.failed:
-        print(f"\n{len(c.failed)} of {c.count} checks FAILED in {seconds:.0f} s:", *c.failed, sep="\n  ")
-        return 1
-    print(f"\nall {c.count} checks passed in {seconds:.0f} s")
-    return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    sizes = SMALL if args.small else FULL
+    records = [run_step(name, args.out, device, sizes) for name in steps]
+    failed = [f for r in records for f in r["failed"]]
+    print(
+        f"\n{len(failed)} failed of {sum(len(r['checks']) for r in records)} checks in {len(records)} steps"
+        + "".join(f"\n  {f}" for f in failed)
+    )
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from . import __version__
+from . import __version__, distributed
 from .config import ConfigError, flag_help, flag_specs, load_config
 from .errors import FastesError
 from .es import CollectiveError
@@ -139,6 +139,8 @@ def cmd_train(args: argparse.Namespace, defaults: dict[str, Any] | None = None) 
         summary = train(cfg, resume=args.resume, overwrite=args.overwrite)
     except KeyboardInterrupt:
         raise Interrupted(_resume_hint(args.command, cfg.out_dir)) from None
+    if not distributed.is_writer():  # under torchrun, rank 0 reports and plots
+        return summary
     metrics = [json.loads(line) for line in (Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()]
     summary["plot"] = str(_curve_plot(metrics, Path(cfg.out_dir) / "curve.png"))
     base, final = summary["base_test_accuracy"], summary["final_test_accuracy"]
@@ -209,6 +211,11 @@ def cmd_pretrain(args: argparse.Namespace) -> dict:
 def cmd_experiment(args: argparse.Namespace) -> dict:
     from .experiment import run_experiment
 
+    if distributed.launched_world_size() > 1:
+        raise ConfigError(
+            "fastes experiment runs in one process (its arms and analyses are not split over processes); "
+            "start it without torchrun"
+        )
     metrics = run_experiment(args.preset, args.out, model=args.model, overwrite=args.overwrite)
     print(f"\nreport: {Path(args.out) / 'report.md'}   metrics: {Path(args.out) / 'metrics.json'}")
     for finding in metrics["findings"]:

@@ -22,7 +22,7 @@ from .errors import FastesError
 
 ALGORITHMS = ("es", "grpo", "grpo_es")
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
-EVOLVE_KINDS = ("linear", "embeddings", "norms")
+SCALE_REWARDS = ("group", "batch", "none")
 EVAL_MODES = ("materialised", "virtual", "lowrank", "member")
 MAX_SEED = 2**32  # seeds are in [0, 2^32): ES takes up to 2^64, GRPO samples with seed * 1_000_003 + step
 
@@ -45,8 +45,12 @@ class ESConfig:
     eval_mode: str = "materialised"
     noise_type: str = "full"  # "lowrank": matrices get eps = A B^T / sqrt(rank) (EGGROLL-style)
     rank: int = 1
-    # which weights ES evolves: "+"-joined kinds out of linear, embeddings, norms (see fastes.train)
-    evolve: str = "linear"
+    # What to evolve (fastes.linear_weights): every projection matrix (nn.Linear, Conv1D) whose name
+    # matches the regular expression `evolve` (empty = all), plus the opt-in kinds (member eval_mode only).
+    evolve: str = ""
+    include_embeddings: bool = False
+    include_norms: bool = False
+    include_biases: bool = False
 
 
 @dataclass
@@ -61,6 +65,12 @@ class GRPOConfig:
     loss_type: str = "dapo"
     max_grad_norm: float = 1.0
     weight_decay: float = 0.0
+    # TRL's names and meanings:
+    num_iterations: int = 1  # optimisation steps per batch of samples (old policy = the sampling one)
+    epsilon_high: float = 0.0  # upper clip 1 + epsilon_high (DAPO's clip-higher); 0 = epsilon
+    scale_rewards: str = "group"  # advantages divided by the std of the "group", the "batch", or "none"
+    mask_truncated_completions: bool = False  # completions cut at max_new_tokens leave the loss
+    use_bias_correction_kl: bool = False  # k3 KL times the importance ratio (beta > 0)
 
 
 @dataclass
@@ -68,6 +78,8 @@ class TrainConfig:
     algorithm: str = "es"
     model: str = ""  # a Hugging Face model directory; empty = the built-in tiny model
     task: str = "countdown"
+    reward: str = ""  # "file.py:function": your reward function for a jsonl:<path> task of prompts
+    reward_timeout: float = 60.0  # seconds one call of that function may take
     task_seed: int = 0
     seed: int = 0
     out_dir: str = "runs/es"
@@ -196,6 +208,38 @@ def _check_triton(cfg: TrainConfig) -> None:
     )
 
 
+def _check_reward(cfg: TrainConfig) -> None:
+    """Load the reward function and read the task file now, so that a mistake fails before any work."""
+    if not cfg.reward:
+        return
+    _require(cfg.reward_timeout > 0, "reward_timeout", f"must be > 0 seconds, got {cfg.reward_timeout}")
+    _require(
+        cfg.task.startswith("jsonl:"), "reward", f"scores a jsonl:<path> task of prompts, not {cfg.task!r}"
+    )
+    from .tasks import get_task
+
+    try:
+        get_task(cfg.task, seed=cfg.task_seed, reward=cfg.reward, timeout=cfg.reward_timeout)
+    except (ValueError, OSError) as error:
+        raise ConfigError(f"reward: {error}") from None
+
+
+def _check_evolve(es: ESConfig) -> None:
+    import re
+
+    try:
+        re.compile(es.evolve)
+    except re.error as error:
+        raise ConfigError(f"es.evolve: {es.evolve!r} is not a regular expression ({error})") from None
+    extra = [k for k in ("include_embeddings", "include_norms", "include_biases") if getattr(es, k)]
+    _require(
+        not extra or es.eval_mode == "member",
+        f"es.{extra[0] if extra else ''}",
+        f"batched evaluation ({es.eval_mode}) evolves projection matrices only; set es.eval_mode = "
+        "'member' to evolve embeddings, norms or biases",
+    )
+
+
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Check every value's range; returns cfg for chaining."""
     from .tasks import available_tasks
@@ -208,6 +252,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         "task",
         f"{cfg.task!r} does not exist; available: {', '.join(available_tasks())}",
     )
+    _check_reward(cfg)
     if cfg.model:
         _require(Path(cfg.model).is_dir(), "model", f"model directory {cfg.model!r} does not exist")
     _require(0 <= cfg.seed < MAX_SEED, "seed", f"must be in [0, 2^32), got {cfg.seed}")
@@ -242,13 +287,6 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         es.noise_type in ("full", "lowrank"), "es.noise_type", f"{es.noise_type!r}: choose full or lowrank"
     )
     _require(es.rank >= 1, "es.rank", f"must be at least 1, got {es.rank}")
-    kinds = es.evolve.split("+")
-    _require(
-        all(kind in EVOLVE_KINDS for kind in kinds) and len(set(kinds)) == len(kinds),
-        "es.evolve",
-        f"{es.evolve!r}: join distinct kinds out of {', '.join(EVOLVE_KINDS)} with '+' "
-        "(e.g. embeddings+norms)",
-    )
     _require(
         es.eval_mode != "lowrank" or es.noise_type == "lowrank",
         "es.eval_mode",
@@ -259,6 +297,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         "es.eval_mode",
         "'virtual' evaluation generates full-rank noise; set es.noise_type = 'full'",
     )
+    _check_evolve(es)
     g = cfg.grpo
     _require(g.steps >= 0, "grpo.steps", f"must be >= 0, got {g.steps}")
     _require(g.num_generations >= 2, "grpo.num_generations", f"must be at least 2, got {g.num_generations}")
@@ -270,6 +309,13 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _require(g.loss_type in LOSS_TYPES, "grpo.loss_type", f"{g.loss_type!r} is not one of {LOSS_TYPES}")
     _require(g.max_grad_norm > 0, "grpo.max_grad_norm", f"must be > 0, got {g.max_grad_norm}")
     _require(g.weight_decay >= 0, "grpo.weight_decay", f"must be >= 0, got {g.weight_decay}")
+    _require(g.num_iterations >= 1, "grpo.num_iterations", f"must be at least 1, got {g.num_iterations}")
+    _require(g.epsilon_high >= 0, "grpo.epsilon_high", f"must be >= 0 (0 = epsilon), got {g.epsilon_high}")
+    _require(
+        g.scale_rewards in SCALE_REWARDS,
+        "grpo.scale_rewards",
+        f"{g.scale_rewards!r} is not one of {SCALE_REWARDS}",
+    )
     return cfg
 
 
@@ -332,6 +378,8 @@ HELP: dict[str, str] = {
     "model": "a local Hugging Face model directory; empty: the built-in tiny model",
     "task": "countdown, arithmetic, reverse, compare, jsonl:<path> or reasoning_gym:<name>",
     "task_seed": "seed of the task's train/test problems",
+    "reward": "FILE.py:FUNCTION, your reward function (TRL's signature) for a jsonl:<path> task of prompts",
+    "reward_timeout": "seconds one call of the reward function may take",
     "seed": "run seed in [0, 2^32): noise, prompt batches and sampling",
     "out_dir": "run directory (config.json, metrics.jsonl, checkpoints/, final/)",
     "batch_size": "training prompts per ES iteration / GRPO step",
@@ -357,7 +405,10 @@ HELP: dict[str, str] = {
     "es.eval_mode": f"one of {', '.join(EVAL_MODES)}: how a generation is evaluated (virtual needs CUDA)",
     "es.noise_type": "full, or lowrank (eps = A B^T / sqrt(rank) for matrices)",
     "es.rank": "rank of low-rank noise",
-    "es.evolve": "the weights ES evolves: kinds out of linear, embeddings, norms joined by '+'",
+    "es.evolve": "regular expression: evolve only the parameters whose name it matches (empty: all)",
+    "es.include_embeddings": "also evolve the embeddings (a tied lm_head too); needs es.eval_mode member",
+    "es.include_norms": "also evolve norm weights; needs es.eval_mode member",
+    "es.include_biases": "also evolve biases; needs es.eval_mode member",
     "grpo.steps": "GRPO steps (may be raised when resuming)",
     "grpo.num_generations": "completions sampled per prompt (the group)",
     "grpo.temperature": "sampling temperature",
@@ -368,6 +419,11 @@ HELP: dict[str, str] = {
     "grpo.loss_type": f"one of {', '.join(LOSS_TYPES)}",
     "grpo.max_grad_norm": "gradient clipping norm",
     "grpo.weight_decay": "AdamW weight decay",
+    "grpo.num_iterations": "optimisation steps per batch of samples (TRL's num_iterations)",
+    "grpo.epsilon_high": "upper clip 1 + epsilon_high (clip-higher); 0: epsilon",
+    "grpo.scale_rewards": "divide advantages by the std of the group, the batch, or none",
+    "grpo.mask_truncated_completions": "leave completions cut at max_new_tokens out of the loss",
+    "grpo.use_bias_correction_kl": "multiply the k3 KL by the importance ratio (beta > 0)",
 }
 
 

@@ -507,53 +507,6 @@ def replay(
         es._update(record["weights"], n_members=record["members"])
 
 
-def linear_weights(
-    model: torch.nn.Module,
-    *,
-    include_embeddings: bool = False,
-    include_norms: bool = False,
-    include_biases: bool = False,
-) -> list[tuple[str, torch.nn.Parameter]]:
-    """(name, parameter) pairs ES evolves by default: the weight of every nn.Linear layer.
-
-    A weight shared with the input embedding (tied lm_head) counts as an embedding. Norm weights and
-    biases are opt-in. Each tensor appears once, under its first name in `model.named_parameters()`.
-    """
-    linear, embedding, norm, bias = set(), set(), set(), set()
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if isinstance(module, torch.nn.Linear):
-            linear.add(id(module.weight))
-        elif isinstance(module, torch.nn.Embedding):
-            embedding.add(id(module.weight))
-        elif isinstance(weight, torch.nn.Parameter) and "norm" in type(module).__name__.lower():
-            norm.add(id(weight))
-        module_bias = getattr(module, "bias", None)
-        if isinstance(module_bias, torch.nn.Parameter):
-            bias.add(id(module_bias))
-    chosen = []
-    for name, p in model.named_parameters():  # named_parameters already lists a shared tensor once
-        key = id(p)
-        if key in embedding:
-            keep = include_embeddings
-        elif key in linear:
-            keep = True
-        elif key in norm:
-            keep = include_norms
-        elif key in bias:
-            keep = include_biases
-        else:
-            keep = False
-        if keep:
-            chosen.append((name, p))
-    if not chosen:
-        raise ValueError(
-            f"{type(model).__name__} has no nn.Linear weights to evolve; pass the tensors "
-            "to fastes.ES yourself, or enable include_embeddings / include_norms"
-        )
-    return chosen
-
-
 def _as_groups(params: Iterable) -> list[dict]:
     params = list(params)
     if not params:

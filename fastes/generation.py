@@ -1,9 +1,12 @@
 """Batched text generation through Hugging Face `model.generate`, returning completions and token counts.
 
-Randomness: sampling draws from torch's global RNG (that is what `generate` uses). With a `seed`
-we seed it inside `torch.random.fork_rng`, which restores the caller's RNG state afterwards: the
-same seed, prompts and model give the same completions, and the caller's RNG is left untouched.
-Without a seed, the global RNG is used and advanced as usual.
+Sampling is fastes' own (`RowSampler`), not transformers': every token is drawn from the full softmax of
+the logits at the given temperature, restricted to the top-p nucleus when top_p < 1, and nothing else
+(no top-k, no repetition penalty, nothing a checkpoint's generation_config suggests). The draw for row r
+at step t is the inverse CDF at a Philox uniform of (seed, r, t), so a row's sample does not depend on
+which other rows share the batch: the same seed gives the same completions whether the prompts are
+generated in one call, in chunks, or spread over processes (`first_row`). Without a seed, one is drawn
+from torch's global RNG (which it advances).
 """
 
 from __future__ import annotations
@@ -11,7 +14,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from . import noise
+
+STREAM_SAMPLING = 4  # the Philox stream of sampling uniforms (0-3 are the ES noise streams)
 
 
 @dataclass
@@ -46,11 +59,14 @@ def generate(
     top_p: float = 1.0,
     seed: int | None = None,
     num_return_sequences: int = 1,
+    first_row: int = 0,
 ) -> Generation:
     """Complete every prompt: greedy when temperature == 0, else temperature / top-p sampling.
 
     Each row stops at EOS (or after max_new_tokens). Prompts should already be formatted
-    (see fastes.models.format_prompt). With `seed`, the result is deterministic.
+    (see fastes.models.format_prompt). With `seed`, the result is deterministic. Row i of this call
+    (sample i % num_return_sequences of prompt i // num_return_sequences) samples as row first_row + i:
+    give each process its rows' global index and a shared seed to split one batch over processes.
     """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -67,29 +83,34 @@ def generate(
         prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=add_special
     ).to(model.device)
 
-    # A fresh config rather than the checkpoint's, so a real model's suggested top_k / penalties
-    # don't silently change the sampling we were asked for. Only its EOS ids are kept.
-    eos = model.generation_config.eos_token_id
+    # transformers fills every setting our config leaves unset from model.generation_config (a
+    # checkpoint's top_k, repetition_penalty, suppress_tokens, ...). So the model's is replaced by a bare
+    # one (its EOS ids only) for the call, decoding is greedy, and RowSampler does any sampling.
+    saved = model.generation_config
+    eos = eos_token_ids(model, tokenizer)
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
-        do_sample=sample,
-        temperature=temperature if sample else None,
-        top_p=top_p if sample else None,
-        num_return_sequences=num_return_sequences,
-        eos_token_id=eos if eos is not None else tokenizer.eos_token_id,
+        do_sample=False,
+        eos_token_id=eos,
         pad_token_id=tokenizer.pad_token_id,
         use_cache=True,
     )
-    # Without a seed, draw from (and advance) the caller's RNG as usual; with one, fork it.
-    devices = [model.device] if model.device.type != "cpu" else []
-    with torch.random.fork_rng(devices=devices, enabled=seed is not None):
-        if seed is not None:
-            torch.manual_seed(seed)
-        out = model.generate(**enc, generation_config=config)
+    processors = LogitsProcessorList()
+    if sample:
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, ()))
+        width = enc["input_ids"].shape[1]
+        processors.append(RowSampler(seed, temperature, top_p, width, first_row, max_new_tokens))
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
+    # Greedy decoding takes one sequence per row, so the samples of a prompt are rows of their own.
+    rows = {k: v.repeat_interleave(num_return_sequences, dim=0) for k, v in enc.items()}
+    try:
+        out = model.generate(**rows, generation_config=config, logits_processor=processors)
+    finally:
+        model.generation_config = saved
 
     completion = out[:, enc["input_ids"].shape[1] :]
-    eos_ids = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
-    completion_ids = [_until_eos(row, eos_ids) for row in completion.tolist()]
+    completion_ids = [_until_eos(row, eos) for row in completion.tolist()]
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
 
     prompt_ids = [
@@ -97,6 +118,65 @@ def generate(
     ]
     prompt_ids = [ids for ids in prompt_ids for _ in range(num_return_sequences)]
     return Generation(texts=texts, completion_ids=completion_ids, prompt_ids=prompt_ids)
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The token ids that end a completion: the model's generation config's, else the tokenizer's."""
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+
+
+class RowSampler(LogitsProcessor):
+    """Draws each row's next token from softmax(logits / temperature) within the top-p nucleus.
+
+    It returns logits that are 0 at the drawn token and -inf elsewhere, so greedy decoding picks it.
+    The uniform of row r at step t is Philox (key = seed, counter = (t, r, STREAM_SAMPLING)).
+    """
+
+    def __init__(
+        self, seed: int, temperature: float, top_p: float, prompt_width: int, first_row: int, steps: int
+    ) -> None:
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        self.key = (seed & noise.MASK32, (seed >> 32) & noise.MASK32)
+        self.temperature = temperature
+        self.top_p = top_p
+        self.prompt_width = prompt_width
+        self.first_row = first_row
+        self.steps = steps
+        self._uniforms: torch.Tensor | None = None
+
+    def uniforms(self, rows: int, device: torch.device) -> torch.Tensor:
+        """[rows, steps] fp32 uniforms in (0, 1): row r's draws for every step."""
+        if self._uniforms is None or self._uniforms.shape[0] != rows:
+            # noise.uniform(key, first_row + r, steps) for every row r, in one call: block b of row r
+            # has counter (b, 0, first_row + r).
+            blocks = (self.steps + 3) // 4
+            c0 = torch.arange(blocks, dtype=torch.int64).repeat(rows)
+            row_ids = (self.first_row + torch.arange(rows, dtype=torch.int64)).repeat_interleave(blocks)
+            words = noise.uniform_from_counters(self.key, c0, torch.zeros_like(c0), row_ids, STREAM_SAMPLING)
+            self._uniforms = words.view(rows, 4 * blocks)[:, : self.steps].to(device)
+        return self._uniforms
+
+    def probabilities(self, scores: torch.Tensor) -> torch.Tensor:
+        """The distribution sampled from: softmax at the temperature, cut to the nucleus, renormalised."""
+        probs = torch.softmax(scores.float() / self.temperature, dim=-1)
+        if self.top_p < 1:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of the more likely tokens
+            keep = before < self.top_p  # the smallest set whose mass reaches top_p (at least one token)
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs * keep)
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+        return probs
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        step = input_ids.shape[1] - self.prompt_width
+        u = self.uniforms(scores.shape[0], scores.device)[:, step]
+        cdf = self.probabilities(scores).cumsum(dim=-1)
+        drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp(max=scores.shape[-1] - 1)
+        return torch.full_like(scores, float("-inf")).scatter(-1, drawn, 0.0)
 
 
 def _until_eos(ids: list[int], eos_ids: list[int]) -> list[int]:

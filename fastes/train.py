@@ -20,17 +20,19 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from . import ES, linear_weights, rundir
+from . import ES, distributed, linear_weights, rundir
 from .analysis.diversity import js_diversity
 from .analysis.entropy import token_entropy
 from .batched import population_batched
 from .checkpoint import latest_checkpoint, save_checkpoint, write_atomic
-from .config import ConfigError, TrainConfig
-from .generation import generate
+from .config import ConfigError, ESConfig, TrainConfig
+from .es import CollectiveError
+from .generation import eos_token_ids, generate
 from .models import ModelError, format_prompt, load_model, save_model, tiny_model_path
 from .tasks import Example, Task, get_task
 
 PHASES = {"es": ("es",), "grpo": ("grpo",), "grpo_es": ("grpo", "es")}
+GRPO_CHECKSUM_EVERY = 10  # GRPO steps between the cross-process weight checks (ES has its own)
 
 
 @dataclass
@@ -47,7 +49,8 @@ class Run:
 
     def log(self, record: dict) -> None:
         self.metrics.append(record)
-        rundir.append_metrics(self.out_dir, record)
+        if distributed.is_writer():  # every rank holds the same (all-reduced) records; one writes them
+            rundir.append_metrics(self.out_dir, record)
 
     def prompts(self, examples: list[Example]) -> list[str]:
         return [format_prompt(self.tokenizer, ex.prompt) for ex in examples]
@@ -62,15 +65,20 @@ def batch_for(run: Run, phase: str, step: int) -> list[Example]:
 
 @torch.no_grad()
 def evaluate(run: Run, examples: list[Example], batch_size: int = 256) -> dict[str, Any]:
-    """Greedy accuracy and format rate of the current weights on `examples`, and which ones it solves."""
+    """Greedy accuracy and format rate of the current weights on `examples` (shared by the processes),
+    and which examples it solves (1.0 / 0.0 each, in order)."""
+    rank, world = distributed.rank_and_world()
+    mine = examples[rank::world]
     correct, fmt = [], 0.0
-    for start in range(0, len(examples), batch_size):
-        chunk = examples[start : start + batch_size]
+    for start in range(0, len(mine), batch_size):
+        chunk = mine[start : start + batch_size]
         gen = generate(run.model, run.tokenizer, run.prompts(chunk), max_new_tokens=run.cfg.max_new_tokens)
-        scores = [run.task.score(ex, text) for ex, text in zip(chunk, gen.texts)]
+        scores = run.task.scores(chunk, gen.texts)
         correct += [s.answer for s in scores]
         fmt += sum(s.format for s in scores)
-    return {"accuracy": sum(correct) / len(examples), "format": fmt / len(examples), "correct": correct}
+    every = distributed.gather_strided(torch.tensor(correct, dtype=torch.float64), len(examples)).tolist()
+    answer, fmt = distributed.all_sum([sum(correct), fmt]).tolist()
+    return {"accuracy": answer / len(examples), "format": fmt / len(examples), "correct": every}
 
 
 def paired_gain(before: list[float], after: list[float]) -> tuple[float, float]:
@@ -87,19 +95,21 @@ def paired_gain(before: list[float], after: list[float]) -> tuple[float, float]:
 # --- ES ---------------------------------------------------------------------------------------------
 
 
-def evolved_weights(model: torch.nn.Module, evolve: str) -> list[tuple[str, torch.nn.Parameter]]:
-    """The (name, tensor) pairs ES evolves: the kinds in `evolve` ("linear", "embeddings", "norms",
-    joined with "+"). A tied output projection counts as an embedding, as in fastes.linear_weights."""
-    kinds = set(evolve.split("+"))
-    linear = {id(p) for _, p in linear_weights(model)}
-    chosen = linear_weights(model, include_embeddings="embeddings" in kinds, include_norms="norms" in kinds)
-    return [(n, p) for n, p in chosen if "linear" in kinds or id(p) not in linear]
+def evolved_weights(model: torch.nn.Module, c: ESConfig) -> list[tuple[str, torch.nn.Parameter]]:
+    """The (name, tensor) pairs the config asks ES to evolve (es.evolve, es.include_*)."""
+    return linear_weights(
+        model,
+        names=c.evolve or None,
+        include_embeddings=c.include_embeddings,
+        include_norms=c.include_norms,
+        include_biases=c.include_biases,
+    )
 
 
 def make_es(run: Run) -> ES:
     c = run.cfg.es
     return ES(
-        evolved_weights(run.model, c.evolve),
+        evolved_weights(run.model, c),
         sigma=c.sigma,
         lr=c.lr,
         population=c.population,
@@ -120,6 +130,7 @@ def es_iteration(run: Run, es: ES, step: int) -> dict[str, float]:
 
     eval_mode "member" generates member by member under each member's perturbation; "materialised" and
     "virtual" generate for the whole population in one call (fastes.batched), rows grouped by member.
+    Under torchrun each process evaluates its members (es.members()) and es.step all-reduces the rewards.
     """
     examples = batch_for(run, "es", step)
     prompts = run.prompts(examples)
@@ -137,22 +148,26 @@ def es_iteration(run: Run, es: ES, step: int) -> dict[str, float]:
                 gen = generate(run.model, run.tokenizer, prompts, max_new_tokens=max_new)
             texts.append(gen.texts)
             tokens += gen.num_tokens
-    scores = [[run.task.score(ex, t) for ex, t in zip(examples, member_texts)] for member_texts in texts]
+    flat = run.task.scores(examples * len(texts), [t for member_texts in texts for t in member_texts])
+    scores = [flat[i * len(examples) : (i + 1) * len(examples)] for i in range(len(texts))]
     rewards = es.step(
         torch.tensor([[s.reward(run.cfg.format_weight) for s in row] for row in scores], dtype=torch.float64)
     )
+    answers = torch.tensor([[s.answer for s in row] for row in scores], dtype=torch.float64)
+    answers = distributed.gather_strided(answers, es.population)
+    tokens = int(distributed.all_sum([tokens])[0])
     seconds = time.perf_counter() - start
     per_member = rewards.mean(dim=1)
-    diversity = js_diversity(torch.tensor([[s.answer for s in row] for row in scores]))
-    return {
+    record = {
         "reward": float(per_member.mean()),
         "reward_std": float(per_member.std(correction=0)),
         "reward_max": float(per_member.max()),
-        "js_diversity": float(diversity.normalized),
-        "members_agree": float(diversity.agreement),
-        "seconds": seconds,
-        "tokens_per_second": tokens / seconds,
     }
+    # JS diversity is defined on acceptance rates in [0, 1]: verifier outcomes, not any user reward.
+    if bool(((answers >= 0) & (answers <= 1)).all()):
+        diversity = js_diversity(answers)
+        record.update(js_diversity=float(diversity.normalized), members_agree=float(diversity.agreement))
+    return {**record, "seconds": seconds, "tokens_per_second": tokens / seconds}
 
 
 # --- GRPO -------------------------------------------------------------------------------------------
@@ -167,81 +182,147 @@ def completion_logprobs(
     return logp, logits
 
 
+def grpo_advantages(rewards: torch.Tensor, scale_rewards: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """TRL's advantages of rewards [prompts, G]: r - group mean, divided by (std + 1e-4) where std is the
+    group's ("group"), the whole batch's ("batch") or not at all ("none"). Also returns that std per
+    completion (the group's for "none"), whose mean TRL logs as reward_std."""
+    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    if scale_rewards == "batch":
+        std = rewards.std().expand_as(rewards)
+    else:
+        std = rewards.std(dim=1, keepdim=True).expand_as(rewards)  # Bessel-corrected, as TRL
+    return (centred if scale_rewards == "none" else centred / (std + 1e-4)), std
+
+
+def completion_batch(gen, pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded prompt + completion rows: input ids, attention mask, and where the completions are."""
+    rows = [p + c for p, c in zip(gen.prompt_ids, gen.completion_ids)]
+    width = max(map(len, rows))
+    input_ids = torch.tensor([r + [pad_token_id] * (width - len(r)) for r in rows], device=device)
+    attention = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=device)
+    completion = torch.zeros_like(input_ids, dtype=torch.bool)
+    for i, (p, c) in enumerate(zip(gen.prompt_ids, gen.completion_ids)):
+        completion[i, len(p) : len(p) + len(c)] = True  # EOS included
+    return input_ids, attention, completion
+
+
 def grpo_step(run: Run, optimizer: torch.optim.Optimizer, reference, step: int) -> dict[str, float]:
-    """Sample G completions per prompt, normalise rewards per group, one clipped-surrogate update."""
+    """Sample G completions per prompt, then num_iterations clipped-surrogate updates on them (TRL's GRPO).
+
+    Under torchrun each process takes an equal slice of the prompts; rewards are gathered, so advantages
+    and metrics are the whole batch's, each loss is divided by the whole batch's normaliser, and the
+    gradients are summed before clipping: every process takes the step one process would take (up to the
+    order of float additions).
+    """
     g = run.cfg.grpo
+    rank, world = distributed.rank_and_world()
     examples = batch_for(run, "grpo", step)
+    share = len(examples) // world
+    mine = examples[rank * share : (rank + 1) * share]
     start = time.perf_counter()
     run.model.eval()
     gen = generate(
         run.model,
         run.tokenizer,
-        run.prompts(examples),
+        run.prompts(mine),
         max_new_tokens=run.cfg.max_new_tokens,
         temperature=g.temperature,
         top_p=g.top_p,
         seed=run.cfg.seed * 1_000_003 + step,
         num_return_sequences=g.num_generations,
+        first_row=rank * share * g.num_generations,
     )
-    repeated = [ex for ex in examples for _ in range(g.num_generations)]
-    rewards = torch.tensor(
-        [run.task.score(ex, t).reward(run.cfg.format_weight) for ex, t in zip(repeated, gen.texts)]
-    ).view(len(examples), g.num_generations)
-    group_std = rewards.std(dim=1, keepdim=True)  # Bessel-corrected, as TRL
-    advantages = ((rewards - rewards.mean(dim=1, keepdim=True)) / (group_std + 1e-4)).view(-1)
+    repeated = [ex for ex in mine for _ in range(g.num_generations)]
+    scores = run.task.scores(repeated, gen.texts)
+    local = torch.tensor([s.reward(run.cfg.format_weight) for s in scores], dtype=torch.float64)
+    rewards = distributed.gather_blocks(local.view(share, g.num_generations))  # the whole batch
+    if not bool(torch.isfinite(rewards).all()):
+        raise ValueError(
+            f"GRPO step {step}: {int((~torch.isfinite(rewards)).sum())} completions got a non-finite reward; "
+            "fix the reward function so that it returns finite numbers"
+        )
+    advantages, std = grpo_advantages(rewards, g.scale_rewards)
+    device = run.model.device
+    adv = advantages[rank * share : (rank + 1) * share].reshape(-1, 1).float().to(device)
 
-    # Right-padded prompt + completion rows; the mask keeps completion tokens (EOS included).
-    rows = [p + c for p, c in zip(gen.prompt_ids, gen.completion_ids)]
-    width = max(map(len, rows))
-    pad = run.tokenizer.pad_token_id
-    input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=run.model.device)
-    attention = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=run.model.device)
-    completion = torch.zeros_like(input_ids, dtype=torch.bool)
-    for i, (p, c) in enumerate(zip(gen.prompt_ids, gen.completion_ids)):
-        completion[i, len(p) : len(p) + len(c)] = True
+    input_ids, attention, completion = completion_batch(gen, run.tokenizer.pad_token_id, device)
+    eos = set(eos_token_ids(run.model, run.tokenizer))
+    truncated = torch.tensor([not ids or ids[-1] not in eos for ids in gen.completion_ids], device=device)
     mask = completion[:, 1:].float()
+    if g.mask_truncated_completions:  # a cut-off completion has no final answer to be judged on
+        mask = mask * (~truncated)[:, None]
+    rows = len(examples) * g.num_generations
+    tokens, lengths, n_truncated = distributed.all_sum(
+        [float(mask.sum()), float(sum(gen.lengths)), float(truncated.sum())]
+    ).tolist()
 
-    run.model.train()
-    logp, logits = completion_logprobs(run.model, input_ids, attention, g.temperature)
-    ratio = torch.exp(logp - logp.detach())  # one optimisation step per batch: old policy = current
-    adv = advantages[:, None].to(logp.device)
-    clipped = torch.clamp(ratio, 1 - g.epsilon, 1 + g.epsilon)
-    per_token = -torch.min(ratio * adv, clipped * adv)
-    kl = torch.zeros(())
-    if reference is not None:
-        with torch.no_grad():
+    with torch.no_grad():
+        old_logp = None  # with one update per batch the old policy is the current one
+        if g.num_iterations > 1:
+            old_logp, _ = completion_logprobs(run.model, input_ids, attention, g.temperature)
+        ref_logp = None
+        if reference is not None:
             ref_logp, _ = completion_logprobs(reference, input_ids, attention, g.temperature)
-        delta = ref_logp - logp
-        k3 = torch.exp(delta) - delta - 1  # unbiased, always >= 0
-        per_token = per_token + g.beta * k3
-        kl = (k3 * mask).sum() / mask.sum()
-    if g.loss_type == "grpo":
-        loss = ((per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
-    elif g.loss_type == "dapo":
-        loss = (per_token * mask).sum() / mask.sum().clamp(min=1)
-    else:  # dr_grpo: a constant normaliser, no length bias
-        loss = (per_token * mask).sum() / (mask.shape[0] * run.cfg.max_new_tokens)
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), g.max_grad_norm)
-    optimizer.step()
+    high = g.epsilon_high or g.epsilon  # 0 = symmetric clipping, as TRL's None
+    generated = completion[:, 1:]  # every generated token (entropy is the policy's, whatever is masked)
+    entropy_sum = 0.0
+    totals = torch.zeros(4, dtype=torch.float64)  # loss, low-clipped, high-clipped, kl: whole batch
+    grad_norms = 0.0
+    run.model.train()
+    for iteration in range(g.num_iterations):
+        logp, logits = completion_logprobs(run.model, input_ids, attention, g.temperature)
+        if iteration == 0 and generated.any():
+            entropy_sum = float(token_entropy(logits.detach(), generated)) * float(generated.sum())
+        ratio = torch.exp(logp - (logp.detach() if old_logp is None else old_logp))
+        clipped = torch.clamp(ratio, 1 - g.epsilon, 1 + high)
+        per_token = -torch.min(ratio * adv, clipped * adv)
+        kl = torch.zeros((), device=device)
+        if ref_logp is not None:
+            delta = ref_logp - logp
+            k3 = torch.exp(delta) - delta - 1  # unbiased, always >= 0
+            if g.use_bias_correction_kl:  # importance-corrected: samples came from the old policy
+                k3 = k3 * ratio
+            per_token = per_token + g.beta * k3
+            kl = (k3 * mask).sum()
+        if g.loss_type == "grpo":
+            loss = ((per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)).sum() / rows
+        elif g.loss_type == "dapo":
+            loss = (per_token * mask).sum() / max(tokens, 1.0)
+        else:  # dr_grpo: a constant normaliser, no length bias
+            loss = (per_token * mask).sum() / (rows * run.cfg.max_new_tokens)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        distributed.sum_gradients(run.model.parameters())
+        grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), g.max_grad_norm)
+        optimizer.step()
+        low_clipped = ((ratio < 1 - g.epsilon) & (adv < 0)).float() * mask
+        high_clipped = ((ratio > 1 + high) & (adv > 0)).float() * mask
+        parts = [loss.detach(), low_clipped.sum(), high_clipped.sum(), kl.detach()]
+        totals += distributed.all_sum([float(x) for x in parts])
+        grad_norms += float(grad_norm)  # the same on every process: the gradients were summed
     run.model.eval()
 
     seconds = time.perf_counter() - start
+    n = g.num_iterations
+    per_token = n * max(tokens, 1.0)
+    entropy_sum, generated_count = distributed.all_sum([entropy_sum, float(generated.sum())]).tolist()
+    low, high_share = float(totals[1]) / per_token, float(totals[2]) / per_token
+    group_std = rewards.std(dim=1)
     return {
         "reward": float(rewards.mean()),
-        "reward_std": float(rewards.std(dim=1).mean()),
-        "frac_reward_zero_std": float((group_std.squeeze(1) == 0).float().mean()),
-        "entropy": float(token_entropy(logits.detach(), completion[:, 1:])),
-        "kl": float(kl.detach()),
-        "loss": float(loss.detach()),
-        "grad_norm": float(grad_norm),
-        "clip_ratio": float(
-            (((ratio < 1 - g.epsilon) | (ratio > 1 + g.epsilon)).float() * mask).sum() / mask.sum()
-        ),
-        "completion_length": sum(gen.lengths) / len(gen.lengths),
+        "reward_std": float(std.mean()),  # TRL's: the std advantages are scaled by, averaged
+        "frac_reward_zero_std": float(group_std.isclose(torch.zeros_like(group_std)).double().mean()),
+        "entropy": entropy_sum / max(generated_count, 1.0),
+        "kl": float(totals[3]) / per_token,
+        "loss": float(totals[0]) / n,
+        "grad_norm": grad_norms / n,
+        "clip_ratio": low + high_share,  # TRL's region_mean: tokens where the clip is active
+        "clip_ratio/low_mean": low,
+        "clip_ratio/high_mean": high_share,
+        "completion_length": lengths / rows,
+        "completions/clipped_ratio": n_truncated / rows,
         "seconds": seconds,
-        "tokens_per_second": gen.num_tokens / seconds,
+        "tokens_per_second": lengths / seconds,
     }
 
 
@@ -272,6 +353,8 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.T
 
 
 def _checkpoint(run: Run, global_step: int, phase_index: int, step: int, es: ES | None, optimizer) -> None:
+    if not distributed.is_writer():  # every process holds the same state; one writes it
+        return
     tensors = {f"model.{k}": v for k, v in run.model.state_dict().items()}
     state: dict[str, Any] = {
         "phase_index": phase_index,
@@ -293,10 +376,12 @@ def _check_task(task: Task, cfg: TrainConfig) -> None:
             raise ConfigError(f"task: {cfg.task!r} has no {split} problems; add some, or choose another task")
 
 
-def _check_evolvable(model: torch.nn.Module, model_dir: Path) -> None:
+def _check_evolvable(model: torch.nn.Module, model_dir: Path, es: ESConfig) -> None:
     try:
-        linear_weights(model)
+        evolved_weights(model, es)
     except ValueError as error:
+        if es.evolve:  # the name filter matches nothing
+            raise ConfigError(f"es.evolve: {error}") from None
         raise ModelError(f"{model_dir}: {error}. ES cannot train it; use algorithm = 'grpo'") from None
 
 
@@ -328,24 +413,65 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) ->
     A new run needs a new or empty out_dir; `overwrite` lets it replace a previous run there. `resume`
     continues the run in out_dir from its newest checkpoint, exactly, with that run's own settings (only
     es.iterations / grpo.steps may be raised). Everything that can be checked is checked before any work.
+    Under torchrun the processes run one job (fastes.distributed): ES shares the population, GRPO the
+    prompts of each batch, rank 0 alone reads and writes the run directory, and the others get what it
+    read (the checkpoint to resume from).
     """
+    device, joined = distributed.setup(cfg.device)
+    try:
+        result = _train(cfg, resume=resume, overwrite=overwrite, device=device)
+    except CollectiveError:
+        raise  # the group is broken: leaving it would wait for the lost peer (the CLI exits at once)
+    except BaseException:
+        distributed.teardown(joined)
+        raise
+    distributed.teardown(joined)
+    return result
+
+
+def make_task(cfg: TrainConfig) -> Task:
+    """The configured task; with `reward`, a JSONL file of prompts scored by the user's function."""
+    if cfg.reward:
+        return get_task(cfg.task, seed=cfg.task_seed, reward=cfg.reward, timeout=cfg.reward_timeout)
+    return get_task(cfg.task, seed=cfg.task_seed)
+
+
+def check_world_size(cfg: TrainConfig, task: Task) -> None:
+    """Before any work: the processes must be able to share the population and the prompts equally."""
+    phases = PHASES[cfg.algorithm]
+    if "es" in phases:
+        distributed.require_divisible(
+            cfg.es.population, "es.population", "each process evaluates an equal share of the members"
+        )
+    if "grpo" in phases:
+        prompts = min(cfg.batch_size, len(task.split("train")))
+        distributed.require_divisible(
+            prompts, "GRPO prompts per step (batch_size)", "each process samples an equal share of them"
+        )
+
+
+def _train(cfg: TrainConfig, *, resume: bool, overwrite: bool, device: str) -> dict[str, Any]:
     if resume and overwrite:
         raise rundir.RunDirError("--resume continues the run in out_dir, --overwrite deletes it: choose one")
     out_dir = Path(cfg.out_dir)
     model_dir = Path(cfg.model) if cfg.model else tiny_model_path()
     phases = PHASES[cfg.algorithm]
     lengths = [cfg.grpo.steps if p == "grpo" else cfg.es.iterations for p in phases]
-    task = get_task(cfg.task, seed=cfg.task_seed)
+    task = make_task(cfg)
     _check_task(task, cfg)
+    check_world_size(cfg, task)
     identity = rundir.run_identity(cfg, model_dir)
+    distributed.require_same(identity["run_id"], "settings or starting model")
+    # Rank 0 reads the run directory; every rank gets what it found (or the error it raised).
     if resume:
-        found, run_id = _resume_point(out_dir, identity, phases)
+        found, run_id = distributed.from_writer(lambda: _resume_point(out_dir, identity, phases))
     else:
-        found, previous = None, rundir.check_fresh(out_dir, overwrite)
+        found, previous = None, distributed.from_writer(lambda: rundir.check_fresh(out_dir, overwrite))
+    writer = distributed.is_writer()
     torch.manual_seed(cfg.seed)
-    model, tokenizer = load_model(model_dir, dtype=cfg.dtype, device=cfg.device)
+    model, tokenizer = load_model(model_dir, dtype=cfg.dtype, device=device)
     if "es" in phases:
-        _check_evolvable(model, model_dir)
+        _check_evolvable(model, model_dir, cfg.es)
     # A tiny model's matmuls are too small to share: extra threads only add synchronisation.
     small = sum(p.numel() for p in model.parameters()) < 5_000_000
     torch.set_num_threads(cfg.threads or (1 if small else torch.get_num_threads()))
@@ -358,23 +484,28 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) ->
 
     # Where to start: from scratch, or just after the newest checkpoint.
     first_phase, first_step, saved = 0, 0, None
-    if not resume:
-        rundir.remove_run(out_dir, previous)
-    rundir.clean(out_dir)
-    rundir.start_run(out_dir, identity)  # on resume: records a raised length
+    if writer:
+        if not resume:
+            rundir.remove_run(out_dir, previous)
+        rundir.clean(out_dir)
+        rundir.start_run(out_dir, identity)  # on resume: records a raised length
     if found is not None:
         global_step, tensors, saved = found
-        print(f"Resuming run {run_id} from step {global_step} ({out_dir})")
+        if writer:
+            print(f"Resuming run {run_id} from step {global_step} ({out_dir})")
         model.load_state_dict({k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")})
         first_phase, first_step = saved["phase_index"], saved["step"]
         run.metrics = list(saved["metrics"])
-        rundir.restore_metrics(out_dir, run.metrics, global_step)
+        if writer:
+            rundir.restore_metrics(out_dir, run.metrics, global_step)
     else:
-        if resume:
+        if resume and writer:
             print(f"Resuming run {run_id} from step 0: no checkpoint was written yet, so it starts over")
-        rundir.write_metrics(out_dir, [])
+        if writer:
+            rundir.write_metrics(out_dir, [])
         base = evaluate(run, test)
-        write_atomic(out_dir / "base_test.json", json.dumps(base["correct"]))  # for the paired gain
+        if writer:  # the base's per-problem results, for the paired gain at the end
+            write_atomic(out_dir / "base_test.json", json.dumps(base["correct"]))
         run.log(
             {
                 "global_step": 0,
@@ -387,7 +518,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) ->
 
     global_step = sum(lengths[:first_phase]) + first_step
     last_eval = None
-    bar = tqdm(total=sum(lengths), initial=global_step, disable=not cfg.progress, desc=cfg.algorithm)
+    quiet = not cfg.progress or not distributed.is_writer()
+    bar = tqdm(total=sum(lengths), initial=global_step, disable=quiet, desc=cfg.algorithm)
     for phase_index in range(first_phase, len(phases)):
         phase = phases[phase_index]
         es = make_es(run) if phase == "es" else None
@@ -415,13 +547,16 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) ->
                 reward=f"{record['reward']:.3f}",
                 test=f"{record.get('test_accuracy', float('nan')):.3f}",
             )
+            if phase == "grpo" and (step + 1) % GRPO_CHECKSUM_EVERY == 0:
+                distributed.check_same_weights(model.parameters(), f"GRPO step {step + 1}")
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
                 _checkpoint(run, global_step, phase_index, step + 1, es, optimizer)
         if phase_index + 1 < len(phases):  # a phase boundary is a checkpoint: the next phase starts fresh
             _checkpoint(run, global_step, phase_index + 1, 0, None, None)
         saved = None
     bar.close()
-    rundir.replace_dir(out_dir, "final", lambda path: save_model(model, tokenizer, path))
+    if writer:
+        rundir.replace_dir(out_dir, "final", lambda path: save_model(model, tokenizer, path))
     final = last_eval or evaluate(run, test)
     base_file = out_dir / "base_test.json"  # absent in run directories of older fastes versions
     base_correct = json.loads(base_file.read_text()) if base_file.is_file() else None
@@ -436,5 +571,6 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) ->
         "out_dir": str(out_dir),
         "model_dir": str(out_dir / "final"),
     }
-    write_atomic(out_dir / "summary.json", json.dumps(summary, indent=2))
+    if writer:
+        write_atomic(out_dir / "summary.json", json.dumps(summary, indent=2))
     return summary

@@ -2,6 +2,12 @@
 population-batched linear layer with in-register noise.
 
 Kernels know nothing of models or tasks; `fastes.ops` chooses between them and the torch reference.
+
+Scalar arguments that carry data (member and rounding keys, tensor ids, element offsets, counts) are
+typed (`k0: tl.uint32`, ...) and listed in `do_not_specialize`: Triton would otherwise compile a
+separate variant for a value equal to 1 (as a constexpr, on which `.to()` fails to compile), for values
+past 2^31 (i64) and for multiples of 16, so a run would crash on key word 1 and recompile per key.
+`fastes.kernels.aot` compiles every launch the runtime makes for sm_90/sm_80 and checks this.
 """
 
 from .noise import launch_fill

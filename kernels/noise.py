@@ -3,22 +3,32 @@
 import triton
 import triton.language as tl
 
-from .philox import bits_tile, normal_tile
+from .philox import bits_tile, normal_tile, tile_offsets
+from .table import NUM_WARPS
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["numel", "offset", "k0", "k1", "tensor_id"])
 def fill_kernel(
-    out, numel, offset, k0, k1, tensor_id, STREAM: tl.constexpr, RAW_BITS: tl.constexpr, BLOCK: tl.constexpr
+    out,
+    numel: tl.int64,
+    offset: tl.int64,
+    k0: tl.uint32,
+    k1: tl.uint32,
+    tensor_id: tl.uint32,
+    STREAM: tl.constexpr,
+    RAW_BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     # Elements [offset + pid * BLOCK, ...) of the stream; offset is a multiple of 4 (int64 safe).
     pid = tl.program_id(0)
     start = offset + pid.to(tl.int64) * BLOCK
-    local = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    mask = local < numel
+    out = out + pid.to(tl.int64) * BLOCK
+    local = tile_offsets(BLOCK // 4, 1)
+    mask = local < numel - pid.to(tl.int64) * BLOCK
     if RAW_BITS:
-        tl.store(out + local, bits_tile(k0, k1, tensor_id, STREAM, start, BLOCK).to(tl.int64), mask=mask)
+        tl.store(out + local, bits_tile(k0, k1, tensor_id, STREAM, start, BLOCK // 4).to(tl.int64), mask=mask)
     else:
-        tl.store(out + local, normal_tile(k0, k1, tensor_id, STREAM, start, BLOCK), mask=mask)
+        tl.store(out + local, normal_tile(k0, k1, tensor_id, STREAM, start, BLOCK // 4, 1), mask=mask)
 
 
 def launch_fill(
@@ -29,5 +39,14 @@ def launch_fill(
         raise ValueError(f"offset must be a multiple of 4 (one Philox block), got {offset}")
     n = out.numel()
     fill_kernel[(triton.cdiv(n, block),)](
-        out, n, offset, key[0], key[1], tensor_id, STREAM=stream, RAW_BITS=raw_bits, BLOCK=block
+        out,
+        n,
+        offset,
+        key[0],
+        key[1],
+        tensor_id,
+        STREAM=stream,
+        RAW_BITS=raw_bits,
+        BLOCK=block,
+        num_warps=NUM_WARPS,
     )

@@ -7,12 +7,12 @@ parameters onto the perturbed buffer and back (see fastes.ops). With dst == src 
 import triton
 import triton.language as tl
 
-from .philox import normal_tile
+from .philox import lanes_to_tile, normal_lanes, tile_offsets
 from .rounding import round_to
-from .table import TileTable, read_tile
+from .table import NUM_WARPS, TileTable, blocks_per_row, read_tile, tile_pointer
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["k0", "k1"])  # see kernels/__init__.py: typed, never specialised
 def perturb_kernel(
     src_addresses,
     dst_addresses,
@@ -20,18 +20,35 @@ def perturb_kernel(
     tensor_ids,
     tile_tensor,
     tile_start,
-    k0,
-    k1,
-    scale,
+    k0: tl.uint32,
+    k1: tl.uint32,
+    scale: tl.float32,
     DTYPE: tl.constexpr,
     BLOCK: tl.constexpr,
+    BLOCKS_PER_ROW: tl.constexpr,
 ):
-    start, tensor_id, src, dst, offsets, mask = read_tile(
+    ROWS: tl.constexpr = BLOCK // (4 * BLOCKS_PER_ROW)
+    start, tensor_id, src_address, dst_address, count, fast = read_tile(
         src_addresses, dst_addresses, numels, tensor_ids, tile_tensor, tile_start, DTYPE, BLOCK
     )
+    offsets = tile_offsets(ROWS, BLOCKS_PER_ROW)
+    eps = normal_lanes(k0, k1, tensor_id, 0, start, ROWS, BLOCKS_PER_ROW)
+    if fast:  # full, aligned tile: unmasked 128-bit accesses
+        src = tile_pointer(src_address, start, DTYPE, True)
+        dst = tile_pointer(dst_address, start, DTYPE, True)
+        _write(src, dst, offsets, None, scale, eps, DTYPE, BLOCKS_PER_ROW)
+    else:
+        src = tile_pointer(src_address, start, DTYPE, False)
+        dst = tile_pointer(dst_address, start, DTYPE, False)
+        _write(src, dst, offsets, offsets < count, scale, eps, DTYPE, BLOCKS_PER_ROW)
+
+
+@triton.jit
+def _write(src, dst, offsets, mask, scale, eps_lanes, DTYPE: tl.constexpr, BLOCKS_PER_ROW: tl.constexpr):
+    """dst = round(src + scale * eps), the noise put into element order in this branch's layout."""
+    eps = lanes_to_tile(*eps_lanes, BLOCKS_PER_ROW)
     # Upcast right after the load: bf16 arithmetic is wrong under the interpreter and imprecise anyway.
     theta = tl.load(src + offsets, mask=mask).to(tl.float32)
-    eps = normal_tile(k0, k1, tensor_id, 0, start, BLOCK)
     tl.store(dst + offsets, round_to(theta + scale * eps, DTYPE), mask=mask)
 
 
@@ -52,4 +69,6 @@ def launch_perturb(table: TileTable, dst_addresses, key: tuple[int, int], scale:
         scale,
         DTYPE=dtype,
         BLOCK=table.block,
+        num_warps=NUM_WARPS,
+        BLOCKS_PER_ROW=blocks_per_row(dtype.primitive_bitwidth // 8),
     )

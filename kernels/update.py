@@ -9,16 +9,16 @@ once, whatever the population size. Antithetic pairs arrive as one direction wit
 import triton
 import triton.language as tl
 
-from .philox import normal_tile, uniform_tile
+from .philox import block_words, lanes_to_tile, normals4, row_blocks, tile_offsets, uniform_lanes
 from .rounding import round_to, stochastic_round
-from .table import TileTable, addresses, read_tile
+from .table import NUM_WARPS, TileTable, addresses, blocks_per_row, read_tile, tile_pointer
 
 MODE_APPLY = 0  # theta <- theta * decay + coef * sum, round to nearest
 MODE_APPLY_STOCHASTIC = 1  # the same, stochastic rounding to a 16-bit dtype
 MODE_GRADIENT = 2  # out <- coef * sum, theta untouched
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_directions", "rounding_k0", "rounding_k1"])
 def update_kernel(
     param_addresses,
     out_addresses,
@@ -28,32 +28,75 @@ def update_kernel(
     tile_start,
     keys,
     weights,
-    n_directions,
-    coef,
-    decay,
-    rounding_k0,
-    rounding_k1,
+    n_directions: tl.int32,
+    coef: tl.float32,
+    decay: tl.float32,
+    rounding_k0: tl.uint32,
+    rounding_k1: tl.uint32,
     DTYPE: tl.constexpr,
     MODE: tl.constexpr,
     BLOCK: tl.constexpr,
+    BLOCKS_PER_ROW: tl.constexpr,
 ):
-    start, tensor_id, param, out, offsets, mask = read_tile(
+    ROWS: tl.constexpr = BLOCK // (4 * BLOCKS_PER_ROW)
+    start, tensor_id, param_address, out_address, count, fast = read_tile(
         param_addresses, out_addresses, numels, tensor_ids, tile_tensor, tile_start, DTYPE, BLOCK
     )
 
-    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    # The direction loop keeps each block's four lanes apart (a: first block of a row, b: second, with
+    # two per row); they are put into element order once, after it.
+    first = row_blocks(start, ROWS, BLOCKS_PER_ROW)
+    a0 = tl.zeros((ROWS,), dtype=tl.float32)
+    a1, a2, a3, b0, b1, b2, b3 = a0, a0, a0, a0, a0, a0, a0
     for j in range(n_directions):
         k0 = tl.load(keys + 2 * j)
         k1 = tl.load(keys + 2 * j + 1)
-        total += tl.load(weights + j) * normal_tile(k0, k1, tensor_id, 0, start, BLOCK)
+        w = tl.load(weights + j)
+        e0, e1, e2, e3 = normals4(*block_words(k0, k1, tensor_id, 0, first))
+        a0, a1, a2, a3 = a0 + w * e0, a1 + w * e1, a2 + w * e2, a3 + w * e3
+        if BLOCKS_PER_ROW == 2:
+            e0, e1, e2, e3 = normals4(*block_words(k0, k1, tensor_id, 0, first + 1))
+            b0, b1, b2, b3 = b0 + w * e0, b1 + w * e1, b2 + w * e2, b3 + w * e3
+    sums = (a0, a1, a2, a3, b0, b1, b2, b3)
 
-    if MODE == 2:
-        tl.store(out + offsets, round_to(coef * total, DTYPE), mask=mask)
+    offsets = tile_offsets(ROWS, BLOCKS_PER_ROW)
+    if MODE == 1:
+        u = uniform_lanes(rounding_k0, rounding_k1, tensor_id, 1, start, ROWS, BLOCKS_PER_ROW)
     else:
-        theta = tl.load(param + offsets, mask=mask).to(tl.float32)
-        new = theta * decay + coef * total
+        u = sums  # unused
+    if fast:  # full, aligned tile: unmasked 128-bit accesses
+        param = tile_pointer(param_address, start, DTYPE, True)
+        out = tile_pointer(out_address, start, DTYPE, True)
+        _write(param, out, offsets, None, sums, coef, decay, u, DTYPE, MODE, BLOCKS_PER_ROW)
+    else:
+        param = tile_pointer(param_address, start, DTYPE, False)
+        out = tile_pointer(out_address, start, DTYPE, False)
+        _write(param, out, offsets, offsets < count, sums, coef, decay, u, DTYPE, MODE, BLOCKS_PER_ROW)
+
+
+@triton.jit
+def _write(
+    param,
+    out,
+    offsets,
+    mask,
+    sum_lanes,
+    coef,
+    decay,
+    u_lanes,
+    DTYPE: tl.constexpr,
+    MODE: tl.constexpr,
+    BLOCKS_PER_ROW: tl.constexpr,
+):
+    """out = round(param * decay + coef * sum) (to nearest, or stochastically with u), or
+    round(coef * sum); the lanes put into element order here, in this branch's layout."""
+    step = coef * lanes_to_tile(*sum_lanes, BLOCKS_PER_ROW)
+    if MODE == 2:
+        tl.store(out + offsets, round_to(step, DTYPE), mask=mask)
+    else:
+        new = tl.load(param + offsets, mask=mask).to(tl.float32) * decay + step
         if MODE == 1:
-            u = uniform_tile(rounding_k0, rounding_k1, tensor_id, 1, start, BLOCK)
+            u = lanes_to_tile(*u_lanes, BLOCKS_PER_ROW)
             tl.store(out + offsets, stochastic_round(new, u, DTYPE), mask=mask)
         else:
             tl.store(out + offsets, round_to(new, DTYPE), mask=mask)
@@ -89,4 +132,6 @@ def launch_update(
         DTYPE=dtype,
         MODE=mode,
         BLOCK=table.block,
+        num_warps=NUM_WARPS,
+        BLOCKS_PER_ROW=blocks_per_row(dtype.primitive_bitwidth // 8),
     )

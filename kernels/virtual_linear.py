@@ -12,19 +12,19 @@ import os
 import triton
 import triton.language as tl
 
-from .philox import normal_at
+from .philox import block_words, normal_at, normals4
 from .rounding import round_to
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tensor_id", "rows_per_member"])
 def virtual_linear_kernel(
     x,
     weight,
     y,
     keys,
     scales,
-    tensor_id,
-    rows_per_member,
+    tensor_id: tl.uint32,
+    rows_per_member: tl.int32,
     K,
     N,
     stride_x,
@@ -35,6 +35,8 @@ def virtual_linear_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    TRANSPOSED: tl.constexpr,
+    RUNS_OF_4: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -57,8 +59,24 @@ def virtual_linear_kernel(
             x + rows[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
         )
         w_mask = col_ok[:, None] & k_ok[None, :]
-        w = tl.load(weight + cols[:, None] * stride_w + ks[None, :], mask=w_mask, other=0.0).to(tl.float32)
-        eps = normal_at(k0, k1, tensor_id, 0, cols[:, None] * K + ks[None, :])
+        if TRANSPOSED:  # a Conv1D weight [K, N]: element (k, n) is at k * stride + n, noise index k N + n
+            w_offsets = ks[None, :] * stride_w + cols[:, None]
+        else:
+            w_offsets = cols[:, None] * stride_w + ks[None, :]
+        w = tl.load(weight + w_offsets, mask=w_mask, other=0.0).to(tl.float32)
+        # Whole Philox blocks (one per 4 elements) when the weight's contiguous axis is a multiple of 4.
+        if RUNS_OF_4 and TRANSPOSED:  # a [BLOCK_K, BLOCK_N] run of the [K, N] weight, then transposed
+            blocks = (ks[:, None] * N + pid_n * BLOCK_N) // 4 + tl.arange(0, BLOCK_N // 4)[None, :]
+            e0, e1, e2, e3 = normals4(*block_words(k0, k1, tensor_id, 0, blocks))
+            eps = tl.trans(tl.reshape(tl.join(tl.join(e0, e2), tl.join(e1, e3)), (BLOCK_K, BLOCK_N)))
+        elif RUNS_OF_4:  # a tile row is BLOCK_K // 4 whole Philox blocks
+            blocks = (cols[:, None] * K + k_start) // 4 + tl.arange(0, BLOCK_K // 4)[None, :]
+            e0, e1, e2, e3 = normals4(*block_words(k0, k1, tensor_id, 0, blocks))
+            eps = tl.reshape(tl.join(tl.join(e0, e2), tl.join(e1, e3)), (BLOCK_N, BLOCK_K))
+        elif TRANSPOSED:  # otherwise each element computes its block and keeps its lane
+            eps = normal_at(k0, k1, tensor_id, 0, ks[None, :] * N + cols[:, None])
+        else:
+            eps = normal_at(k0, k1, tensor_id, 0, cols[:, None] * K + ks[None, :])
         # Round like a stored perturbed weight; masked lanes stay 0 so they add nothing.
         b = tl.where(w_mask, round_to(w + scale * eps, DTYPE).to(tl.float32), 0.0)
         if DOT_IN_FP32:  # fp32 weights (no tf32 shortcut), or the interpreter (its 16-bit dot is wrong)
@@ -78,13 +96,22 @@ def launch_virtual_linear(
     tensor_id: int,
     rows_per_member: int,
     dtype,
-    block_m: int = 32,
+    block_m: int | None = None,
     block_n: int = 32,
     block_k: int = 32,
+    transposed: bool = False,
 ) -> None:
-    """y = per-member perturbed x W^T; x [members * rows_per_member, K], weight [N, K], y [rows, N]."""
+    """y = per-member perturbed x W^T; x [members * rows_per_member, K], weight [N, K], y [rows, N].
+
+    `transposed`: the weight is a Conv1D's [K, N] and y = x W (its noise follows that layout).
+    By default one M-tile covers all of a member's rows (up to 128), so each member's noise tile is
+    generated once rather than once per M-tile.
+    """
+    if block_m is None:
+        block_m = min(128, max(16, triton.next_power_of_2(rows_per_member)))
     members = keys.shape[0]
-    n_out, k_in = weight.shape
+    k_in, n_out = weight.shape if transposed else weight.shape[::-1]
+    runs_of_4 = (n_out if transposed else k_in) % 4 == 0
     grid = (triton.cdiv(rows_per_member, block_m), triton.cdiv(n_out, block_n), members)
     virtual_linear_kernel[grid](
         x,
@@ -104,4 +131,9 @@ def launch_virtual_linear(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        TRANSPOSED=transposed,
+        RUNS_OF_4=runs_of_4,
+        # The per-element and transposed noise paths hold more per element: more warps keep them in
+        # registers (no spills for sm_80 / sm_90 in kernels/aot.py).
+        num_warps=4 if runs_of_4 and not transposed else 8,
     )

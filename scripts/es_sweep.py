@@ -19,14 +19,23 @@ import time
 
 import torch
 
-from fastes import ES
+from fastes import ES, linear_weights
 from fastes.batched import population_batched
 from fastes.generation import generate
 from fastes.models import load_model, tiny_model_path
 from fastes.tasks import get_task
-from fastes.train import evolved_weights
 
 VALIDATION = slice(1000, 2000)
+
+
+def evolved(model: torch.nn.Module, which: str) -> list:
+    """linear (every projection matrix), or a "+"-joined subset of embeddings and norms."""
+    if which == "linear":
+        return linear_weights(model)
+    kinds = set(which.split("+"))
+    chosen = linear_weights(model, include_embeddings="embeddings" in kinds, include_norms="norms" in kinds)
+    linear = {id(p) for _, p in linear_weights(model)}
+    return [(n, p) for n, p in chosen if id(p) not in linear]
 
 
 def correct(model, tok, task, examples, max_new: int = 12) -> list[float]:
@@ -40,9 +49,15 @@ def correct(model, tok, task, examples, max_new: int = 12) -> list[float]:
 
 def rewards_of(model, tok, task, es, examples, args) -> torch.Tensor:
     prompts = [ex.prompt for ex in examples]
-    with population_batched(es, model) as members:  # batched: linear, embedding and norm weights alike
-        gen = generate(model, tok, prompts * len(members), max_new_tokens=12)
-    texts = [gen.texts[i * len(prompts) : (i + 1) * len(prompts)] for i in range(len(members))]
+    if args.params != "linear":  # batched evaluation swaps projection layers only
+        texts = []
+        for member in es.members():
+            with member:
+                texts.append(generate(model, tok, prompts, max_new_tokens=12).texts)
+    else:
+        with population_batched(es, model) as members:
+            gen = generate(model, tok, prompts * len(members), max_new_tokens=12)
+        texts = [gen.texts[i * len(prompts) : (i + 1) * len(prompts)] for i in range(len(members))]
     return torch.tensor(
         [[task.score(ex, t).reward(args.format_weight) for ex, t in zip(examples, row)] for row in texts],
         dtype=torch.float64,
@@ -72,7 +87,7 @@ def main() -> None:
     val = task.split("test")[VALIDATION][: args.val]
     base = correct(model, tok, task, val)
     es = ES(
-        evolved_weights(model, args.params),
+        evolved(model, args.params),
         sigma=args.sigma,
         lr=args.lr,
         population=args.population,

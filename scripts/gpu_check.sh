@@ -1,45 +1,114 @@
 #!/usr/bin/env bash
-# GPU check of fastes, one script, a few minutes on one GPU (hard limits add up to 8 minutes):
-#   (a) the compiled Triton kernels vs the torch reference on the same CUDA tensors
-#       (python -m benchmarks.gpu_check: raw Philox bits exact, normals ~1e-5, perturb / update / fill
-#       in fp32, bf16 and fp16, exact restore, a tensor past 2^31 elements);
-#   (b) the benchmark suites on CUDA (python -m benchmarks), result files into benchmarks/results or $1.
-# Usage: bash scripts/gpu_check.sh [out_dir]    (PYTHON=... to choose the interpreter; default python3)
-# Stops at once, with a message and exit status 2, where there is no CUDA device.
-set -euo pipefail
+# GPU check of fastes: one command, under 6 minutes on one H200 including the install.
+#
+#   bash scripts/gpu_check.sh [out_dir]        (default: gpu_check-<UTC time>)
+#
+# Steps, each in its own process with its own time limit, so that a failure, a crash or a hang in one
+# (a CUDA error poisons its process) never stops the others:
+#   facts        nvidia-smi, python / torch / triton versions            -> out/facts.log
+#   install      pip install -e . --no-deps, only when fastes.kernels does not import
+#   environment stream perturb update virtual es large bench
+#                python -m benchmarks.gpu_check --steps <step>: compiled kernels vs the torch reference
+#                (keys and tensor ids of 1 included), a tensor past 2^31 elements, a short benchmark
+#   static       python -m benchmarks --static: the predicted SASS report, to set beside the bench
+# After every step: out/<step>.log and out/<step>.json (written by the step), out/gpu_check.log (all
+# output) and out/script.json (each step's exit status and seconds). Exit status: 0 when every step passed.
+#
+# Environment: PYTHON (default python3), GPU_CHECK_BUDGET (seconds for all steps, default 340),
+# GPU_CHECK_STEPS (which steps, in order), GPU_CHECK_ARGS (extra arguments for benchmarks.gpu_check;
+# the test suite runs this script with "--device cpu --small" under TRITON_INTERPRET=1).
+set -uo pipefail  # not -e: a failed step is recorded and the next one runs
 cd "$(dirname "$0")/.."
-out="${1:-benchmarks/results}"
+out="${1:-gpu_check-$(date -u +%Y%m%dT%H%M%SZ)}"
 py="${PYTHON:-python3}"
-# Compiled kernels and automatic dispatch: an interpreter setting left in the shell would make them crawl.
-unset TRITON_INTERPRET FASTES_BACKEND
+budget="${GPU_CHECK_BUDGET:-340}"
+steps="${GPU_CHECK_STEPS:-facts install environment stream perturb update virtual es large bench static}"
+extra="${GPU_CHECK_ARGS:-}"
+mkdir -p "$out"
+log="$out/gpu_check.log"
+: >"$log"
+records=()
+failures=0
 
-"$py" - <<'PY' || exit 2
-import sys
-try:
-    import torch
-except ImportError:
-    sys.exit("gpu_check: torch is not installed for this python; set PYTHON to one that has it")
-if not torch.cuda.is_available():
-    sys.exit(
-        f"gpu_check: no CUDA device (torch {torch.__version__}, CUDA build {torch.version.cuda}); "
-        "run this on a machine with an NVIDIA GPU"
-    )
-try:
-    import triton
-except ImportError:
-    sys.exit("gpu_check: triton is not installed; the kernels need triton >= 3.6")
-print(f"[gpu_check] {torch.cuda.get_device_name()}: torch {torch.__version__}, triton {triton.__version__}")
+say() { echo "[gpu_check $(date -u +%H:%M:%S) +${SECONDS}s] $*" | tee -a "$log"; }
+
+write_records() {  # out/script.json, rewritten after every step
+  local IFS=,
+  printf '{"out": "%s", "budget_s": %s, "elapsed_s": %s, "failures": %s, "steps": [%s]}\n' \
+    "$out" "$budget" "$SECONDS" "$failures" "${records[*]}" >"$out/script.json"
+}
+
+# run_step NAME LIMIT COMMAND...: run with a time limit (and what is left of the budget), log, record.
+run_step() {
+  local name=$1 limit=$2
+  shift 2
+  local left=$((budget - SECONDS)) start=$SECONDS rc
+  if ((left < 15)); then
+    say "$name: skipped, the time budget is spent"
+    records+=("{\"step\": \"$name\", \"status\": \"skipped\", \"rc\": null, \"seconds\": 0}")
+    failures=$((failures + 1))
+    write_records
+    return
+  fi
+  ((limit > left)) && limit=$left
+  say "$name (limit ${limit}s): $*"
+  timeout -k 10 "$limit" "$@" 2>&1 | tee -a "$log"
+  rc=${PIPESTATUS[0]}
+  local status=passed
+  if ((rc == 124 || rc == 137)); then
+    status=timeout
+  elif ((rc != 0)); then
+    status=failed
+  fi
+  ((rc != 0)) && failures=$((failures + 1))
+  say "$name: $status (exit $rc, $((SECONDS - start)) s)"
+  records+=("{\"step\": \"$name\", \"status\": \"$status\", \"rc\": $rc, \"seconds\": $((SECONDS - start))}")
+  write_records
+}
+
+facts() {
+  if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit --format=csv
+    nvidia-smi | head -4
+  else
+    echo "nvidia-smi: not found"
+  fi
+  "$py" - <<'PY'
+import platform, sys
+print("python", platform.python_version(), sys.executable)
+for name in ("torch", "triton"):
+    try:
+        module = __import__(name)
+        print(name, module.__version__, getattr(getattr(module, "version", None), "cuda", ""))
+    except Exception as error:
+        print(name, "unavailable:", error)
 PY
+}
 
-if ! "$py" -c "import fastes.kernels" >/dev/null 2>&1; then
+install() {
   # fastes.kernels is the kernels/ folder mapped by the package config: it needs an (editable) install.
-  echo "[gpu_check] installing fastes (editable, no dependencies)"
-  "$py" -m pip install -q --no-deps --no-build-isolation -e .
-fi
+  if "$py" -c "import fastes.kernels" 2>/dev/null; then
+    echo "fastes is installed: $("$py" -c 'import fastes, os; print(os.path.dirname(fastes.__file__))')"
+  else
+    "$py" -m pip install -q --no-deps --no-build-isolation -e .
+  fi
+}
 
-echo "[gpu_check] (a) compiled kernels vs torch reference"
-timeout 150 "$py" -m benchmarks.gpu_check
-
-echo "[gpu_check] (b) benchmarks on CUDA -> $out"
-timeout 330 "$py" -m benchmarks --device cuda --out "$out"
-echo "[gpu_check] done"
+# Compiled kernels and automatic dispatch: a setting left in the shell would make them crawl (the
+# interpreter) or pick the wrong backend. Tests that run this on CPU pass it back in GPU_CHECK_ARGS.
+[[ "$extra" == *"--device cpu"* ]] || unset TRITON_INTERPRET
+unset FASTES_BACKEND
+export py
+export -f facts install
+say "output folder: $out; steps: $steps; budget ${budget}s"
+for step in $steps; do
+  case "$step" in
+    facts) run_step facts 30 bash -c facts ;;
+    install) run_step install 120 bash -c install ;;
+    static) run_step static 90 "$py" -m benchmarks --static --out "$out" ;;
+    large | bench) run_step "$step" 90 "$py" -m benchmarks.gpu_check --out "$out" --steps "$step" $extra ;;
+    *) run_step "$step" 60 "$py" -m benchmarks.gpu_check --out "$out" --steps "$step" $extra ;;
+  esac
+done
+say "done: $failures step(s) failed; results in $out (summary.json, script.json, <step>.json, gpu_check.log)"
+((failures == 0))

@@ -34,8 +34,6 @@ def test_defaults_are_valid_and_overrides_apply(tmp_path):
         ({"grpo.temperature": 0.0}, "grpo.temperature"),
         ({"dtype": "int8"}, "dtype"),
         ({"es": 3}, "es must be a table"),
-        ({"es.evolve": "embedings"}, "es.evolve: 'embedings': join distinct kinds"),
-        ({"es.evolve": "norms+norms"}, "es.evolve"),
     ],
 )
 def test_bad_values_name_the_key(overrides, message):

@@ -316,7 +316,7 @@ def test_linear_weights_selection_on_a_transformers_model():
     assert "model.embed_tokens.weight" in with_embeddings
     with_norms = [n for n, _ in fastes.linear_weights(model, include_norms=True)]
     assert sum("norm" in n for n in with_norms) == 2 * 2 + 1
-    with pytest.raises(ValueError, match="no nn.Linear weights"):
+    with pytest.raises(ValueError, match="no projection weights"):
         fastes.linear_weights(torch.nn.Sequential(torch.nn.ReLU()))
 
 

@@ -89,3 +89,65 @@ def test_bad_arguments(model_and_tok):
         generate(model, tok, PROMPTS, max_new_tokens=2, temperature=-1.0)
     with pytest.raises(ValueError, match="identical"):
         generate(model, tok, PROMPTS, max_new_tokens=2, num_return_sequences=2)
+
+
+def _suggesting(config, **settings):
+    """A copy of a generation config with the settings a real checkpoint might suggest."""
+    return type(config)(**{**config.to_dict(), **settings})
+
+
+def _first_token_distribution(model, tok, prompt, temperature):
+    with torch.no_grad():
+        logits = model(**tok([prompt], return_tensors="pt")).logits[0, -1]
+    return torch.softmax(logits.double() / temperature, dim=-1)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (1.0, 0.5)])
+def test_samples_come_from_the_softmax_whatever_the_checkpoint_suggests(model_and_tok, temperature, top_p):
+    """A checkpoint's generation_config (top_k, repetition_penalty, suppress_tokens) must not leak in, and
+    there is no default top_k = 50: the tiny vocabulary's 55 near-uniform tokens would lose ~9% of mass."""
+    model, tok = model_and_tok
+    saved = model.generation_config
+    model.generation_config = _suggesting(saved, top_k=1, repetition_penalty=5.0, suppress_tokens=[9])
+    try:
+        n = 8000
+        out = generate(
+            model, tok, ["cd 1 2"], max_new_tokens=1, temperature=temperature, top_p=top_p, seed=3,
+            num_return_sequences=n,
+        )
+    finally:
+        model.generation_config = saved
+    expected = _first_token_distribution(model, tok, "cd 1 2", temperature)
+    if top_p < 1:  # the nucleus: the most likely tokens until their mass reaches top_p
+        sorted_p, order = expected.sort(descending=True)
+        keep = (sorted_p.cumsum(0) - sorted_p) < top_p
+        expected = torch.zeros_like(expected).scatter(0, order, sorted_p * keep)
+        expected /= expected.sum()
+    counts = torch.bincount(torch.tensor([ids[0] for ids in out.completion_ids]), minlength=len(expected))
+    empirical = counts.double() / n
+    assert 0.5 * (empirical - expected).abs().sum() < 0.04  # total variation; ~0.02 is sampling noise
+    assert counts[expected == 0].sum() == 0  # nothing outside the nucleus
+    assert (counts[expected > 0.005] > 0).all()  # every likely token is drawn, token 9 included
+    assert expected[9] > 0.005 or top_p < 1
+
+
+def test_a_row_samples_the_same_whatever_else_is_in_the_batch(model_and_tok):
+    model, tok = model_and_tok
+    kw = dict(max_new_tokens=6, temperature=1.0, seed=11, num_return_sequences=3)
+    whole = generate(model, tok, PROMPTS, **kw)
+    first = generate(model, tok, PROMPTS[:2], **kw)
+    second = generate(model, tok, PROMPTS[2:], first_row=6, **kw)  # rows 6.. of the whole batch
+    assert first.completion_ids + second.completion_ids == whole.completion_ids
+
+
+def test_greedy_ignores_the_checkpoints_penalties(model_and_tok):
+    model, tok = model_and_tok
+    plain = generate(model, tok, PROMPTS, max_new_tokens=8)
+    saved = model.generation_config
+    model.generation_config = _suggesting(saved, repetition_penalty=50.0, no_repeat_ngram_size=1)
+    try:
+        suggested = generate(model, tok, PROMPTS, max_new_tokens=8)
+    finally:
+        model.generation_config = saved
+    assert suggested.completion_ids == plain.completion_ids
+    assert any(len(set(ids)) < len(ids) for ids in plain.completion_ids)  # repeats exist to penalise

@@ -16,6 +16,7 @@ from fastes import kernels, noise
 
 launch_fill = kernels.launch_fill
 philox4x32_10 = kernels.philox.philox4x32_10
+box_muller = kernels.philox.box_muller
 
 MASK32 = 0xFFFFFFFF
 
@@ -93,6 +94,44 @@ def test_kernel_philox_known_answers():
     out = torch.full((len(rows), 4), -1, dtype=torch.int64)
     _philox_kat_kernel[(1,)](counters, keys, out, N=len(rows))
     assert [tuple(r) for r in out.tolist()] == [e for _, _, e in rows]
+
+
+@triton.jit
+def _box_muller_kernel(radius_words, angle_words, out, N: tl.constexpr):
+    i = tl.arange(0, N)
+    cos_part, sin_part = box_muller(
+        tl.load(radius_words + i).to(tl.uint32), tl.load(angle_words + i).to(tl.uint32)
+    )
+    tl.store(out + 2 * i, cos_part)
+    tl.store(out + 2 * i + 1, sin_part)
+
+
+def test_kernel_box_muller_matches_reference_on_edge_words():
+    """The kernels' own log and cos/sin (no libdevice) against torch, where they are hardest: the
+    smallest and largest uniforms (radius words), and angles at and around every quadrant boundary."""
+    n = 4096
+    g = torch.Generator().manual_seed(5)
+    radius = torch.randint(0, 2**32, (n,), generator=g, dtype=torch.int64)
+    angle = torch.randint(0, 2**32, (n,), generator=g, dtype=torch.int64)
+    edges = [0, 1, 0x1FF, 0x200, 0x3FF, 0x7FFFFFFF, 0x80000000, 0xFFFFFDFF, 0xFFFFFE00, MASK32]
+    radius[: len(edges)] = torch.tensor(edges)
+    quarter = 1 << 30  # angle words k * 2^30 give u near k / 4: angles near multiples of pi / 2
+    boundary = [
+        k * quarter + d
+        for k in range(5)
+        for d in (-1024, -512, 0, 511, 512)
+        if 0 <= k * quarter + d <= MASK32
+    ]
+    angle[: len(boundary)] = torch.tensor(boundary)
+    out = torch.empty(n, 2)
+    _box_muller_kernel[(1,)](radius, angle, out, N=n)
+    u_radius, u_angle = (
+        ((radius >> 9) * 2 + 1).to(torch.float32) * 2.0**-24,
+        ((angle >> 9) * 2 + 1).to(torch.float32) * 2.0**-24,
+    )
+    reference = torch.stack(noise._box_muller(u_radius, u_angle), dim=1)
+    scale = reference.abs().clamp(min=1.0)
+    assert ((out - reference).abs() / scale).max().item() <= 1e-6
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -538,7 +538,7 @@ def test_unsupported_parameters_are_refused_when_the_es_is_built(tensors, error,
 
 
 def test_model_level_bad_inputs():
-    with pytest.raises(ValueError, match="has no nn.Linear weights to evolve"):
+    with pytest.raises(ValueError, match="has no projection weights to evolve"):
         fastes.linear_weights(torch.nn.Sequential(torch.nn.Tanh(), torch.nn.LayerNorm(4)))
     half_meta = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2, device="meta"))
     with pytest.raises(ValueError, match="several devices"):

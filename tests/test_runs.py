@@ -399,7 +399,7 @@ def test_impossible_settings_are_refused_before_any_work(easy_task, tmp_path, mo
     with pytest.raises(ConfigError, match="has no train problems"):
         train(load_config(None, settings(f"jsonl:{only_test}", tmp_path / "a")))
 
-    def nothing_to_evolve(model):
+    def nothing_to_evolve(model, **selection):
         raise ValueError(f"{type(model).__name__} has no nn.Linear weights to evolve")
 
     monkeypatch.setattr("fastes.train.linear_weights", nothing_to_evolve)

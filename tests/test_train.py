@@ -11,9 +11,9 @@ import pytest
 from safetensors.torch import load_file
 
 from fastes.config import load_config
-from fastes.models import load_model, tiny_model_path
+from fastes.models import load_model
 from fastes.tasks import get_task
-from fastes.train import evolved_weights, paired_gain, train
+from fastes.train import paired_gain, train
 
 TIMING_KEYS = {"seconds", "tokens_per_second"}
 
@@ -185,14 +185,3 @@ def test_paired_gain_and_its_standard_error():
     gain, se = paired_gain([1, 0, 1, 1], [0, 1, 1, 1])
     assert gain == 0 and se > 0
 
-
-def test_evolved_weights_select_the_configured_kinds():
-    model, _ = load_model(tiny_model_path())
-    kinds = ["linear", "embeddings", "norms"]
-    sizes = {e: sum(p.numel() for _, p in evolved_weights(model, e)) for e in kinds}
-    assert sizes == {"linear": 131_072, "embeddings": 55 * 64, "norms": 5 * 64}
-    both = evolved_weights(model, "linear+embeddings+norms")
-    assert sum(p.numel() for _, p in both) == sum(sizes.values())
-    assert {n for n, _ in evolved_weights(model, "embeddings+norms")} == {
-        n for e in ("embeddings", "norms") for n, _ in evolved_weights(model, e)
-    }

@@ -114,3 +114,28 @@ def test_virtual_mode_needs_the_triton_backend(tiny):
         population_batched(es, model, mode="sparse"),
     ):
         pass
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("members,rows,n_in,n_out", [(3, 5, 7, 33), (2, 4, 40, 16)])
+def test_kernel_with_a_transposed_conv1d_weight(dtype, members, rows, n_in, n_out):
+    """A Conv1D weight [in, out]: its noise follows its own layout and y = x W."""
+    gen = torch.Generator().manual_seed(members * 10 + n_out)
+    x = torch.randn(members * rows, n_in, generator=gen).to(dtype)
+    weight = (torch.randn(n_in, n_out, generator=gen) * 0.1).to(dtype)
+    keys = [noise.member_key(3, 0, m) for m in range(members)]
+    scales = [0.05 * (-1) ** m for m in range(members)]
+    tid = noise.tensor_id("h.0.attn.c_attn.weight")
+    y = torch.empty(members * rows, n_out, dtype=dtype)
+    launch_virtual_linear(
+        x, weight, y, torch.tensor(keys), torch.tensor(scales), tid, rows, ops.triton_dtype(dtype),
+        transposed=True,
+    )
+    expected = []
+    for m, (key, scale) in enumerate(zip(keys, scales)):
+        w = torch.empty_like(weight)
+        ops.perturb_reference([weight], [w], [tid], key, scale)
+        expected.append(x[m * rows : (m + 1) * rows].float() @ w.float())
+    rtol, atol = TOLERANCE[dtype]
+    torch.testing.assert_close(y.float(), torch.cat(expected), rtol=rtol, atol=atol)
+    assert (x.float() @ weight.float() - torch.cat(expected)).abs().max() > 10 * atol

@@ -7,7 +7,8 @@
 Names:
   countdown, arithmetic       trained on by ES / GRPO (TRAINABLE_TASKS)
   reverse, compare            pretraining only, for held-out / forgetting evaluation (HELD_OUT_TASKS)
-  jsonl:<path>                user tasks from a JSONL file (see jsonl.py)
+  jsonl:<path>                user tasks from a JSONL file (see jsonl.py); with reward="file.py:function",
+                              prompts and columns scored by your own function (see reward_file.py)
   reasoning_gym:<dataset>     a reasoning-gym dataset; needs `pip install reasoning-gym`
 Options are passed to the task's constructor (n_train, n_test and task-specific ones).
 """
@@ -22,6 +23,7 @@ from .countdown import CountdownTask, solve_countdown
 from .heldout import CompareTask, ReverseTask
 from .jsonl import JsonlTask, JsonlTaskError
 from .reasoning_gym import ReasoningGymTask  # imports the package only when a task is created
+from .reward_file import RewardFunction, RewardFunctionError, RewardTask
 from .verify import (
     ParsedExpr,
     extract_answer,
@@ -49,8 +51,16 @@ def available_tasks() -> tuple[str, ...]:
     return (*_BUILT_IN, *_PREFIXES)
 
 
-def get_task(name: str, seed: int = 0, **options: Any) -> Task:
-    """Build the task called `name` with the given seed; options go to the task's constructor."""
+def get_task(name: str, seed: int = 0, reward: str | None = None, **options: Any) -> Task:
+    """Build the task called `name` with the given seed; options go to the task's constructor.
+
+    `reward` ("file.py:function") scores a "jsonl:<path>" task's prompts with your own function.
+    """
+    if reward:
+        kind, _, rest = name.partition(":")
+        if kind != "jsonl" or not rest:
+            raise ValueError(f"a reward function scores a 'jsonl:<path>' task of prompts, not {name!r}")
+        return RewardTask(rest, reward, seed=seed, **options)
     if name in _BUILT_IN:
         return _BUILT_IN[name](seed=seed, **options)
     kind, _, rest = name.partition(":")
@@ -75,6 +85,9 @@ __all__ = [
     "ParsedExpr",
     "ReasoningGymTask",
     "ReverseTask",
+    "RewardFunction",
+    "RewardFunctionError",
+    "RewardTask",
     "Score",
     "Task",
     "available_tasks",

@@ -50,6 +50,11 @@ class Task(ABC):
     def score(self, example: Example, completion: str) -> Score:
         """Score a model completion (untrusted text) against an example. Never raises on bad text."""
 
+    def scores(self, examples: list[Example], completions: list[str]) -> list[Score]:
+        """Score a batch: completion i against example i (one call, so that batch verifiers can batch)."""
+        pairs = zip(examples, completions, strict=True)
+        return [self.score(example, completion) for example, completion in pairs]
+
 
 # Size limits for built-in tasks: the tiny character-level model trains on a CPU, so problems stay short.
 MAX_PROMPT_CHARS = 24

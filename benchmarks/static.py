@@ -1,0 +1,342 @@
+"""A static performance report of the kernels, from their SASS: predicted, not measured.
+
+    python -m benchmarks --static [--out benchmarks/results]
+
+Each kernel variant the runtime launches is compiled for sm_90 without a GPU (`fastes.kernels.aot`);
+the SASS of its cubin gives, per element, the instructions of the path a full, aligned tile takes
+(and of one iteration of the update's direction loop), the width of its global loads and stores,
+registers and spills. A throughput model of an H100 / H200 SM (assumptions in `MODEL_NOTES`, written
+into the report) turns that into a predicted time per element and a share of copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from fastes.kernels import aot
+
+# Pipes of an sm_90 SM, in thread-instructions per clock (CUDA C++ Programming Guide, arithmetic
+# instruction throughput, compute capability 9.0): what each SASS opcode is charged to.
+ISSUE_PER_CLOCK = 128  # 4 schedulers x 1 warp instruction x 32 threads
+PIPE_PER_CLOCK = {"fp32": 128, "imad": 64, "alu": 64, "xu": 16}
+XU_OPCODES = ("MUFU", "I2F.", "F2I", "F2F", "I2F ")  # special functions and the slow conversions
+FP32_OPCODES = ("FADD", "FMUL", "FFMA", "FMNMX", "FSEL", "FSETP", "FCHK", "HADD2", "HFMA2", "HMUL2")
+NO_PIPE = ("BRA", "EXIT", "BSSY", "BSYNC", "NOP", "BAR", "WARPSYNC", "DEPBAR", "YIELD", "CALL", "RET")
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    sms: int
+    clock_ghz: float
+    copy_tb_s: float  # achievable device-to-device copy, read + write bytes per second
+
+
+DEVICES = [
+    Device("H100 SXM", 132, 1.755, 3.0),
+    Device("H200 SXM", 132, 1.755, 4.3),
+]
+MODEL_NOTES = [
+    "Predicted, not measured: no GPU was used. SASS from Triton's own ptxas for sm_90 (cuobjdump).",
+    "Instructions per element: the path a full, 16-byte-aligned tile takes (the masked tail path is "
+    "not counted), divided by the elements each thread handles; loop bodies once per iteration.",
+    "Throughput per SM per clock (CUDA programming guide, cc 9.0): 128 issue slots, FP32 128, "
+    "IMAD 64 (shares the FMA-heavy pipe with half of the FP32 work), other integer/logic 64, "
+    "MUFU and slow conversions 16; uniform-datapath (U*) instructions take issue slots only. "
+    "Compute time = the most loaded of these; latency, occupancy and instruction cache are ignored.",
+    "132 SMs at 1.755 GHz (a sustained clock under load; the boost clock is 1.98 GHz, which would make "
+    "compute-bound figures 13% faster). Copy bandwidth = ~90% of peak HBM: H100 SXM 3.0 TB/s "
+    "(3.35 peak), H200 SXM 4.3 TB/s (4.8 peak).",
+    "Predicted time per element = max(compute, bytes / copy bandwidth): perfect overlap, an upper bound "
+    "on speed. 'Share of copy' = copy time of the same bytes / predicted time.",
+]
+REPORT_LABELS = [
+    "perturb fp32",
+    "perturb bf16",
+    "perturb fp16",
+    "update fp32 apply",
+    "update bf16 apply",
+    "update bf16 stochastic",
+    "update bf16 gradient",
+    "fill normal stream=0",
+    "fill bits stream=0",
+    "virtual_linear bf16 K=64 N=48 rows=1",
+]
+UPDATE_DIRECTIONS = 15  # N = 30 members, antithetic
+
+
+def pipe_of(opcode: str) -> str:
+    if opcode.startswith(NO_PIPE) or opcode.startswith(("LD", "ST", "RED", "ATOM", "S2R", "CS2R", "SHFL")):
+        return "other"
+    if opcode.startswith("U") or opcode in ("R2UR", "S2UR"):
+        return "uniform"
+    if opcode.startswith(XU_OPCODES) or opcode in ("I2F", "F2I"):
+        return "xu"
+    if opcode.startswith(FP32_OPCODES):
+        return "fp32"
+    if opcode.startswith("IMAD"):
+        return "imad"
+    return "alu"
+
+
+def fast_path(instructions: list[tuple[int, str, str, str]]) -> tuple[list[int], list[tuple[int, int]]]:
+    """Indices of the instructions a full aligned tile executes, and the loops (first, last index).
+
+    Every path from the entry to an EXIT is enumerated (backward branches are loops: not taken on the
+    path, counted per iteration by the caller); the fast path is the one that enters the loops, with
+    the most 128-bit global accesses, and among those the shortest (the masked path has scalar
+    accesses, a tail path none).
+    """
+    index_of = {address: i for i, (address, *_) in enumerate(instructions)}
+    loops = []
+    for i, (address, _, opcode, operands) in enumerate(instructions):
+        if opcode == "BRA":
+            target = int(operands.split()[0].rstrip(";"), 16)
+            if target < address:
+                loops.append((index_of[target], i))
+    paths: list[list[int]] = []
+
+    def walk(i: int, path: list[int]) -> None:
+        while i < len(instructions):
+            address, predicate, opcode, operands = instructions[i]
+            path.append(i)
+            if opcode == "EXIT":
+                if not predicate:
+                    paths.append(path)
+                    return
+                walk(i + 1, list(path))  # not taken
+                paths.append(path)
+                return
+            if opcode == "BRA":
+                target = int(operands.split()[0], 16)
+                if target == address:  # the trailing self-loop after the last EXIT
+                    return
+                if target > address:
+                    if predicate:
+                        walk(index_of[target], list(path))
+                    else:
+                        i = index_of[target]
+                        continue
+            i += 1
+        if len(paths) > 4096:
+            raise RuntimeError("too many paths through the kernel to enumerate")
+
+    walk(0, [])
+
+    def wide(path: list[int]) -> int:
+        return sum(
+            instructions[i][2].startswith(("LDG", "STG")) and ".128" in instructions[i][2] for i in path
+        )
+
+    def loops_entered(path: list[int]) -> int:
+        on_path = set(path)
+        return sum(first in on_path for first, _ in loops)
+
+    best = max(paths, key=lambda p: (loops_entered(p), wide(p), -len(p)))
+    return best, loops
+
+
+@dataclass
+class KernelReport:
+    label: str
+    registers: int
+    spill_bytes: int
+    elements_per_thread: int
+    instructions_per_element: float  # outside the loop, along the fast path
+    loop_per_element: float  # one iteration of the direction / K loop, per element of that iteration
+    pipes_per_element: dict  # outside the loop
+    loop_pipes_per_element: dict
+    global_accesses: dict  # opcode -> count on the fast path (whole program)
+    bytes_per_element: int
+    predicted: dict  # device -> figures
+
+
+def analyse(result, label: str) -> KernelReport:
+    """Counts per element along the fast path of one compiled variant (a CompileResult with SASS)."""
+    instructions = aot.parse_sass(result.sass)
+    path, loops = fast_path(instructions)
+    c = result.constexprs
+    threads = result.num_warps * 32
+    if label.startswith("virtual_linear"):
+        per_thread = int(c["BLOCK_N"]) * int(c["BLOCK_K"]) // threads  # noise elements per K-iteration
+    else:
+        per_thread = int(c["BLOCK"]) // threads
+    in_loop = {i for first, last in loops for i in range(first, last + 1)}
+    outside = [i for i in path if i not in in_loop]
+    body = [i for i in path if i in in_loop]
+    pipes = Counter(pipe_of(instructions[i][2]) for i in outside)
+    loop_pipes = Counter(pipe_of(instructions[i][2]) for i in body)
+    accesses = Counter(instructions[i][2] for i in path if instructions[i][2].startswith(("LDG", "STG")))
+    element_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}
+    dtype = next((k for k in element_bytes if f" {k}" in label), "fp32")
+    size = element_bytes[dtype]
+    if label.startswith("perturb"):
+        bytes_per_element = 2 * size
+    elif label.startswith("update"):
+        bytes_per_element = size if "gradient" in label else 2 * size
+    elif label.startswith("fill bits"):
+        bytes_per_element = 8
+    elif label.startswith("fill"):
+        bytes_per_element = 4
+    else:
+        bytes_per_element = 0
+    report = KernelReport(
+        label=label,
+        registers=result.registers,
+        spill_bytes=result.spill_bytes,
+        elements_per_thread=per_thread,
+        instructions_per_element=len(outside) / per_thread,
+        loop_per_element=len(body) / per_thread,
+        pipes_per_element={k: v / per_thread for k, v in sorted(pipes.items())},
+        loop_pipes_per_element={k: v / per_thread for k, v in sorted(loop_pipes.items())},
+        global_accesses=dict(sorted(accesses.items())),
+        bytes_per_element=bytes_per_element,
+        predicted={},
+    )
+    report.predicted = {d.name: predict(report, d) for d in DEVICES}
+    return report
+
+
+def cycles_per_element(pipes: dict) -> float:
+    """SM clocks per element under the pipe model: the most loaded of issue and the pipes."""
+    total = sum(pipes.values())
+    fp32, imad = pipes.get("fp32", 0.0), pipes.get("imad", 0.0)
+    return max(
+        total / ISSUE_PER_CLOCK,
+        pipes.get("alu", 0.0) / PIPE_PER_CLOCK["alu"],
+        imad / PIPE_PER_CLOCK["imad"],
+        (imad + fp32) / PIPE_PER_CLOCK["fp32"],
+        pipes.get("xu", 0.0) / PIPE_PER_CLOCK["xu"],
+    )
+
+
+def predict(report: KernelReport, device: Device) -> dict:
+    """Predicted nanoseconds per element (per 1e9 elements: seconds) and share of copy bandwidth."""
+    pipes = Counter(report.pipes_per_element)
+    if report.label.startswith("update"):
+        for k, v in report.loop_pipes_per_element.items():
+            pipes[k] += UPDATE_DIRECTIONS * v
+    elif report.label.startswith("virtual_linear"):
+        pipes = Counter(report.loop_pipes_per_element)  # per noise element, the K loop dominates
+    clock = device.sms * device.clock_ghz * 1e9
+    compute_s = cycles_per_element(pipes) / clock
+    memory_s = report.bytes_per_element / (device.copy_tb_s * 1e12)
+    predicted_s = max(compute_s, memory_s)
+    figures = {
+        "compute_ns_per_1k": 1e12 * compute_s,
+        "memory_ns_per_1k": 1e12 * memory_s,
+        "bound": "memory" if memory_s >= compute_s else "compute",
+    }
+    if memory_s:
+        figures["share_of_copy"] = memory_s / predicted_s
+    return figures
+
+
+def virtual_decode_figures(virtual: KernelReport, perturb: KernelReport) -> dict:
+    """Virtual vs materialised members at 1B evolved bf16 parameters, 16 members, one row per member.
+
+    Virtual regenerates every member's noise in each forward pass; materialised builds the members'
+    weights once per generation (perturb) and then reads 16 weight copies per forward pass.
+    """
+    parameters, members = 1e9, 16
+    out = {}
+    for device in DEVICES:
+        clock = device.sms * device.clock_ghz * 1e9
+        noise_s = members * parameters * cycles_per_element(virtual.loop_pipes_per_element) / clock
+        plain_s = 2 * parameters / (device.copy_tb_s * 1e12)  # read the bf16 weights once
+        p = perturb.predicted[device.name]
+        build_s = members * parameters * 1e-12 * max(p["compute_ns_per_1k"], p["memory_ns_per_1k"])
+        out[device.name] = {
+            "virtual_ms_per_forward": 1e3 * noise_s,
+            "plain_ms_per_forward": 1e3 * plain_s,
+            "materialised_ms_per_forward": 1e3 * members * plain_s,
+            "materialise_ms_per_generation": 1e3 * build_s,
+            "materialised_gib": members * parameters * 2 / 2**30,
+        }
+    return out
+
+
+def run_static(out: Path | None) -> dict:
+    """Compile the report's variants for sm_90, analyse them, write the report files into `out`."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("python -m benchmarks --static compiles for a GPU target: unset TRITON_INTERPRET")
+    import triton
+
+    target = aot.gpu_target("sm_90")
+    chosen = {}
+    for launch in aot.runtime_launches():
+        if launch.label in REPORT_LABELS and launch.label not in chosen:
+            chosen[launch.label] = launch
+    reports = []
+    for label in REPORT_LABELS:
+        variant, source, options = aot.specialise(chosen[label], target)
+        result = aot.compile_variant(source, options, "sm_90", label)
+        if not result.ok:
+            raise RuntimeError(f"{label} failed to compile for sm_90: {result.error}")
+        reports.append(analyse(result, label))
+    virtual = next(r for r in reports if r.label.startswith("virtual_linear"))
+    perturb = next(r for r in reports if r.label == "perturb bf16")
+    data = {
+        "kind": "static",
+        "predicted_not_measured": True,
+        "date": datetime.date.today().isoformat(),
+        "triton": triton.__version__,
+        "target": "sm_90",
+        "update_directions": UPDATE_DIRECTIONS,
+        "notes": MODEL_NOTES,
+        "kernels": [asdict(r) for r in reports],
+        "virtual_decode_1b_16_members": virtual_decode_figures(virtual, perturb),
+    }
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        stem = out / f"static-sm90-{data['date']}"
+        stem.with_suffix(".json").write_text(json.dumps(data, indent=1))
+        stem.with_suffix(".md").write_text(markdown(data))
+        print(f"wrote {stem}.json and .md")
+    print(markdown(data))
+    return data
+
+
+def markdown(data: dict) -> str:
+    lines = [
+        f"# Static performance report (sm_90) -- predicted, not measured ({data['date']}, triton "
+        f"{data['triton']})",
+        "",
+        "| kernel | instr/element | loop instr/element/iteration | regs | spills | global accesses (fast "
+        "path, per thread) | H100: share of copy | H200: share of copy | bound |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for k in data["kernels"]:
+        accesses = ", ".join(f"{n}x {op}" for op, n in k["global_accesses"].items())
+        shares = [k["predicted"][d.name].get("share_of_copy") for d in DEVICES]
+        share_text = [f"{100 * s:.0f}%" if s is not None else "-" for s in shares]
+        loop = f"{k['loop_per_element']:.1f}" if k["loop_per_element"] else "-"
+        lines.append(
+            f"| {k['label']} | {k['instructions_per_element']:.1f} | {loop} | {k['registers']} | "
+            f"{k['spill_bytes']} | {accesses} | {share_text[0]} | {share_text[1]} | "
+            f"{k['predicted'][DEVICES[1].name]['bound']} |"
+        )
+    lines += [
+        "",
+        f"The update's figures are for {data['update_directions']} directions (N = 30 members, "
+        "antithetic); its loop column is per direction.",
+        "",
+    ]
+    lines.append(
+        "Population-batched evaluation at 1B evolved bf16 parameters, 16 members, one row per member:"
+    )
+    lines.append("")
+    for name, v in data["virtual_decode_1b_16_members"].items():
+        lines.append(
+            f"- {name}: virtual noise {v['virtual_ms_per_forward']:.1f} ms per forward pass; materialised "
+            f"members {v['materialised_ms_per_forward']:.1f} ms per forward pass (16 weight copies read, "
+            f"{v['materialised_gib']:.0f} GiB) plus {v['materialise_ms_per_generation']:.1f} ms per "
+            f"generation to build them; plain inference {v['plain_ms_per_forward']:.2f} ms"
+        )
+    lines += ["", "Assumptions:", ""] + [f"- {n}" for n in data["notes"]]
+    return "\n".join(lines) + "\n"

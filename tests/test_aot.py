@@ -1,0 +1,161 @@
+"""Ahead-of-time GPU compilation of every kernel launch the runtime makes (no GPU needed).
+
+`python -m fastes.kernels.aot` records the launches of `launch_perturb`, `launch_update`, `launch_fill`
+and `launch_virtual_linear` on CPU tensors (keys, tensor ids and offsets of 1, 16, 2^31, 2^32 - 1),
+specialises each with Triton's own binder and compiles it with `triton.compile`: every variant for
+sm_90 (H100 / H200), and the bf16 and fill variants for sm_80 (A100) and gfx942 (MI300). It needs
+compiled kernels, so it runs in subprocesses without TRITON_INTERPRET (this suite sets it).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks.static import fast_path
+from fastes.kernels import aot
+
+# (targets, label filter): the two halves of the work, run side by side (CI has 2 cores).
+RUNS = [("sm_90", ""), ("sm_80,gfx942", "perturb bf16|update bf16|virtual_linear bf16|fill normal stream=0")]
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton 3.9 warns when unset; 1 is what the runtime uses
+    out = tmp_path_factory.mktemp("aot")
+    processes = []
+    for i, (targets, labels) in enumerate(RUNS):
+        args = [
+            sys.executable,
+            "-m",
+            "fastes.kernels.aot",
+            "--targets",
+            targets,
+            "--json",
+            str(out / f"{i}.json"),
+        ]
+        processes.append(
+            subprocess.Popen(
+                args + ["--labels", labels],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    reports = []
+    for i, process in enumerate(processes):
+        log, _ = process.communicate(timeout=900)
+        path = out / f"{i}.json"
+        assert path.exists(), f"python -m fastes.kernels.aot crashed:\n{log[-4000:]}"
+        reports.append((json.loads(path.read_text()), process.returncode, log))
+    return reports
+
+
+@pytest.mark.slow
+def test_every_launched_variant_compiles_without_spills(compiled):
+    for report, _, _ in compiled:
+        assert report["results"], "no launches were captured"
+        for r in report["results"]:
+            where = f"{r['label']} for {r['target']}"
+            assert r["ok"], f"{where} does not compile: {r['error']}"
+            assert not r["spills"], f"{where} spills ({r['spill_bytes']} bytes of local memory or registers)"
+            assert r["registers"] > 0
+
+
+@pytest.mark.slow
+def test_each_kernel_is_compiled_once_whatever_its_keys_ids_and_offsets(compiled):
+    report, returncode, log = compiled[0]
+    # The labels cover every kernel, dtype and mode the runtime launches...
+    kernels = {r["kernel"] for r in report["results"]}
+    assert kernels == {"perturb_kernel", "update_kernel", "fill_kernel", "virtual_linear_kernel"}
+    assert {"perturb bf16", "update fp16 stochastic", "update fp32 gradient"} <= report[
+        "variants_per_label"
+    ].keys()
+    # ...and launches that differ only in data values (1, 16, 2^31, 2^32 - 1) share one variant.
+    for label, count in report["variants_per_label"].items():
+        assert count == 1, f"{label}: {count} compiled variants; a key, id or offset value is specialised"
+    assert returncode == 0, log[-4000:]
+
+
+@pytest.mark.slow
+def test_full_tiles_take_a_path_of_128_bit_accesses_without_shared_memory(compiled):
+    results = {r["label"]: r for r in compiled[0][0]["results"]}
+    for label in (
+        "perturb fp32",
+        "perturb bf16",
+        "update bf16 apply",
+        "update fp16 stochastic",
+        "update fp32 gradient",
+    ):
+        instructions = aot.parse_sass(results[label]["sass"])
+        path, _ = fast_path(instructions)
+        ops = [instructions[i][2] for i in path]
+        assert any(op in ("LDG.E.128", "STG.E.128") for op in ops), f"{label}: no 128-bit access"
+        assert not [op for op in ops if op.startswith(("LDG", "STG")) and ".U16" in op], (
+            f"{label}: 16-bit accesses"
+        )
+        # The four Philox lanes are interleaved in registers, not through shared memory.
+        assert not [op for op in ops if op.startswith(("STS", "LDS", "BAR"))], f"{label}: shared memory"
+
+
+def test_capture_refuses_the_interpreter():
+    # This process runs under TRITON_INTERPRET=1: kernels here are interpreted, not compiled.
+    with pytest.raises(RuntimeError, match="without TRITON_INTERPRET"):
+        with aot.capture():
+            pass
+
+
+def test_unknown_target_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown target 'sm_91'"):
+        aot.gpu_target("sm_91")
+
+
+SASS = """
+        /*0000*/                   S2R R0, SR_TID.X ;
+        /*0010*/              @!P0 BRA 0x50 ;
+        /*0020*/                   IMAD.WIDE.U32 R2, R0, 0x10, RZ ;
+        /*0030*/                   FFMA R1, R1, R1, R1 ;
+        /*0040*/               @P0 BRA 0x20 ;
+        /*0050*/                   ISETP.GE.AND P1, PT, R0, 0x1, PT ;
+        /*0060*/               @P1 BRA 0xa0 ;
+        /*0070*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0080*/                   STG.E.128 desc[UR4][R2.64], R4 ;
+        /*0090*/                   EXIT ;
+        /*00a0*/                   LDG.E.U16 R4, desc[UR4][R2.64] ;
+        /*00b0*/               @P2 STG.E.U16 desc[UR4][R2.64], R4 ;
+        /*00c0*/                   EXIT ;
+        /*00d0*/                   BRA 0xd0;
+"""
+
+
+def test_fast_path_enters_loops_and_prefers_128_bit_accesses():
+    instructions = aot.parse_sass(SASS)
+    assert [op for _, _, op, _ in instructions][:3] == ["S2R", "BRA", "IMAD.WIDE.U32"]
+    assert instructions[1][1] == "@!P0" and instructions[1][3] == "0x50"
+    path, loops = fast_path(instructions)
+    assert loops == [(2, 4)]  # the backward branch at 0x40 closes a loop from 0x20
+    assert path == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]  # through the loop, then the 128-bit path
+
+
+def test_pipe_model_takes_the_most_loaded_pipe():
+    from benchmarks.static import cycles_per_element, pipe_of
+
+    assert [
+        pipe_of(op) for op in ("IMAD.WIDE.U32", "LOP3.LUT", "FFMA", "MUFU.SQRT", "UIADD3", "STG.E.128")
+    ] == [
+        "imad",
+        "alu",
+        "fp32",
+        "xu",
+        "uniform",
+        "other",
+    ]
+    assert cycles_per_element({"alu": 64.0}) == 1.0  # 64 integer operations per SM per clock
+    assert cycles_per_element({"fp32": 128.0}) == 1.0
+    assert cycles_per_element({"imad": 64.0, "fp32": 128.0}) == 1.5  # they share the FMA-heavy pipe
+    assert cycles_per_element({"xu": 32.0, "alu": 1.0}) == 2.0
+    assert cycles_per_element({"uniform": 256.0}) == 2.0  # issue slots only
