@@ -48,7 +48,7 @@ HOSTILE = st.one_of(
 )
 
 
-SLOW_INPUT_SECONDS = 1.0  # the slowest input takes ~0.1 s on an idle core; 0.25 failed under load
+SLOW_INPUT_SECONDS = 1.0  # 0.25 s failed once on a 2-core machine loaded by five jobs
 
 
 def run_all(text: str) -> None:
