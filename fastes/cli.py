@@ -276,6 +276,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(_normalise_flags(sys.argv[1:] if argv is None else argv))
     try:
         if args.command == "demo":
+            # The demo's own directory holds only its previous run, so running it again replaces that
+            # run (overwrite removes only files a run writes); an explicit --out_dir keeps the rule.
+            if getattr(args, "cfg:out_dir") is None and args.config is None and not args.resume:
+                args.overwrite = True
             cmd_train(args, defaults={"out_dir": "runs/demo"})
         elif args.command == "train":
             cmd_train(args)

@@ -118,6 +118,19 @@ def test_a_fresh_run_refuses_a_directory_holding_a_run_unless_overwrite(finished
     assert [p.name for p in (out_dir / "checkpoints").iterdir()] == ["step-00000001"]
 
 
+def test_the_demo_runs_again_in_its_own_directory(easy_task, tmp_path, monkeypatch, capsys):
+    """`fastes demo` twice (the quickstart's command run again) replaces its previous run in runs/demo."""
+    monkeypatch.chdir(tmp_path)
+    flags = [f"--{k}={v}" for k, v in settings(easy_task, tmp_path).items() if k != "out_dir"]
+    assert main(["demo", *flags, "--seed=1"]) == 0
+    assert main(["demo", *flags, "--seed=2"]) == 0
+    assert "--overwrite: removing the previous run in runs/demo" in capsys.readouterr().out
+    assert json.loads((tmp_path / "runs/demo/run.json").read_text())["config"]["seed"] == 2
+    # Another directory keeps the rule: a run there is never replaced without --overwrite.
+    assert main(["demo", *flags, "--out_dir=elsewhere"]) == 0
+    assert main(["demo", *flags, "--out_dir=elsewhere", "--seed=3"]) == 2
+
+
 def test_other_files_and_model_directories_are_never_overwritten(easy_task, tmp_path):
     notes = tmp_path / "notes"
     notes.mkdir()
