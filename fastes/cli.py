@@ -144,11 +144,18 @@ def cmd_train(args: argparse.Namespace, defaults: dict[str, Any] | None = None) 
     metrics = [json.loads(line) for line in (Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()]
     summary["plot"] = str(_curve_plot(metrics, Path(cfg.out_dir) / "curve.png"))
     base, final = summary["base_test_accuracy"], summary["final_test_accuracy"]
-    # The standard error of an accuracy on n problems says how large a change must be to mean anything.
-    stderr = math.sqrt(max(base * (1 - base), 1e-12) / cfg.eval_size)
+    gain, se, n = summary["test_gain"], summary["test_gain_se"], summary["test_problems"]
     print(f"\nbase model test accuracy:    {base:.1%}")
-    print(f"trained model test accuracy: {final:.1%}   (change {final - base:+.1%}; one standard error on "
-          f"{cfg.eval_size} test problems is {stderr:.1%})")
+    print(f"trained model test accuracy: {final:.1%}")
+    # The paired standard error (same problems before and after) says how large a gain must be to be real.
+    if math.isfinite(se) and se > 0:
+        verdict = "above noise" if gain > 3 * se else "within noise (under 3 standard errors)"
+        print(
+            f"gain: {gain * 100:+.1f} points +- {se * 100:.1f} (paired standard error on {n} test problems; "
+            f"{gain / se:+.1f} SE): {verdict}"
+        )
+    else:
+        print(f"gain: {gain * 100:+.1f} points on {n} test problems")
     print(
         f"trained model: {summary['model_dir']}   metrics: {cfg.out_dir}/metrics.jsonl   "
         f"plot: {summary['plot']}"
@@ -269,6 +276,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(_normalise_flags(sys.argv[1:] if argv is None else argv))
     try:
         if args.command == "demo":
+            # The demo's own directory holds only its previous run, so running it again replaces that
+            # run (overwrite removes only files a run writes); an explicit --out_dir keeps the rule.
+            if getattr(args, "cfg:out_dir") is None and args.config is None and not args.resume:
+                args.overwrite = True
             cmd_train(args, defaults={"out_dir": "runs/demo"})
         elif args.command == "train":
             cmd_train(args)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,27 +28,48 @@ from fastes.generation import generate
 from fastes.models import build_tiny_model, build_tokenizer, num_params, save_model, tiny_model_path
 from fastes.tasks import HELD_OUT_TASKS, TRAINABLE_TASKS, get_task
 from fastes.tasks.base import Task
+from fastes.tasks.countdown import wrong_solution
 
 IGNORE = -100  # label value the HF loss skips
 
 
+def _rows(task: Task, distractors: float, seed: int) -> list[tuple[str, str, float]]:
+    """(prompt, target text, sampling weight) of every pretraining row of `task`; weights sum to 1.
+
+    With `distractors` > 0 (countdown only), each problem also gets one well-formed wrong solution (the
+    same numbers, a value that misses the target), sampled that share of the time instead of the right one.
+    """
+    examples = task.split("train")
+    if not distractors or task.name != "countdown":
+        return [(ex.prompt, ex.solution, 1.0 / len(examples)) for ex in examples]
+    rng = random.Random(f"distractors:{seed}")
+    rows = []
+    for ex in examples:
+        wrong = wrong_solution(rng, ex.meta["numbers"], ex.meta["target"])
+        share = distractors if wrong is not None else 0.0
+        rows.append((ex.prompt, ex.solution, (1 - share) / len(examples)))
+        if wrong is not None:
+            rows.append((ex.prompt, wrong, share / len(examples)))
+    return rows
+
+
 def _encode(
-    tokenizer: PreTrainedTokenizerBase, tasks: dict[str, Task]
+    tokenizer: PreTrainedTokenizerBase, tasks: dict[str, Task], distractors: float = 0.0, seed: int = 0
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """All train examples as right-padded tensors, and a sampling weight per example.
+    """All train rows as right-padded tensors, and a sampling weight per row.
 
     Weights make every task equally likely in a batch, whatever the size of its train split.
     """
     input_ids, labels, weights = [], [], []
     for task in tasks.values():
-        examples = task.split("train")
-        prompts = tokenizer([ex.prompt for ex in examples])["input_ids"]
-        solutions = tokenizer([ex.solution for ex in examples], add_special_tokens=False)["input_ids"]
+        rows = _rows(task, distractors, seed)
+        prompts = tokenizer([prompt for prompt, _, _ in rows])["input_ids"]
+        solutions = tokenizer([text for _, text, _ in rows], add_special_tokens=False)["input_ids"]
         for prompt, solution in zip(prompts, solutions, strict=True):
             solution = solution + [tokenizer.eos_token_id]
             input_ids.append(prompt + solution)
             labels.append([IGNORE] * len(prompt) + solution)
-        weights += [1.0 / len(examples)] * len(examples)
+        weights += [weight for _, _, weight in rows]
     longest = max(map(len, input_ids))
     if longest > tokenizer.model_max_length:
         raise ValueError(
@@ -94,6 +116,7 @@ def pretrain(
     lr: float = 3e-3,
     eval_examples: int = 200,
     progress: bool = True,
+    distractors: float = 0.0,
 ) -> dict:
     """Train a fresh model of `size` for `steps` AdamW steps, save it to `out_dir`, return its metrics.
 
@@ -108,7 +131,7 @@ def pretrain(
         tokenizer = build_tokenizer()
         model = build_tiny_model(size, tokenizer)
         task_objs = {name: get_task(name, seed=0) for name in names}
-        data, weights = _encode(tokenizer, task_objs)
+        data, weights = _encode(tokenizer, task_objs, distractors, seed)
 
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
         schedule = get_cosine_schedule_with_warmup(
@@ -140,6 +163,7 @@ def pretrain(
         "steps": steps,
         "seed": seed,
         "tasks": names,
+        "distractors": distractors,
         "initial_loss": losses[0],
         "loss": sum(losses[-tail:]) / tail,
         "loss_curve": [
@@ -165,12 +189,16 @@ def main() -> None:
     parser.add_argument("--size", default="tiny")
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--distractors", type=float, default=0.0)
     # The model's matrices are tiny: extra threads mostly add overhead, and on a busy machine they
     # contend badly (measured on 2 cores: 1 thread ~10x faster than 2 under load).
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(json.dumps(pretrain(args.out, size=args.size, steps=args.steps, seed=args.seed), indent=2))
+    metrics = pretrain(
+        args.out, size=args.size, steps=args.steps, seed=args.seed, distractors=args.distractors
+    )
+    print(json.dumps(metrics, indent=2))
 
 
 if __name__ == "__main__":

@@ -29,10 +29,11 @@ RUN_NAMES = (
     "config.json",
     "metrics.jsonl",
     "summary.json",
+    "base_test.json",
     "checkpoints",
     "final",
     "curve.png",
-    *(f"{name}.tmp" for name in (RUN_FILE, "config.json", "metrics.jsonl", "summary.json")),
+    *(f"{name}.tmp" for name in (RUN_FILE, "config.json", "metrics.jsonl", "summary.json", "base_test.json")),
     ".tmp-final",
     ".trash-final",
 )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -63,19 +64,32 @@ def batch_for(run: Run, phase: str, step: int) -> list[Example]:
 
 
 @torch.no_grad()
-def evaluate(run: Run, examples: list[Example], batch_size: int = 256) -> dict[str, float]:
-    """Greedy accuracy and format rate of the current weights on `examples` (shared by the processes)."""
+def evaluate(run: Run, examples: list[Example], batch_size: int = 256) -> dict[str, Any]:
+    """Greedy accuracy and format rate of the current weights on `examples` (shared by the processes),
+    and which examples it solves (1.0 / 0.0 each, in order)."""
     rank, world = distributed.rank_and_world()
     mine = examples[rank::world]
-    answer = fmt = 0.0
+    correct, fmt = [], 0.0
     for start in range(0, len(mine), batch_size):
         chunk = mine[start : start + batch_size]
         gen = generate(run.model, run.tokenizer, run.prompts(chunk), max_new_tokens=run.cfg.max_new_tokens)
         scores = run.task.scores(chunk, gen.texts)
-        answer += sum(s.answer for s in scores)
+        correct += [s.answer for s in scores]
         fmt += sum(s.format for s in scores)
-    answer, fmt = distributed.all_sum([answer, fmt]).tolist()
-    return {"accuracy": answer / len(examples), "format": fmt / len(examples)}
+    every = distributed.gather_strided(torch.tensor(correct, dtype=torch.float64), len(examples)).tolist()
+    answer, fmt = distributed.all_sum([sum(correct), fmt]).tolist()
+    return {"accuracy": answer / len(examples), "format": fmt / len(examples), "correct": every}
+
+
+def paired_gain(before: list[float], after: list[float]) -> tuple[float, float]:
+    """Mean per-problem gain of `after` over `before` on the same problems, and its standard error.
+
+    Pairing removes the problem-to-problem variance that two independent accuracies would carry, so a
+    gain of 3 standard errors is a real improvement, not a lucky test set.
+    """
+    diff = torch.tensor(after, dtype=torch.float64) - torch.tensor(before, dtype=torch.float64)
+    se = float(diff.std(correction=1) / math.sqrt(len(diff))) if len(diff) > 1 else math.inf
+    return float(diff.mean()), se
 
 
 # --- ES ---------------------------------------------------------------------------------------------
@@ -490,6 +504,8 @@ def _train(cfg: TrainConfig, *, resume: bool, overwrite: bool, device: str) -> d
         if writer:
             rundir.write_metrics(out_dir, [])
         base = evaluate(run, test)
+        if writer:  # the base's per-problem results, for the paired gain at the end
+            write_atomic(out_dir / "base_test.json", json.dumps(base["correct"]))
         run.log(
             {
                 "global_step": 0,
@@ -501,6 +517,7 @@ def _train(cfg: TrainConfig, *, resume: bool, overwrite: bool, device: str) -> d
         )
 
     global_step = sum(lengths[:first_phase]) + first_step
+    last_eval = None
     quiet = not cfg.progress or not distributed.is_writer()
     bar = tqdm(total=sum(lengths), initial=global_step, disable=quiet, desc=cfg.algorithm)
     for phase_index in range(first_phase, len(phases)):
@@ -521,7 +538,7 @@ def _train(cfg: TrainConfig, *, resume: bool, overwrite: bool, device: str) -> d
             global_step += 1
             record = {"global_step": global_step, "phase": phase, "step": step + 1, **record}
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 or step + 1 == lengths[phase_index]:
-                result = evaluate(run, test)
+                result = last_eval = evaluate(run, test)
                 record.update(test_accuracy=result["accuracy"], test_format=result["format"])
             run.log(record)
             bar.update(1)
@@ -540,11 +557,16 @@ def _train(cfg: TrainConfig, *, resume: bool, overwrite: bool, device: str) -> d
     bar.close()
     if writer:
         rundir.replace_dir(out_dir, "final", lambda path: save_model(model, tokenizer, path))
-    base_accuracy = run.metrics[0]["test_accuracy"]
-    final = [m for m in run.metrics if "test_accuracy" in m][-1]["test_accuracy"]
+    final = last_eval or evaluate(run, test)
+    base_file = out_dir / "base_test.json"  # absent in run directories of older fastes versions
+    base_correct = json.loads(base_file.read_text()) if base_file.is_file() else None
+    gain, gain_se = paired_gain(base_correct, final["correct"]) if base_correct else (math.nan, math.nan)
     summary = {
-        "base_test_accuracy": base_accuracy,
-        "final_test_accuracy": final,
+        "base_test_accuracy": run.metrics[0]["test_accuracy"],
+        "final_test_accuracy": final["accuracy"],
+        "test_gain": gain,
+        "test_gain_se": gain_se,
+        "test_problems": len(test),
         "steps": global_step,
         "out_dir": str(out_dir),
         "model_dir": str(out_dir / "final"),

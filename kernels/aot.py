@@ -141,14 +141,14 @@ def runtime_launches() -> list[Launch]:
                     launch_virtual_linear,
                     *(x, weight, y, member_keys, scales, tid, rows, dtype),
                 )
-        # A Conv1D weight is stored [in, out]: the transposed variant (GPT-2 models).
-        conv_weight = torch.zeros(n_in, n_out, dtype=torch_dtype)
-        add(
-            f"virtual_linear {name} transposed",
-            launch_virtual_linear,
-            *(x, conv_weight, y, member_keys, scales, 1, rows, dtype),
-            *(None, 32, 32, True),  # block_m, block_n, block_k, transposed
-        )
+            # A Conv1D weight is stored [in, out]: the transposed variant (GPT-2 models).
+            conv_weight = torch.zeros(n_in, n_out, dtype=torch_dtype)
+            add(
+                f"virtual_linear {name} transposed K={n_in} N={n_out} rows={rows}",
+                launch_virtual_linear,
+                *(x, conv_weight, y, member_keys, scales, 1, rows, dtype),
+                *(None, 32, 32, True),  # block_m, block_n, block_k, transposed
+            )
     for raw_bits in (True, False):
         out = torch.empty(4099, dtype=torch.int64 if raw_bits else torch.float32)
         for key, tid, offset in [((1, 1), 1, 0), ((16, 1 << 31), (1 << 32) - 1, 16), ((0, 0), 16, 1 << 34)]:

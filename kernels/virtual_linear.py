@@ -36,7 +36,7 @@ def virtual_linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     TRANSPOSED: tl.constexpr,
-    K_MULTIPLE_OF_4: tl.constexpr,
+    RUNS_OF_4: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -64,12 +64,17 @@ def virtual_linear_kernel(
         else:
             w_offsets = cols[:, None] * stride_w + ks[None, :]
         w = tl.load(weight + w_offsets, mask=w_mask, other=0.0).to(tl.float32)
-        if TRANSPOSED:  # a tile's 4-element Philox runs lie along N, not K: one block per element
-            eps = normal_at(k0, k1, tensor_id, 0, ks[None, :] * N + cols[:, None])
-        elif K_MULTIPLE_OF_4:  # a tile row is BLOCK_K // 4 whole Philox blocks: one block per 4 elements
+        # Whole Philox blocks (one per 4 elements) when the weight's contiguous axis is a multiple of 4.
+        if RUNS_OF_4 and TRANSPOSED:  # a [BLOCK_K, BLOCK_N] run of the [K, N] weight, then transposed
+            blocks = (ks[:, None] * N + pid_n * BLOCK_N) // 4 + tl.arange(0, BLOCK_N // 4)[None, :]
+            e0, e1, e2, e3 = normals4(*block_words(k0, k1, tensor_id, 0, blocks))
+            eps = tl.trans(tl.reshape(tl.join(tl.join(e0, e2), tl.join(e1, e3)), (BLOCK_K, BLOCK_N)))
+        elif RUNS_OF_4:  # a tile row is BLOCK_K // 4 whole Philox blocks
             blocks = (cols[:, None] * K + k_start) // 4 + tl.arange(0, BLOCK_K // 4)[None, :]
             e0, e1, e2, e3 = normals4(*block_words(k0, k1, tensor_id, 0, blocks))
             eps = tl.reshape(tl.join(tl.join(e0, e2), tl.join(e1, e3)), (BLOCK_N, BLOCK_K))
+        elif TRANSPOSED:  # otherwise each element computes its block and keeps its lane
+            eps = normal_at(k0, k1, tensor_id, 0, ks[None, :] * N + cols[:, None])
         else:
             eps = normal_at(k0, k1, tensor_id, 0, cols[:, None] * K + ks[None, :])
         # Round like a stored perturbed weight; masked lanes stay 0 so they add nothing.
@@ -106,6 +111,7 @@ def launch_virtual_linear(
         block_m = min(128, max(16, triton.next_power_of_2(rows_per_member)))
     members = keys.shape[0]
     k_in, n_out = weight.shape if transposed else weight.shape[::-1]
+    runs_of_4 = (n_out if transposed else k_in) % 4 == 0
     grid = (triton.cdiv(rows_per_member, block_m), triton.cdiv(n_out, block_n), members)
     virtual_linear_kernel[grid](
         x,
@@ -126,5 +132,8 @@ def launch_virtual_linear(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         TRANSPOSED=transposed,
-        K_MULTIPLE_OF_4=k_in % 4 == 0,
+        RUNS_OF_4=runs_of_4,
+        # The per-element and transposed noise paths hold more per element: more warps keep them in
+        # registers (no spills for sm_80 / sm_90 in kernels/aot.py).
+        num_warps=4 if runs_of_4 and not transposed else 8,
     )

@@ -157,9 +157,9 @@ def test_segmented_arms_equal_uninterrupted_train_runs(tmp_path):
         return load_file(str(run_dir / "final" / "model.safetensors"))
 
     grpo_steps, es_iterations = plan.arm_lengths()["grpo_es"]
-    direct = experiment._train_overrides(ctx, "grpo_es", tiny_model_path(), tmp_path / "direct")
+    direct = experiment.train_overrides(ctx, "grpo_es", tiny_model_path(), tmp_path / "direct")
     train(load_config(None, {**direct, "grpo.steps": grpo_steps, "es.iterations": es_iterations}))
-    es = experiment._train_overrides(ctx, "es", tiny_model_path(), tmp_path / "direct_es")
+    es = experiment.train_overrides(ctx, "es", tiny_model_path(), tmp_path / "direct_es")
     train(load_config(None, {**es, "es.iterations": plan.es_iterations}))
     base = load_file(str(tiny_model_path() / "model.safetensors"))
     for arm, reference in [("grpo_es", "direct"), ("es", "direct_es")]:

@@ -48,6 +48,9 @@ HOSTILE = st.one_of(
 )
 
 
+SLOW_INPUT_SECONDS = 1.0  # 0.25 s failed once on a 2-core machine loaded by five jobs
+
+
 def run_all(text: str) -> None:
     """Every entry point on `text`: no exception, every invariant, a bounded time, no audit event."""
     fuzz._install_audit_hook()
@@ -56,7 +59,8 @@ def run_all(text: str) -> None:
     for (name, result, error), (_, _, check) in zip(results, POINTS):
         assert error is None, f"{name} raised {error!r}"
         assert check(result, text) is None, f"{name}: {check(result, text)}"
-    assert elapsed < 0.25, f"{elapsed:.3f} s for {len(text)} characters"
+    # A guard against super-linear blow-ups (a hang is cut at 5 s), loose enough for a loaded CI machine.
+    assert elapsed < SLOW_INPUT_SECONDS, f"{elapsed:.3f} s for {len(text)} characters"
 
 
 @SETTINGS
@@ -169,7 +173,7 @@ def test_fast_fuzz_run_of_five_thousand_inputs():
     report = fuzz.run(n=5_000, seed=1)
     assert report["failures"] == [] and fuzz.ok(report)
     assert report["exceptions"] == report["invariant_violations"] == 0 and report["audit_events"] == {}
-    assert report["max_seconds"] < 0.25
+    assert report["max_seconds"] < SLOW_INPUT_SECONDS
     assert set(report["inputs_by_kind"]) == set(fuzz.WEIGHTS)  # every generator ran
     assert report["accepted"]["parse_expression(answer)"] > 100  # and the accepting paths were reached
     assert report["longest_input_chars"] >= 1_000_000

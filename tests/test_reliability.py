@@ -192,7 +192,8 @@ def test_a_run_writes_only_under_its_out_dir(straight_run):
     assert list(cwd.iterdir()) == []  # nothing in the working directory
     assert sorted(p.name for p in out_dir.parent.iterdir()) == ["cwd", "run"]
     names = {p.relative_to(out_dir).parts[0] for p in out_dir.rglob("*")}
-    assert names == {"checkpoints", "config.json", "final", "metrics.jsonl", "run.json", "summary.json"}
+    expected = {"checkpoints", "config.json", "final", "metrics.jsonl", "run.json", "summary.json"}
+    assert names == expected | {"base_test.json"}
     assert not any(p.name.startswith((".tmp-", ".trash-")) for p in out_dir.rglob("*"))
 
 

@@ -103,17 +103,32 @@ def copy_run(finished_run, to: Path) -> tuple[Path, dict]:
 def test_a_fresh_run_refuses_a_directory_holding_a_run_unless_overwrite(finished_run, tmp_path, capsys):
     out_dir, run_settings = copy_run(finished_run, tmp_path / "run")
     before = (out_dir / "metrics.jsonl").read_text()
-    with pytest.raises(RunDirError, match=r"already holds a run \(checkpoints, config.json, .*--resume"):
+    refused = r"already holds a run \(base_test.json, checkpoints, config.json, .*--resume"
+    with pytest.raises(RunDirError, match=refused):
         train(load_config(None, {**run_settings, "seed": 1}))
     assert (out_dir / "metrics.jsonl").read_text() == before  # nothing lost
     capsys.readouterr()
     train(load_config(None, {**run_settings, "seed": 1, "es.iterations": 1}), overwrite=True)
     said = capsys.readouterr().out
-    assert f"--overwrite: removing the previous run in {out_dir}: checkpoints/ (2 checkpoints)" in said
+    removed = "base_test.json, checkpoints/ (2 checkpoints)"
+    assert f"--overwrite: removing the previous run in {out_dir}: {removed}" in said
     assert "metrics.jsonl" in said and "final/" in said
     assert [m["global_step"] for m in metrics(out_dir)] == [0, 1]  # only the new run is left
     assert json.loads((out_dir / "run.json").read_text())["config"]["seed"] == 1
     assert [p.name for p in (out_dir / "checkpoints").iterdir()] == ["step-00000001"]
+
+
+def test_the_demo_runs_again_in_its_own_directory(easy_task, tmp_path, monkeypatch, capsys):
+    """`fastes demo` twice (the quickstart's command run again) replaces its previous run in runs/demo."""
+    monkeypatch.chdir(tmp_path)
+    flags = [f"--{k}={v}" for k, v in settings(easy_task, tmp_path).items() if k != "out_dir"]
+    assert main(["demo", *flags, "--seed=1"]) == 0
+    assert main(["demo", *flags, "--seed=2"]) == 0
+    assert "--overwrite: removing the previous run in runs/demo" in capsys.readouterr().out
+    assert json.loads((tmp_path / "runs/demo/run.json").read_text())["config"]["seed"] == 2
+    # Another directory keeps the rule: a run there is never replaced without --overwrite.
+    assert main(["demo", *flags, "--out_dir=elsewhere"]) == 0
+    assert main(["demo", *flags, "--out_dir=elsewhere", "--seed=3"]) == 2
 
 
 def test_other_files_and_model_directories_are_never_overwritten(easy_task, tmp_path):
@@ -509,7 +524,7 @@ def test_version_help_and_flag_spellings(capsys):
 
 
 def test_experiment_overwrite_says_what_it_replaces(tmp_path, capsys):
-    from fastes.experiment import _check_out
+    from fastes.experiment.run import _check_out
 
     (tmp_path / "runs").mkdir()
     (tmp_path / "report.md").write_text("old")

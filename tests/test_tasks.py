@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import sys
 import types
 from pathlib import Path
@@ -22,6 +23,7 @@ from fastes.tasks import (
     solve_countdown,
 )
 from fastes.tasks.base import MAX_PROMPT_CHARS, MAX_SOLUTION_CHARS
+from fastes.tasks.countdown import wrong_solution
 
 BUILT_IN = TRAINABLE_TASKS + HELD_OUT_TASKS
 SMALL = {"n_train": 200, "n_test": 50}
@@ -121,6 +123,17 @@ def test_countdown_scoring() -> None:
     assert task.score(example, used_twice) == Score(1.0, 0.0)
     assert task.score(example, f"{target};") == Score(1.0, 0.0)  # all three numbers must be used
     assert task.score(example, "cd 1 2;") == Score(0.0, 0.0)
+
+
+def test_wrong_solution_is_well_formed_but_misses_the_target() -> None:
+    task = CountdownTask()
+    rng = random.Random(0)
+    for example in task.split("train")[:50]:
+        wrong = wrong_solution(rng, example.meta["numbers"], example.meta["target"])
+        if wrong is not None:  # None only when every expression over the numbers hits the target
+            assert task.score(example, wrong) == Score(1.0, 0.0), (example.prompt, wrong)
+            assert sorted(parse_expression(wrong[:-1]).numbers) == sorted(example.meta["numbers"])
+    assert wrong_solution(rng, [1, 1], 2, tries=20) in {"1*1;", "1/1;", None}
 
 
 def test_solver() -> None:

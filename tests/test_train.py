@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from fastes.config import load_config
 from fastes.models import load_model
 from fastes.tasks import get_task
-from fastes.train import train
+from fastes.train import paired_gain, train
 
 TIMING_KEYS = {"seconds", "tokens_per_second"}
 
@@ -63,6 +63,11 @@ def test_es_improves_the_training_reward(easy_task, tmp_path):
     assert sum(rewards[-2:]) / 2 > rewards[0] + 0.05, rewards
     model, _ = load_model(summary["model_dir"])  # the result is a normal HF directory
     assert model.config.model_type == "llama"
+    # the gain is paired: the same test problems before and after
+    base = json.loads((tmp_path / "base_test.json").read_text())
+    assert len(base) == summary["test_problems"] == 8
+    change = summary["final_test_accuracy"] - summary["base_test_accuracy"]
+    assert summary["test_gain"] == pytest.approx(change)
 
 
 def test_grpo_improves_the_training_reward(easy_task, tmp_path):
@@ -170,3 +175,13 @@ def test_resume_cuts_metrics_back_to_the_checkpoint(easy_task, tmp_path):
         return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
 
     assert comparable(metrics(crashed)) == comparable(metrics(straight))
+
+
+def test_paired_gain_and_its_standard_error():
+    assert paired_gain([0, 0, 1, 1], [1, 1, 1, 1]) == (0.5, pytest.approx(0.5 / 2 * (4 / 3) ** 0.5))
+    gain, se = paired_gain([0, 1, 0, 1], [0, 1, 0, 1])
+    assert gain == 0 and se == 0
+    # one problem flipped each way: no gain, a non-zero error
+    gain, se = paired_gain([1, 0, 1, 1], [0, 1, 1, 1])
+    assert gain == 0 and se > 0
+

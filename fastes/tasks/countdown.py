@@ -76,6 +76,16 @@ def random_solution(rng: random.Random, numbers: Sequence[int]) -> tuple[int, st
     return int(value), text
 
 
+def wrong_solution(rng: random.Random, numbers: Sequence[int], target: int, tries: int = 100) -> str | None:
+    """A well-formed expression over exactly `numbers` whose value misses `target` (a distractor for
+    pretraining: what a model writes when it knows the format but ignores the target), or None."""
+    for _ in range(tries):
+        drawn = random_solution(rng, numbers)
+        if drawn is not None and drawn[0] != target:
+            return drawn[1] + ANSWER_END
+    return None
+
+
 def solve_countdown(numbers: Sequence[int], target: Fraction | int) -> str | None:
     """An expression using each number once that equals `target` exactly, or None when there is none.
 
