@@ -178,6 +178,20 @@ def load_jsonl_examples(path: str | Path, strict_alphabet: bool = True) -> list[
     return rows
 
 
+def assign_splits(
+    rows: list[tuple[Example, str | None]], seed: int, test_fraction: float
+) -> dict[str, list[Example]]:
+    """Rows with a "split" keep it; the others are shuffled (seeded) and test_fraction of them go to test."""
+    splits = {which: [example for example, split in rows if split == which] for which in ("train", "test")}
+    unassigned = [example for example, split in rows if split is None]
+    # A seeded shuffle, so the assignment is the same every run but can be varied with the seed.
+    random.Random(f"jsonl:{seed}").shuffle(unassigned)
+    n_test = round(len(unassigned) * test_fraction)
+    splits["test"] += unassigned[:n_test]
+    splits["train"] += unassigned[n_test:]
+    return splits
+
+
 class JsonlTask(Task):
     """A task read from a JSONL file (format in this module's docstring)."""
 
@@ -188,15 +202,7 @@ class JsonlTask(Task):
             raise ValueError(f"test_fraction must be between 0 and 1, got {test_fraction}")
         self.name = f"jsonl:{path}"
         rows = load_jsonl_examples(path, strict_alphabet=strict_alphabet)
-        self._splits: dict[str, list[Example]] = {
-            which: [example for example, split in rows if split == which] for which in ("train", "test")
-        }
-        unassigned = [example for example, split in rows if split is None]
-        # A seeded shuffle, so the assignment is the same every run but can be varied with the seed.
-        random.Random(f"jsonl:{seed}").shuffle(unassigned)
-        n_test = round(len(unassigned) * test_fraction)
-        self._splits["test"] += unassigned[:n_test]
-        self._splits["train"] += unassigned[n_test:]
+        self._splits = assign_splits(rows, seed, test_fraction)
 
     def split(self, which: str) -> list[Example]:
         """The examples of split `which`; a fresh copy of the same list on every call."""

@@ -21,7 +21,6 @@ import importlib.util
 import inspect
 import json
 import math
-import random
 import signal
 import sys
 import threading
@@ -32,6 +31,7 @@ from typing import Any
 
 from ..errors import FastesError
 from .base import Example, Score, Task, check_split
+from .jsonl import assign_splits
 
 RESERVED = ("completions", "prompts")  # argument names the function gets from fastes itself
 
@@ -201,12 +201,7 @@ class RewardTask(Task):
         self.function = RewardFunction(reward, timeout=timeout)
         rows, self.columns = _read_rows(Path(path))
         self.function.check_columns(self.columns)
-        self._splits = {which: [ex for ex, split in rows if split == which] for which in ("train", "test")}
-        unassigned = [ex for ex, split in rows if split is None]
-        random.Random(f"jsonl:{seed}").shuffle(unassigned)
-        n_test = round(len(unassigned) * test_fraction)
-        self._splits["test"] += unassigned[:n_test]
-        self._splits["train"] += unassigned[n_test:]
+        self._splits = assign_splits(rows, seed, test_fraction)
 
     def split(self, which: str) -> list[Example]:
         check_split(which)
