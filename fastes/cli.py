@@ -49,6 +49,17 @@ def _positive(kind: type) -> Any:
     return parse
 
 
+def _share(text: str) -> float:
+    """A share in [0, 1) (pretraining mixtures)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be a share in [0, 1), e.g. 0.5; got {text}")
+    return value
+
+
 def _normalise_flags(argv: list[str]) -> list[str]:
     """--max-new-tokens and --max_new_tokens are the same flag: dashes inside a flag name become
     underscores (the config keys' spelling)."""
@@ -203,7 +214,7 @@ def cmd_eval(args: argparse.Namespace) -> dict:
 def cmd_pretrain(args: argparse.Namespace) -> dict:
     from .pretrain import pretrain
 
-    metrics = pretrain(args.out, size=args.size, steps=args.steps, seed=args.seed)
+    metrics = pretrain(args.out, size=args.size, steps=args.steps, seed=args.seed, style_mix=args.style_mix)
     print(json.dumps({k: v for k, v in metrics.items() if k != "loss_curve"}, indent=2))
     return metrics
 
@@ -261,6 +272,12 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--size", default="tiny", choices=["tiny", "small"])
     pre.add_argument("--steps", type=int, default=1500)
     pre.add_argument("--seed", type=int, default=0)
+    pre.add_argument(
+        "--style_mix",
+        type=_share,
+        default=0.0,
+        help='share of countdown rows written "expression=target;", a style the verifier refuses',
+    )
 
     exp = sub.add_parser("experiment", help="ES vs GRPO vs GRPO then ES at equal budgets, with a report")
     exp.add_argument("--preset", default="tiny", choices=["tiny", "quick"], help="quick: a smoke run")

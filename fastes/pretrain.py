@@ -28,33 +28,50 @@ from fastes.generation import generate
 from fastes.models import build_tiny_model, build_tokenizer, num_params, save_model, tiny_model_path
 from fastes.tasks import HELD_OUT_TASKS, TRAINABLE_TASKS, get_task
 from fastes.tasks.base import Task
-from fastes.tasks.countdown import wrong_solution
+from fastes.tasks.countdown import with_result, wrong_solution
 
 IGNORE = -100  # label value the HF loss skips
 
 
-def _rows(task: Task, distractors: float, seed: int) -> list[tuple[str, str, float]]:
+def _rows(task: Task, distractors: float, seed: int, style_mix: float = 0.0) -> list[tuple[str, str, float]]:
     """(prompt, target text, sampling weight) of every pretraining row of `task`; weights sum to 1.
 
-    With `distractors` > 0 (countdown only), each problem also gets one well-formed wrong solution (the
-    same numbers, a value that misses the target), sampled that share of the time instead of the right one.
+    Countdown only: with `distractors` > 0, each problem also gets one well-formed wrong solution (the
+    same numbers, a value that misses the target), sampled that share of the time instead of the right
+    one; with `style_mix` > 0, that share of each row's weight goes to the same text written
+    "expression=target;" (countdown.with_result), a style the verifier does not accept.
     """
     examples = task.split("train")
-    if not distractors or task.name != "countdown":
+    if task.name != "countdown":
         return [(ex.prompt, ex.solution, 1.0 / len(examples)) for ex in examples]
     rng = random.Random(f"distractors:{seed}")
     rows = []
     for ex in examples:
-        wrong = wrong_solution(rng, ex.meta["numbers"], ex.meta["target"])
+        wrong = wrong_solution(rng, ex.meta["numbers"], ex.meta["target"]) if distractors else None
         share = distractors if wrong is not None else 0.0
         rows.append((ex.prompt, ex.solution, (1 - share) / len(examples)))
         if wrong is not None:
             rows.append((ex.prompt, wrong, share / len(examples)))
-    return rows
+    if not style_mix:
+        return rows
+    by_prompt = {ex.prompt: ex.meta["target"] for ex in examples}
+    styled = [(p, with_result(text, by_prompt[p]), w * style_mix) for p, text, w in rows]
+    return [(p, text, w * (1 - style_mix)) for p, text, w in rows] + styled
+
+
+def check_share(name: str, value: float) -> float:
+    """A share of the countdown pretraining rows: a number in [0, 1)."""
+    if not 0.0 <= value < 1.0:  # also refuses NaN
+        raise ValueError(f"{name} is a share of the countdown rows, in [0, 1); got {value}")
+    return value
 
 
 def _encode(
-    tokenizer: PreTrainedTokenizerBase, tasks: dict[str, Task], distractors: float = 0.0, seed: int = 0
+    tokenizer: PreTrainedTokenizerBase,
+    tasks: dict[str, Task],
+    distractors: float = 0.0,
+    seed: int = 0,
+    style_mix: float = 0.0,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """All train rows as right-padded tensors, and a sampling weight per row.
 
@@ -62,7 +79,7 @@ def _encode(
     """
     input_ids, labels, weights = [], [], []
     for task in tasks.values():
-        rows = _rows(task, distractors, seed)
+        rows = _rows(task, distractors, seed, style_mix)
         prompts = tokenizer([prompt for prompt, _, _ in rows])["input_ids"]
         solutions = tokenizer([text for _, text, _ in rows], add_special_tokens=False)["input_ids"]
         for prompt, solution in zip(prompts, solutions, strict=True):
@@ -117,12 +134,16 @@ def pretrain(
     eval_examples: int = 200,
     progress: bool = True,
     distractors: float = 0.0,
+    style_mix: float = 0.0,
 ) -> dict:
     """Train a fresh model of `size` for `steps` AdamW steps, save it to `out_dir`, return its metrics.
 
     `tasks` defaults to every task, trainable and held out (their train splits only, made with task
     seed 0; `seed` drives the initialisation and the batch order). Deterministic for a given seed.
+    `distractors` and `style_mix` are shares of the countdown rows (see _rows), each in [0, 1).
     """
+    check_share("distractors", distractors)
+    check_share("style_mix", style_mix)
     names = list(tasks) if tasks is not None else [*TRAINABLE_TASKS, *HELD_OUT_TASKS]
     start = time.perf_counter()
     # Seed a fork of the global RNG so the run is reproducible without touching the caller's RNG.
@@ -131,7 +152,7 @@ def pretrain(
         tokenizer = build_tokenizer()
         model = build_tiny_model(size, tokenizer)
         task_objs = {name: get_task(name, seed=0) for name in names}
-        data, weights = _encode(tokenizer, task_objs, distractors, seed)
+        data, weights = _encode(tokenizer, task_objs, distractors, seed, style_mix)
 
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
         schedule = get_cosine_schedule_with_warmup(
@@ -164,6 +185,7 @@ def pretrain(
         "seed": seed,
         "tasks": names,
         "distractors": distractors,
+        "style_mix": style_mix,
         "initial_loss": losses[0],
         "loss": sum(losses[-tail:]) / tail,
         "loss_curve": [
@@ -181,6 +203,14 @@ def pretrain(
     return metrics
 
 
+def share_arg(text: str) -> float:
+    """argparse type of a share option: a number in [0, 1), refused with one line otherwise."""
+    try:
+        return check_share("the share", float(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a share in [0, 1), e.g. 0.5; got {text!r}") from None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description="Pretrain the tiny model (default: rebuild the shipped one)."
@@ -189,14 +219,25 @@ def main() -> None:
     parser.add_argument("--size", default="tiny")
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--distractors", type=float, default=0.0)
+    parser.add_argument("--distractors", type=share_arg, default=0.0, help="share of wrong countdown rows")
+    parser.add_argument(
+        "--style_mix",
+        type=share_arg,
+        default=0.0,
+        help='share of countdown rows written "expression=target;" (unverifiable style)',
+    )
     # The model's matrices are tiny: extra threads mostly add overhead, and on a busy machine they
     # contend badly (measured on 2 cores: 1 thread ~10x faster than 2 under load).
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     metrics = pretrain(
-        args.out, size=args.size, steps=args.steps, seed=args.seed, distractors=args.distractors
+        args.out,
+        size=args.size,
+        steps=args.steps,
+        seed=args.seed,
+        distractors=args.distractors,
+        style_mix=args.style_mix,
     )
     print(json.dumps(metrics, indent=2))
 

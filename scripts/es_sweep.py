@@ -6,7 +6,8 @@ docs/es_small_scale.md (what works for ES at small scale, and what does not).
 Validation problems: countdown test problems 1000-1999 (task seed 0, drawn with n_test=2000). They are
 disjoint from the train split and from test problems 0-999, which are kept for the final report only.
 Prints one JSON line: the configuration, validation accuracy of base and trained model with the paired
-standard error of the gain, the share of tied rewards, and seconds.
+standard error of the gain, the share of valid-format answers before and after, the share of tied
+rewards, and seconds.
 """
 
 from __future__ import annotations
@@ -38,12 +39,13 @@ def evolved(model: torch.nn.Module, which: str) -> list:
     return [(n, p) for n, p in chosen if id(p) not in linear]
 
 
-def correct(model, tok, task, examples, max_new: int = 12) -> list[float]:
+def scores(model, tok, task, examples, max_new: int = 12) -> list:
+    """Greedy Score (format, answer) of every example."""
     out = []
     for i in range(0, len(examples), 500):
         chunk = examples[i : i + 500]
         gen = generate(model, tok, [ex.prompt for ex in chunk], max_new_tokens=max_new)
-        out += [task.score(ex, t).answer for ex, t in zip(chunk, gen.texts)]
+        out += [task.score(ex, t) for ex, t in zip(chunk, gen.texts)]
     return out
 
 
@@ -85,7 +87,8 @@ def main() -> None:
     task = get_task("countdown", n_test=2000)
     train = task.split("train")
     val = task.split("test")[VALIDATION][: args.val]
-    base = correct(model, tok, task, val)
+    base_scores = scores(model, tok, task, val)
+    base = [s.answer for s in base_scores]
     es = ES(
         evolved(model, args.params),
         sigma=args.sigma,
@@ -101,7 +104,8 @@ def main() -> None:
         means = r.mean(1)
         tied.append(float((means[0::2] == means[1::2]).double().mean()))
         es.step(r)
-    trained = correct(model, tok, task, val)
+    trained_scores = scores(model, tok, task, val)
+    trained = [s.answer for s in trained_scores]
     diff = torch.tensor(trained) - torch.tensor(base)
     se = float(diff.std(correction=1) / math.sqrt(len(diff)))
     print(
@@ -112,6 +116,9 @@ def main() -> None:
                 "trained": sum(trained) / len(trained),
                 "gain": float(diff.mean()),
                 "paired_se": se,
+                # share of answers that are valid expressions (the format reward)
+                "format_base": sum(s.format for s in base_scores) / len(val),
+                "format_trained": sum(s.format for s in trained_scores) / len(val),
                 "tied_pairs": sum(tied) / len(tied),
                 "seconds": round(time.perf_counter() - start, 1),
             }

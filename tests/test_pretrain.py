@@ -3,9 +3,11 @@ import json
 import pytest
 import torch
 
+from fastes.cli import main
 from fastes.models import load_model
 from fastes.pretrain import _rows, pretrain
 from fastes.tasks import get_task
+from fastes.tasks.base import Score
 
 
 def test_short_pretrain_lowers_loss_and_writes_a_loadable_directory(tmp_path):
@@ -49,3 +51,42 @@ def test_distractor_rows_put_that_share_on_wrong_but_well_formed_solutions():
     assert _rows(get_task("compare", n_train=5, n_test=0), 0.3, seed=0) == _rows(
         get_task("compare", n_train=5, n_test=0), 0.0, seed=0
     )  # other tasks keep their plain rows
+
+
+def test_style_mix_puts_that_share_on_the_unverifiable_style_and_keeps_the_rest():
+    task = get_task("countdown", n_train=40, n_test=0)
+    examples = {ex.prompt: ex for ex in task.split("train")}
+    rows = _rows(task, 0.0, seed=0, style_mix=0.4)
+    assert sum(w for _, _, w in rows) == pytest.approx(1.0)
+    plain = [(p, s, w) for p, s, w in rows if s == examples[p].solution]
+    styled = [(p, s, w) for p, s, w in rows if s != examples[p].solution]
+    assert len(plain) == len(styled) == 40  # every problem in both styles
+    assert sum(w for _, _, w in styled) == pytest.approx(0.4)
+    for prompt, text, _ in styled:
+        ex = examples[prompt]
+        assert text == ex.solution[:-1] + f"={ex.meta['target']};"
+        assert task.score(ex, text) == Score(0.0, 0.0)  # the verifier refuses the style
+    # with distractors too, each kind keeps its share and is split by style
+    mixed = _rows(task, 0.3, seed=0, style_mix=0.4)
+    assert sum(w for _, _, w in mixed) == pytest.approx(1.0)
+    assert sum(w for p, s, w in mixed if s == examples[p].solution) == pytest.approx(0.6 * 0.7, abs=0.03)
+    other = get_task("reverse", n_train=5, n_test=0)
+    assert _rows(other, 0.0, seed=0, style_mix=0.4) == _rows(other, 0.0, seed=0)
+
+
+def test_a_share_outside_0_1_is_refused_before_any_work(tmp_path, capsys):
+    for bad in (-0.1, 1.0, float("nan")):
+        with pytest.raises(ValueError, match="style_mix is a share"):
+            pretrain(tmp_path / "x", steps=1, tasks=["reverse"], style_mix=bad, progress=False)
+    assert not (tmp_path / "x").exists()
+    with pytest.raises(SystemExit) as exit:
+        main(["pretrain", "--out", str(tmp_path / "y"), "--style_mix", "1.5"])
+    err = capsys.readouterr().err.strip()
+    assert exit.value.code == 2 and len(err.splitlines()) == 1 and "[0, 1)" in err, err
+    assert not (tmp_path / "y").exists()
+
+
+def test_style_mix_is_recorded(tmp_path):
+    kw = dict(steps=2, batch_size=4, tasks=["countdown"], eval_examples=2, progress=False)
+    assert pretrain(tmp_path, style_mix=0.5, **kw)["style_mix"] == 0.5
+    assert json.loads((tmp_path / "pretrain.json").read_text())["style_mix"] == 0.5

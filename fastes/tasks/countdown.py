@@ -86,6 +86,13 @@ def wrong_solution(rng: random.Random, numbers: Sequence[int], target: int, trie
     return None
 
 
+def with_result(solution: str, target: int) -> str:
+    """`solution` written as "expression=target;": a common way to show a result, which the verifier
+    does not accept (the answer before ';' is then not an expression). Pretraining on a share of these
+    gives a base that solves as well as before but sometimes answers in the unverifiable style."""
+    return solution.removesuffix(ANSWER_END) + f"={target}" + ANSWER_END
+
+
 def solve_countdown(numbers: Sequence[int], target: Fraction | int) -> str | None:
     """An expression using each number once that equals `target` exactly, or None when there is none.
 
