@@ -24,6 +24,9 @@ from .errors import FastesError
 from .es import CollectiveError
 
 
+DEMO_EVAL_SIZE = 500  # test problems the demo reports on
+
+
 class Parser(argparse.ArgumentParser):
     """argparse, with a usage error printed as one line like every other fastes error."""
 
@@ -297,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
             # run (overwrite removes only files a run writes); an explicit --out_dir keeps the rule.
             if getattr(args, "cfg:out_dir") is None and args.config is None and not args.resume:
                 args.overwrite = True
-            cmd_train(args, defaults={"out_dir": "runs/demo"})
+            # 500 test problems: a paired standard error of ~1.5 points instead of ~2.4 with 200.
+            cmd_train(args, defaults={"out_dir": "runs/demo", "eval_size": DEMO_EVAL_SIZE})
         elif args.command == "train":
             cmd_train(args)
         elif args.command == "eval":

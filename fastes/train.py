@@ -29,7 +29,8 @@ from .config import ConfigError, ESConfig, TrainConfig
 from .es import CollectiveError
 from .generation import eos_token_ids, generate
 from .models import ModelError, format_prompt, load_model, save_model, tiny_model_path
-from .tasks import Example, Task, get_task
+from .tasks import Example, Task, available_tasks, get_task
+from .tasks.base import DEFAULT_TEST_PROBLEMS
 
 PHASES = {"es": ("es",), "grpo": ("grpo",), "grpo_es": ("grpo", "es")}
 GRPO_CHECKSUM_EVERY = 10  # GRPO steps between the cross-process weight checks (ES has its own)
@@ -431,9 +432,15 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) ->
 
 
 def make_task(cfg: TrainConfig) -> Task:
-    """The configured task; with `reward`, a JSONL file of prompts scored by the user's function."""
+    """The configured task; with `reward`, a JSONL file of prompts scored by the user's function.
+
+    A built-in task draws at least `eval_size` test problems. Its test problems are drawn after the
+    train ones, so the first 200 (the default) are the same whatever the count.
+    """
     if cfg.reward:
         return get_task(cfg.task, seed=cfg.task_seed, reward=cfg.reward, timeout=cfg.reward_timeout)
+    if cfg.task in available_tasks():
+        return get_task(cfg.task, seed=cfg.task_seed, n_test=max(DEFAULT_TEST_PROBLEMS, cfg.eval_size))
     return get_task(cfg.task, seed=cfg.task_seed)
 
 

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from fastes.config import load_config
 from fastes.models import load_model
 from fastes.tasks import get_task
-from fastes.train import paired_gain, train
+from fastes.train import make_task, paired_gain, train
 
 TIMING_KEYS = {"seconds", "tokens_per_second"}
 
@@ -185,3 +185,12 @@ def test_paired_gain_and_its_standard_error():
     gain, se = paired_gain([1, 0, 1, 1], [0, 1, 1, 1])
     assert gain == 0 and se > 0
 
+
+
+def test_a_built_in_task_draws_as_many_test_problems_as_eval_size_asks_for():
+    default = make_task(load_config(None, {"task": "countdown"})).split("test")
+    larger = make_task(load_config(None, {"task": "countdown", "eval_size": 500})).split("test")
+    assert len(default) == 200 and len(larger) == 500
+    assert larger[:200] == default  # the same first problems: test problems are drawn after train ones
+    train_default = make_task(load_config(None, {"task": "countdown"})).split("train")
+    assert make_task(load_config(None, {"task": "countdown", "eval_size": 500})).split("train") == train_default

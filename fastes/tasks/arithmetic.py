@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 
-from .base import Example, GeneratedTask, Score
+from .base import DEFAULT_TEST_PROBLEMS, Example, GeneratedTask, Score
 from .verify import ANSWER_END, score_numeric
 
 _OPERATIONS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
@@ -25,7 +25,7 @@ class ArithmeticTask(GeneratedTask):
         self,
         seed: int = 0,
         n_train: int = 1000,
-        n_test: int = 200,
+        n_test: int = DEFAULT_TEST_PROBLEMS,
         min_digits: int = 2,
         max_digits: int = 3,
         operations: str = "+-*",

@@ -61,6 +61,7 @@ MAX_PROMPT_CHARS = 24
 MAX_SOLUTION_CHARS = 16
 
 SPLITS = ("train", "test")
+DEFAULT_TEST_PROBLEMS = 200  # test problems a generated task draws unless told otherwise
 
 
 def check_split(which: str) -> None:
@@ -82,7 +83,7 @@ class GeneratedTask(Task):
     Examples are deduplicated by prompt before splitting, which makes train and test disjoint.
     """
 
-    def __init__(self, seed: int = 0, n_train: int = 1000, n_test: int = 200) -> None:
+    def __init__(self, seed: int = 0, n_train: int = 1000, n_test: int = DEFAULT_TEST_PROBLEMS) -> None:
         if n_train < 0 or n_test < 0:
             raise ValueError(f"n_train and n_test must be >= 0, got {n_train} and {n_test}")
         self.seed = seed

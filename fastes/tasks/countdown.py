@@ -18,7 +18,7 @@ import random
 from collections.abc import Sequence
 from fractions import Fraction
 
-from .base import Example, GeneratedTask, Score
+from .base import DEFAULT_TEST_PROBLEMS, Example, GeneratedTask, Score
 from .verify import ANSWER_END, score_countdown
 
 # Operator precedence of a (sub)expression's outermost operator, used to add only the parentheses needed.
@@ -129,7 +129,7 @@ class CountdownTask(GeneratedTask):
         self,
         seed: int = 0,
         n_train: int = 1000,
-        n_test: int = 200,
+        n_test: int = DEFAULT_TEST_PROBLEMS,
         n_numbers: int = 3,
         max_number: int = 15,
         max_target: int = 100,

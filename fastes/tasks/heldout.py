@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 
-from .base import Example, GeneratedTask, Score
+from .base import DEFAULT_TEST_PROBLEMS, Example, GeneratedTask, Score
 from .verify import ANSWER_END, extract_answer
 
 _RELATIONS = "<>="
@@ -26,7 +26,12 @@ class ReverseTask(GeneratedTask):
     name = "reverse"
 
     def __init__(
-        self, seed: int = 0, n_train: int = 1000, n_test: int = 200, min_digits: int = 3, max_digits: int = 8
+        self,
+        seed: int = 0,
+        n_train: int = 1000,
+        n_test: int = DEFAULT_TEST_PROBLEMS,
+        min_digits: int = 3,
+        max_digits: int = 8,
     ) -> None:
         if not 1 <= min_digits <= max_digits <= 15:
             raise ValueError(f"need 1 <= min_digits <= max_digits <= 15, got {min_digits} and {max_digits}")
@@ -56,7 +61,9 @@ class CompareTask(GeneratedTask):
 
     name = "compare"
 
-    def __init__(self, seed: int = 0, n_train: int = 1000, n_test: int = 200, max_digits: int = 4) -> None:
+    def __init__(
+        self, seed: int = 0, n_train: int = 1000, n_test: int = DEFAULT_TEST_PROBLEMS, max_digits: int = 4
+    ) -> None:
         if not 1 <= max_digits <= 9:
             raise ValueError(f"max_digits must be in 1..9, got {max_digits}")
         super().__init__(seed=seed, n_train=n_train, n_test=n_test)
