@@ -246,18 +246,21 @@ def training_curves(arms: dict[str, dict[str, Any]], plan: BudgetPlan) -> dict[s
 
 
 def _small_model(ctx: Context) -> Path:
-    """The built-in "small" model, pretrained once into the experiment directory and reused after."""
+    """The built-in "small" model, pretrained once into the experiment directory and reused after, with
+    the shipped tiny model's data recipe (its style_mix), so that the two sizes differ only in size."""
+    from ..models import tiny_model_path
     from ..pretrain import pretrain
 
+    recipe = json.loads((tiny_model_path() / "pretrain.json").read_text())
+    wanted = {"steps": ctx.preset.small_pretrain_steps, "seed": ctx.preset.seed}
+    wanted["style_mix"] = recipe.get("style_mix", 0.0)
     path = ctx.out_dir / "models" / "small"
     info = path / "pretrain.json"
     if info.is_file():
         saved = json.loads(info.read_text())
-        if saved.get("steps") == ctx.preset.small_pretrain_steps and saved.get("seed") == ctx.preset.seed:
+        if all(saved.get(key, 0.0) == value for key, value in wanted.items()):
             return path
-    pretrain(
-        path, size="small", steps=ctx.preset.small_pretrain_steps, seed=ctx.preset.seed, progress=ctx.progress
-    )
+    pretrain(path, size="small", progress=ctx.progress, **wanted)
     return path
 
 
