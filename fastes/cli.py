@@ -23,7 +23,6 @@ from .config import ConfigError, flag_help, flag_specs, load_config
 from .errors import FastesError
 from .es import CollectiveError
 
-
 DEMO_EVAL_SIZE = 500  # test problems the demo reports on
 
 
@@ -217,7 +216,8 @@ def cmd_eval(args: argparse.Namespace) -> dict:
 def cmd_pretrain(args: argparse.Namespace) -> dict:
     from .pretrain import pretrain
 
-    metrics = pretrain(args.out, size=args.size, steps=args.steps, seed=args.seed, style_mix=args.style_mix)
+    mix = {} if args.style_mix is None else {"style_mix": args.style_mix}  # None: pretrain's default
+    metrics = pretrain(args.out, size=args.size, steps=args.steps, seed=args.seed, **mix)
     print(json.dumps({k: v for k, v in metrics.items() if k != "loss_curve"}, indent=2))
     return metrics
 
@@ -278,8 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument(
         "--style_mix",
         type=_share,
-        default=0.0,
-        help='share of countdown rows written "expression=target;", a style the verifier refuses',
+        default=None,
+        help='share of countdown rows written "expression=target;", a style the verifier refuses '
+        "(0: plain; default: the shipped tiny model's, 0.5)",
     )
 
     exp = sub.add_parser("experiment", help="ES vs GRPO vs GRPO then ES at equal budgets, with a report")

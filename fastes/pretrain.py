@@ -6,6 +6,9 @@ checkpoint in fastes/assets/tiny is made by
 
     python -m fastes.pretrain
 
+whose countdown data mixes two answer styles (style_mix, SHIPPED_STYLE_MIX): a base that knows the task
+but often answers in a style its verifier refuses, as real pretrained models do.
+
 Training sequences are <bos> prompt solution <eos>; the loss is on the solution and <eos> only (the
 prompts are given at test time, so there is no point spending capacity on predicting them).
 """
@@ -31,6 +34,10 @@ from fastes.tasks.base import Task
 from fastes.tasks.countdown import with_result, wrong_solution
 
 IGNORE = -100  # label value the HF loss skips
+# Share of countdown rows in the unverifiable "expression=target;" style in the shipped tiny model. At
+# 0.5 greedy decoding picks that style on ~57% of validation prompts; at 0.35 on 0.6% (greedy takes the
+# likelier ending), which leaves post-training nothing to learn (docs/es_small_scale.md).
+SHIPPED_STYLE_MIX = 0.5
 
 
 def _rows(task: Task, distractors: float, seed: int, style_mix: float = 0.0) -> list[tuple[str, str, float]]:
@@ -134,7 +141,7 @@ def pretrain(
     eval_examples: int = 200,
     progress: bool = True,
     distractors: float = 0.0,
-    style_mix: float = 0.0,
+    style_mix: float = SHIPPED_STYLE_MIX,
 ) -> dict:
     """Train a fresh model of `size` for `steps` AdamW steps, save it to `out_dir`, return its metrics.
 
@@ -223,8 +230,8 @@ def main() -> None:
     parser.add_argument(
         "--style_mix",
         type=share_arg,
-        default=0.0,
-        help='share of countdown rows written "expression=target;" (unverifiable style)',
+        default=SHIPPED_STYLE_MIX,
+        help='share of countdown rows written "expression=target;", a style the verifier refuses (0: plain)',
     )
     # The model's matrices are tiny: extra threads mostly add overhead, and on a busy machine they
     # contend badly (measured on 2 cores: 1 thread ~10x faster than 2 under load).

@@ -1,11 +1,12 @@
+import inspect
 import json
 
 import pytest
 import torch
 
 from fastes.cli import main
-from fastes.models import load_model
-from fastes.pretrain import _rows, pretrain
+from fastes.models import load_model, tiny_model_path
+from fastes.pretrain import SHIPPED_STYLE_MIX, _rows, pretrain
 from fastes.tasks import get_task
 from fastes.tasks.base import Score
 
@@ -90,3 +91,14 @@ def test_style_mix_is_recorded(tmp_path):
     kw = dict(steps=2, batch_size=4, tasks=["countdown"], eval_examples=2, progress=False)
     assert pretrain(tmp_path, style_mix=0.5, **kw)["style_mix"] == 0.5
     assert json.loads((tmp_path / "pretrain.json").read_text())["style_mix"] == 0.5
+
+
+def test_the_default_recipe_rebuilds_the_shipped_model():
+    shipped = json.loads((tiny_model_path() / "pretrain.json").read_text())
+    defaults = {k: v.default for k, v in inspect.signature(pretrain).parameters.items()}
+    assert shipped["style_mix"] == SHIPPED_STYLE_MIX == defaults["style_mix"]
+    assert (shipped["steps"], shipped["seed"], shipped["distractors"]) == (
+        defaults["steps"],
+        defaults["seed"],
+        defaults["distractors"],
+    )

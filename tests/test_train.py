@@ -186,11 +186,10 @@ def test_paired_gain_and_its_standard_error():
     assert gain == 0 and se > 0
 
 
-
 def test_a_built_in_task_draws_as_many_test_problems_as_eval_size_asks_for():
     default = make_task(load_config(None, {"task": "countdown"})).split("test")
     larger = make_task(load_config(None, {"task": "countdown", "eval_size": 500})).split("test")
     assert len(default) == 200 and len(larger) == 500
     assert larger[:200] == default  # the same first problems: test problems are drawn after train ones
-    train_default = make_task(load_config(None, {"task": "countdown"})).split("train")
-    assert make_task(load_config(None, {"task": "countdown", "eval_size": 500})).split("train") == train_default
+    train = make_task(load_config(None, {"task": "countdown"})).split("train")
+    assert make_task(load_config(None, {"task": "countdown", "eval_size": 500})).split("train") == train
