@@ -230,7 +230,9 @@ def cmd_experiment(args: argparse.Namespace) -> dict:
             "fastes experiment runs in one process (its arms and analyses are not split over processes); "
             "start it without torchrun"
         )
-    metrics = run_experiment(args.preset, args.out, model=args.model, overwrite=args.overwrite)
+    metrics = run_experiment(
+        args.preset, args.out, model=args.model, overwrite=args.overwrite, seed=args.seed
+    )
     print(f"\nreport: {Path(args.out) / 'report.md'}   metrics: {Path(args.out) / 'metrics.json'}")
     for finding in metrics["findings"]:
         print(f"- {finding['claim']}: {finding['verdict']}")
@@ -289,6 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--model", default=None, help="a local HF model directory (default: the tiny model)")
     exp.add_argument(
         "--overwrite", action="store_true", help="replace what is already in --out (says what it deletes)"
+    )
+    exp.add_argument(
+        "--seed", type=int, default=None, help="training seed of every arm (default: the preset's, 0)"
     )
     return parser
 

@@ -174,10 +174,12 @@ def test_segmented_arms_equal_uninterrupted_train_runs(tmp_path):
 @pytest.mark.slow
 def test_quick_preset_writes_the_whole_report(tmp_path, capsys):
     out = tmp_path / "experiment"
-    assert main(["experiment", "--preset", "quick", "--out", str(out)]) == 0
+    assert main(["experiment", "--preset", "quick", "--out", str(out), "--seed", "3"]) == 0
     assert "report:" in capsys.readouterr().out
 
     metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["preset"]["seed"] == 3
+    assert json.loads((out / "runs" / "es" / "config.json").read_text())["seed"] == 3
     assert set(metrics["models"]) == {"base", "es", "grpo", "grpo_es"}
     for name, model in metrics["models"].items():
         assert set(model["pass_at_k"]) == {"1", "2", "4"}, name
@@ -206,6 +208,14 @@ def test_quick_preset_writes_the_whole_report(tmp_path, capsys):
     for heading in ("## What the numbers say", "## Sample budgets", "## Results"):
         assert heading in report
     assert f"{budget['samples_per_arm']:,}" in report
+
+
+def test_experiment_refuses_a_seed_out_of_range_before_any_work(tmp_path, capsys):
+    out = tmp_path / "experiment"
+    assert main(["experiment", "--preset", "quick", "--out", str(out), "--seed", "-1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "seed: must be in [0, 2^32)" in err, err
+    assert not out.exists()
 
 
 def test_experiment_refuses_a_missing_model(tmp_path, capsys):

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..config import ConfigError
+from ..config import MAX_SEED, ConfigError
 from ..models import num_params, tiny_model_path
 from ..tasks import get_task
 from .arms import Context, population_sweep, train_arms, training_curves
@@ -20,12 +20,19 @@ from .plots import write_plots
 from .report import json_text, write_report
 
 
-def _resolve(preset: str | Preset, model: str | Path | None) -> tuple[Preset, BudgetPlan]:
-    """The preset and its budget plan; every setting that can fail fails here, before any training."""
+def _resolve(
+    preset: str | Preset, model: str | Path | None, seed: int | None = None
+) -> tuple[Preset, BudgetPlan]:
+    """The preset (with `seed` when given) and its budget plan; every setting that can fail fails here,
+    before any training."""
     if isinstance(preset, str):
         if preset not in PRESETS:
             raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
         preset = PRESETS[preset]
+    if seed is not None:
+        if not 0 <= seed < MAX_SEED:
+            raise ConfigError(f"seed: must be in [0, 2^32), got {seed}")
+        preset = replace(preset, seed=seed)
     plan = plan_budget(
         preset.es_iterations, preset.population, preset.es_batch, preset.grpo_batch, preset.num_generations
     )
@@ -79,14 +86,16 @@ def run_experiment(
     model: str | Path | None = None,
     progress: bool = True,
     overwrite: bool = False,
+    seed: int | None = None,
 ) -> dict[str, Any]:
     """Train the three arms, measure the four models, write metrics.json, the plots and report.md.
 
     `preset` is a name in PRESETS or a Preset; `model` a local HF model directory (default: the built-in
-    tiny model). Returns the metrics (also in out_dir/metrics.json). An out_dir that already holds
+    tiny model); `seed` replaces the preset's training seed (the test problems stay the same). Returns
+    the metrics (also in out_dir/metrics.json). An out_dir that already holds
     anything is refused unless `overwrite` (the experiment replaces its runs/, sweep/ and models/).
     """
-    preset, plan = _resolve(preset, model)
+    preset, plan = _resolve(preset, model, seed)
     started = time.perf_counter()
     out = Path(out_dir)
     _check_out(out, overwrite)
