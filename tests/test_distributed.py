@@ -17,7 +17,8 @@ from fastes.config import load_config
 from fastes.train import train
 
 TIMING_KEYS = {"seconds", "tokens_per_second"}
-ES = {"es.iterations": 3, "es.population": 4, "es.sigma": 0.002, "es.lr": 5e-5}
+# sigma large enough that the members score differently on these easy prompts, so ES moves at all
+ES = {"es.iterations": 3, "es.population": 4, "es.sigma": 0.02, "es.lr": 5e-5}
 GRPO = {"algorithm": "grpo", "grpo.steps": 2, "grpo.num_generations": 4, "grpo.num_iterations": 2}
 
 

@@ -207,6 +207,9 @@ def test_quick_preset_writes_the_whole_report(tmp_path, capsys):
         assert f"]({name})" in report, f"report.md does not embed {name}"
     for heading in ("## What the numbers say", "## Sample budgets", "## Results"):
         assert heading in report
+    shipped = json.loads((tiny_model_path() / "pretrain.json").read_text())["style_mix"]
+    assert metrics["base_pretraining"]["style_mix"] == shipped
+    assert (f"pretrained with style_mix {shipped:g}" in report) == (shipped > 0)
     assert f"{budget['samples_per_arm']:,}" in report
 
 

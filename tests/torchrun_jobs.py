@@ -30,7 +30,8 @@ common = [
     "--progress",
     "false",
 ]
-es = ["--es.iterations", "3", "--es.population", "4", "--es.sigma", "0.002", "--es.lr", "5e-5"]
+# as ES in test_distributed.py
+es = ["--es.iterations", "3", "--es.population", "4", "--es.sigma", "0.02", "--es.lr", "5e-5"]
 grpo = ["--algorithm", "grpo", "--grpo.steps", "2", "--grpo.num_generations", "4"]
 grpo += ["--grpo.num_iterations", "2"]
 

@@ -339,6 +339,15 @@ def _caveats(metrics: dict[str, Any]) -> list[str]:
             "- The models are tiny character-level Llamas pretrained on the tasks themselves, not the "
             "0.5B-8B models of the paper; population sizes, sigma and budgets are scaled down to match."
         )
+    style_mix = metrics.get("base_pretraining", {}).get("style_mix", 0.0)
+    if style_mix:
+        about_models += (
+            f"\n- The base was pretrained with style_mix {style_mix:g}: that share of its countdown "
+            'solutions was written "expression=target;", a style the verifier refuses, and the base '
+            "answers that way on many prompts. A large part of every arm's countdown gain is learning "
+            "to answer in the verifiable style, and ES's gain is mostly that (docs/es_small_scale.md): "
+            "the findings about ES's gains are about this kind of gain."
+        )
     return [
         "## Caveats",
         "",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -80,6 +81,15 @@ def _budget_summary(plan: BudgetPlan) -> dict[str, Any]:
     }
 
 
+def _pretraining_recipe(model_dir: Path) -> dict[str, float]:
+    """The data options a built-in model was pretrained with (its pretrain.json); {} for other models."""
+    info = model_dir / "pretrain.json"
+    if not info.is_file():
+        return {}
+    saved = json.loads(info.read_text())
+    return {key: saved[key] for key in ("style_mix", "distractors") if key in saved}
+
+
 def run_experiment(
     preset: str | Preset = "tiny",
     out_dir: str | Path = "runs/experiment",
@@ -121,6 +131,7 @@ def run_experiment(
         "preset": asdict(preset),
         "model": ctx.show(base_path),
         "custom_model": model is not None,
+        "base_pretraining": _pretraining_recipe(base_path),
         "params": params,
         "device": device,
         "budget": _budget_summary(plan),
