@@ -20,13 +20,30 @@ TIMING_KEYS = {"seconds", "tokens_per_second"}
 
 @pytest.fixture(scope="module")
 def easy_task(tmp_path_factory) -> str:
-    """A fixed set of 24 'compare' problems (the tiny model gets ~60% right): every batch is the whole set."""
+    """24 fixed 'compare' problems (the tiny model gets nearly all right): every batch is the whole set."""
     path = tmp_path_factory.mktemp("task") / "compare.jsonl"
     examples = get_task("compare").split("train")[:24]
     rows = [{"prompt": e.prompt, "answer": e.answer, "verifier": "exact", "split": "train"} for e in examples]
     rows += [
         {"prompt": e.prompt, "answer": e.answer, "verifier": "exact", "split": "test"}
         for e in get_task("compare").split("test")[:8]
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return f"jsonl:{path}"
+
+
+@pytest.fixture(scope="module")
+def style_task(tmp_path_factory) -> str:
+    """24 fixed countdown problems: the shipped base answers about half of them in a style the verifier
+    refuses ("expression=target;", see fastes/pretrain.py), so post-training has a reward to climb."""
+    path = tmp_path_factory.mktemp("task") / "countdown.jsonl"
+    task = get_task("countdown")
+    chosen = {"train": task.split("train")[:24], "test": task.split("test")[:8]}
+    rows = [
+        {"prompt": e.prompt, "answer": e.answer, "verifier": "countdown", "numbers": list(e.meta["numbers"])}
+        | {"split": split}
+        for split, examples in chosen.items()
+        for e in examples
     ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return f"jsonl:{path}"
@@ -50,13 +67,9 @@ def common(task: str, out_dir, **extra) -> dict:
     }
 
 
-def test_es_improves_the_training_reward(easy_task, tmp_path):
-    cfg = load_config(
-        None,
-        common(
-            easy_task, tmp_path, **{"es.iterations": 8, "es.population": 16, "es.sigma": 0.002, "es.lr": 5e-5}
-        ),
-    )
+def test_es_improves_the_training_reward(style_task, tmp_path):
+    settings = {"es.iterations": 8, "es.population": 16, "es.sigma": 0.002, "es.lr": 5e-5}
+    cfg = load_config(None, common(style_task, tmp_path, max_new_tokens=12, **settings))
     summary = train(cfg)
     rewards = [m["reward"] for m in metrics(tmp_path) if m["phase"] == "es"]
     assert len(rewards) == 8
@@ -70,13 +83,14 @@ def test_es_improves_the_training_reward(easy_task, tmp_path):
     assert summary["test_gain"] == pytest.approx(change)
 
 
-def test_grpo_improves_the_training_reward(easy_task, tmp_path):
+def test_grpo_improves_the_training_reward(style_task, tmp_path):
     cfg = load_config(
         None,
         common(
-            easy_task,
+            style_task,
             tmp_path,
             algorithm="grpo",
+            max_new_tokens=12,
             **{"grpo.steps": 10, "grpo.lr": 3e-4, "grpo.num_generations": 8, "grpo.beta": 0.04},
         ),
     )
