@@ -51,8 +51,8 @@ def _positive(kind: type) -> Any:
     return parse
 
 
-def _share(text: str) -> float:
-    """A share in [0, 1) (pretraining mixtures)."""
+def share_arg(text: str) -> float:
+    """argparse type of a share of the pretraining data: a number in [0, 1)."""
     try:
         value = float(text)
     except ValueError:
@@ -279,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--seed", type=int, default=0)
     pre.add_argument(
         "--style_mix",
-        type=_share,
+        type=share_arg,
         default=None,
         help='share of countdown rows written "expression=target;", a style the verifier refuses '
         "(0: plain; default: the shipped tiny model's, 0.5)",

@@ -210,15 +210,9 @@ def pretrain(
     return metrics
 
 
-def share_arg(text: str) -> float:
-    """argparse type of a share option: a number in [0, 1), refused with one line otherwise."""
-    try:
-        return check_share("the share", float(text))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a share in [0, 1), e.g. 0.5; got {text!r}") from None
-
-
 def main() -> None:
+    from fastes.cli import share_arg
+
     parser = argparse.ArgumentParser(
         description="Pretrain the tiny model (default: rebuild the shipped one)."
     )
