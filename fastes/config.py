@@ -268,14 +268,14 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         _require(getattr(cfg, key) >= 0, key, f"must be >= 0 (0 = never), got {getattr(cfg, key)}")
     _require(cfg.dtype in ("float32", "bfloat16", "float16"), "dtype", "choose float32, bfloat16 or float16")
     _require(
-        cfg.backend in ("auto", "triton", "inductor", "torch"),
+        cfg.backend in ("auto", "triton", "cpu", "torch"),
         "backend",
-        "choose auto, triton, inductor or torch",
+        "choose auto, triton, cpu or torch",
     )
     _require(
-        not (cfg.backend == "inductor" and cfg.device.startswith("cuda")),
+        not (cfg.backend == "cpu" and cfg.device.startswith("cuda")),
         "backend",
-        f"'inductor' is the compiled CPU backend, but device = {cfg.device!r}; use backend 'auto' or 'torch'",
+        f"'cpu' is the compiled CPU backend, but device = {cfg.device!r}; use backend 'auto' or 'torch'",
     )
     _require(math.isfinite(cfg.format_weight) and cfg.format_weight >= 0, "format_weight", "must be >= 0")
     es = cfg.es
@@ -403,7 +403,7 @@ HELP: dict[str, str] = {
     "checkpoint_every": "checkpoint every this many steps (0: never); --resume continues the newest",
     "dtype": "float32, bfloat16 or float16",
     "device": "cpu, cuda, cuda:1, ...",
-    "backend": "noise kernels: auto (Triton on CUDA, compiled C++ on CPU), triton, inductor (CPU) or torch",
+    "backend": "noise kernels: auto (Triton on CUDA, compiled C on CPU), triton, cpu (CPU) or torch",
     "threads": "torch CPU threads (0: 1 for models under 5M parameters, else torch's default)",
     "progress": "show a progress bar",
     "collective_timeout": "seconds a multi-process collective waits for the other ranks before failing",

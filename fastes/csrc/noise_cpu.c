@@ -1,0 +1,220 @@
+/* The noise contract on a CPU: Philox4x32-10 words, Box-Muller normals and Rademacher signs.
+
+   The same stream as fastes/noise.py (the torch reference) and docs/noise.md, compiled once per
+   machine by fastes/compiled.py and called through ctypes on tiles of counter blocks.
+
+   Every function takes the counters of `n` Philox blocks as three arrays (c0, c1: the block index
+   words; c2: the tensor id of each block), the stream word c3, and the 20 round keys of the member
+   (round r uses rk[2r], rk[2r + 1]). Callers split work across threads by block ranges.
+
+   Numerics: integer arithmetic is exact, so words, uniforms and signs equal the reference bit for
+   bit. Normals use the branch-free ln / cos / sin of the Triton kernels (kernels/philox.py), written
+   without fused multiply-adds (compiled with -ffp-contract=off), so they are the same on every CPU,
+   and within ~5e-7 of the reference's torch.log / cos / sin. */
+
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#define M0 0xD2511F53u
+#define M1 0xCD9E8D57u
+#define ROUNDS 10
+#define TILE 256 /* blocks per tile: the tile's words and normals stay in L1 */
+
+/* ------------------------------------------------------------------------------------------- */
+/* Philox: the words of blocks [0, n) of a tile                                                 */
+/* ------------------------------------------------------------------------------------------- */
+
+static void philox_scalar(const uint32_t *c0, const uint32_t *c1, const uint32_t *c2, uint32_t c3,
+                          const uint32_t *rk, int64_t n, uint32_t *w0, uint32_t *w1, uint32_t *w2,
+                          uint32_t *w3) {
+    for (int64_t j = 0; j < n; j++) {
+        uint32_t x0 = c0[j], x1 = c1[j], x2 = c2[j], x3 = c3;
+        for (int r = 0; r < ROUNDS; r++) {
+            uint64_t p0 = (uint64_t)x0 * M0, p1 = (uint64_t)x2 * M1;
+            x0 = (uint32_t)(p1 >> 32) ^ x1 ^ rk[2 * r];
+            x2 = (uint32_t)(p0 >> 32) ^ x3 ^ rk[2 * r + 1];
+            x1 = (uint32_t)p1;
+            x3 = (uint32_t)p0;
+        }
+        w0[j] = x0; w1[j] = x1; w2[j] = x2; w3[j] = x3;
+    }
+}
+
+#if defined(__AVX2__)
+/* Four blocks per 256-bit register, each word in the low half of a 64-bit lane: one vpmuludq gives
+   both words of four products (compilers emulate a full 64-bit multiply instead). The high halves
+   of the lanes may hold garbage between rounds: vpmuludq reads only the low halves. */
+static inline void store_low_words(uint32_t *out, __m256i v) {
+    const __m256i low_halves = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
+    _mm_storeu_si128((__m128i *)out, _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(v, low_halves)));
+}
+
+static void philox(const uint32_t *c0, const uint32_t *c1, const uint32_t *c2, uint32_t c3,
+                   const uint32_t *rk, int64_t n, uint32_t *w0, uint32_t *w1, uint32_t *w2, uint32_t *w3) {
+    const __m256i m0 = _mm256_set1_epi64x(M0), m1 = _mm256_set1_epi64x(M1);
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+        __m256i x0 = _mm256_cvtepu32_epi64(_mm_loadu_si128((const __m128i *)(c0 + j)));
+        __m256i x1 = _mm256_cvtepu32_epi64(_mm_loadu_si128((const __m128i *)(c1 + j)));
+        __m256i x2 = _mm256_cvtepu32_epi64(_mm_loadu_si128((const __m128i *)(c2 + j)));
+        __m256i x3 = _mm256_set1_epi64x(c3);
+        for (int r = 0; r < ROUNDS; r++) {
+            __m256i p0 = _mm256_mul_epu32(x0, m0), p1 = _mm256_mul_epu32(x2, m1);
+            x0 = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(p1, 32), x1), _mm256_set1_epi64x(rk[2 * r]));
+            x2 = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(p0, 32), x3), _mm256_set1_epi64x(rk[2 * r + 1]));
+            x1 = p1;
+            x3 = p0;
+        }
+        store_low_words(w0 + j, x0); store_low_words(w1 + j, x1);
+        store_low_words(w2 + j, x2); store_low_words(w3 + j, x3);
+    }
+    philox_scalar(c0 + j, c1 + j, c2 + j, c3, rk, n - j, w0 + j, w1 + j, w2 + j, w3 + j);
+}
+#else
+#define philox philox_scalar
+#endif
+
+/* ------------------------------------------------------------------------------------------- */
+/* Words -> uniforms -> normals (docs/noise.md sections 5, 6 and 10)                            */
+/* ------------------------------------------------------------------------------------------- */
+
+static inline float bits_to_float(uint32_t b) { float f; memcpy(&f, &b, 4); return f; }
+static inline uint32_t float_to_bits(float f) { uint32_t b; memcpy(&b, &f, 4); return b; }
+
+/* (2 (x >> 9) + 1) 2^-24, exactly: the top 23 bits as the mantissa of a float in [1, 2), minus 1 - 2^-24. */
+static inline float uniform(uint32_t word) { return bits_to_float((word >> 9) | 0x3F800000u) - (1.0f - 0x1p-24f); }
+
+/* ln(u) for u in [2^-24, 1): u = 2^e (1 + f) with 1 + f in [2/3, 4/3) (exact), ln(1 + f) by the
+   kernels' degree-10 polynomial, e ln 2 with ln 2 split so that e * LN2_HI is exact. */
+static inline float log_unit(float u) {
+    int32_t bits = (int32_t)float_to_bits(u);
+    int32_t e = (bits - 0x3F2AAAAB) >> 23;
+    float f = bits_to_float((uint32_t)(bits - (e << 23))) - 1.0f;
+    float p = -0.12648257613182068f * f + 0.14005349576473236f;
+    p = p * f - 0.12240584194660187f;
+    p = p * f + 0.1400090754032135f;
+    p = p * f - 0.16676408052444458f;
+    p = p * f + 0.20010776817798615f;
+    p = p * f - 0.24999888241291046f;
+    p = p * f + 0.3333320617675781f;
+    float log1p_f = (f * f) * (f * p - 0.5f) + f;
+    float ef = (float)e;
+    return ef * 0.693145751953125f + (ef * 1.428606765330187e-06f + log1p_f);
+}
+
+/* cos and sin of an angle in [0, 2 pi]: a = n pi/2 + r with n = round(a 2/pi) (by adding 1.5 2^23),
+   r = a - n pi/2 with pi/2 in three parts of <= 21 bits (each n * part exact for n <= 4), then the
+   kernels' minimax polynomials on [-pi/4, pi/4] and the quadrant's swap and signs. */
+static inline void cos_sin(float a, float *cos_a, float *sin_a) {
+    float shifted = a * 0.63661975f + 12582912.0f;
+    uint32_t q = float_to_bits(shifted); /* n in the low bits */
+    float n = shifted - 12582912.0f;
+    float r = (a - n * 1.570796012878418f) - n * 3.139164164167596e-07f - n * 6.217248937900877e-14f;
+    float z = r * r;
+    float sin_r = (r * z) * ((-1.9515295891e-4f * z + 8.3321608736e-3f) * z - 1.6666654611e-1f) + r;
+    float cos_r = (z * z) * ((2.443315711809948e-5f * z - 1.388731625493765e-3f) * z + 4.166664568298827e-2f)
+                  + (1.0f - 0.5f * z);
+    float c = (q & 1) ? sin_r : cos_r, s = (q & 1) ? cos_r : sin_r;
+    *cos_a = ((q + 1) & 2) ? -c : c;
+    *sin_a = (q & 2) ? -s : s;
+}
+
+static inline void box_muller(uint32_t radius_word, uint32_t angle_word, float *e_cos, float *e_sin) {
+    float radius = sqrtf(-2.0f * log_unit(uniform(radius_word)));
+    float c, s;
+    cos_sin(6.2831855f * uniform(angle_word), &c, &s);
+    *e_cos = radius * c;
+    *e_sin = radius * s;
+}
+
+/* The normals of a tile of n blocks, in element order: block j's four normals at out[4j .. 4j + 3]. */
+static void normals_tile(const uint32_t *c0, const uint32_t *c1, const uint32_t *c2, uint32_t c3,
+                         const uint32_t *rk, int64_t n, float *out) {
+    uint32_t w[4][TILE];
+    philox(c0, c1, c2, c3, rk, n, w[0], w[1], w[2], w[3]);
+    for (int64_t j = 0; j < n; j++) {
+        box_muller(w[0][j], w[1][j], &out[4 * j], &out[4 * j + 1]);
+        box_muller(w[2][j], w[3][j], &out[4 * j + 2], &out[4 * j + 3]);
+    }
+}
+
+/* The signs of a tile of n sign blocks: element 128 j + 32 v + i is bit i of word v of block j. */
+static void signs_tile(const uint32_t *c0, const uint32_t *c1, const uint32_t *c2, uint32_t c3,
+                       const uint32_t *rk, int64_t n, float *out) {
+    uint32_t w[4][TILE];
+    philox(c0, c1, c2, c3, rk, n, w[0], w[1], w[2], w[3]);
+    for (int64_t j = 0; j < n; j++)
+        for (int v = 0; v < 4; v++)
+            for (int i = 0; i < 32; i++)
+                out[128 * j + 32 * v + i] = bits_to_float(0x3F800000u | (((w[v][j] >> i) & 1u) << 31));
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* Exported: whole ranges of blocks, tile by tile                                               */
+/* ------------------------------------------------------------------------------------------- */
+
+typedef void (*tile_fn)(const uint32_t *, const uint32_t *, const uint32_t *, uint32_t, const uint32_t *,
+                        int64_t, float *);
+
+static void fill(tile_fn tile, int per_block, const uint32_t *c0, const uint32_t *c1, const uint32_t *c2,
+                 uint32_t c3, const uint32_t *rk, int64_t n, float *out) {
+    for (int64_t t = 0; t < n; t += TILE) {
+        int64_t m = n - t < TILE ? n - t : TILE;
+        tile(c0 + t, c1 + t, c2 + t, c3, rk, m, out + per_block * t);
+    }
+}
+
+/* out += sum_d weights[d] * eps_d in direction order (fp32, one rounding per product and per sum). */
+static void accumulate(tile_fn tile, int per_block, const uint32_t *c0, const uint32_t *c1,
+                       const uint32_t *c2, uint32_t c3, const uint32_t *round_keys, const float *weights,
+                       int64_t n_directions, int64_t n, float *out) {
+    float eps[4 * TILE];
+    int64_t tile_blocks = 4 * TILE / per_block; /* TILE blocks of normals, TILE / 32 of signs */
+    for (int64_t t = 0; t < n; t += tile_blocks) {
+        int64_t m = n - t < tile_blocks ? n - t : tile_blocks;
+        float *dst = out + per_block * t;
+        for (int64_t d = 0; d < n_directions; d++) {
+            tile(c0 + t, c1 + t, c2 + t, c3, round_keys + 2 * ROUNDS * d, m, eps);
+            const float w = weights[d];
+            for (int64_t i = 0; i < per_block * m; i++) dst[i] = dst[i] + w * eps[i];
+        }
+    }
+}
+
+void fastes_words(const uint32_t *c0, const uint32_t *c1, const uint32_t *c2, uint32_t c3, const uint32_t *rk,
+                  int64_t n, uint32_t *out) {
+    uint32_t w[4][TILE];
+    for (int64_t t = 0; t < n; t += TILE) {
+        int64_t m = n - t < TILE ? n - t : TILE;
+        philox(c0 + t, c1 + t, c2 + t, c3, rk, m, w[0], w[1], w[2], w[3]);
+        for (int64_t j = 0; j < m; j++)
+            for (int v = 0; v < 4; v++) out[4 * (t + j) + v] = w[v][j];
+    }
+}
+
+void fastes_normals(const uint32_t *c0, const uint32_t *c1, const uint32_t *c2, uint32_t c3, const uint32_t *rk,
+                    int64_t n, float *out) {
+    fill(normals_tile, 4, c0, c1, c2, c3, rk, n, out);
+}
+
+void fastes_signs(const uint32_t *c0, const uint32_t *c1, const uint32_t *c2, uint32_t c3, const uint32_t *rk,
+                  int64_t n, float *out) {
+    fill(signs_tile, 128, c0, c1, c2, c3, rk, n, out);
+}
+
+void fastes_normals_sum(const uint32_t *c0, const uint32_t *c1, const uint32_t *c2, uint32_t c3,
+                        const uint32_t *round_keys, const float *weights, int64_t n_directions, int64_t n,
+                        float *out) {
+    accumulate(normals_tile, 4, c0, c1, c2, c3, round_keys, weights, n_directions, n, out);
+}
+
+void fastes_signs_sum(const uint32_t *c0, const uint32_t *c1, const uint32_t *c2, uint32_t c3,
+                      const uint32_t *round_keys, const float *weights, int64_t n_directions, int64_t n,
+                      float *out) {
+    accumulate(signs_tile, 128, c0, c1, c2, c3, round_keys, weights, n_directions, n, out);
+}
