@@ -206,7 +206,9 @@ def test_library_is_built_once_per_machine_and_reused(tmp_path):
     env = {**os.environ, "FASTES_CACHE_DIR": str(tmp_path)}
     paths, stamps = [], []
     for _ in range(2):
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+        )
         assert out.returncode == 0, out.stderr[-2000:]
         paths.append(out.stdout.strip())
         stamps.append(os.stat(paths[-1]).st_mtime_ns)
