@@ -54,24 +54,39 @@ static inline void store_low_words(uint32_t *out, __m256i v) {
     _mm_storeu_si128((__m128i *)out, _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(v, low_halves)));
 }
 
+/* Eight blocks per iteration in two independent register groups: a round's multiply -> shift -> xor
+   chain is ~6 cycles long, and two chains in flight keep the multiplier busy. */
+#define LOAD_GROUP(g, at)                                                              \
+    __m256i g##0 = _mm256_cvtepu32_epi64(_mm_loadu_si128((const __m128i *)(c0 + (at)))); \
+    __m256i g##1 = _mm256_cvtepu32_epi64(_mm_loadu_si128((const __m128i *)(c1 + (at)))); \
+    __m256i g##2 = _mm256_cvtepu32_epi64(_mm_loadu_si128((const __m128i *)(c2 + (at)))); \
+    __m256i g##3 = _mm256_set1_epi64x(c3);
+#define ROUND_GROUP(g)                                                                  \
+    {                                                                                  \
+        __m256i p0 = _mm256_mul_epu32(g##0, m0), p1 = _mm256_mul_epu32(g##2, m1);      \
+        g##0 = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(p1, 32), g##1), k0); \
+        g##2 = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(p0, 32), g##3), k1); \
+        g##1 = p1;                                                                     \
+        g##3 = p0;                                                                     \
+    }
+#define STORE_GROUP(g, at)                                                              \
+    store_low_words(w0 + (at), g##0); store_low_words(w1 + (at), g##1);                 \
+    store_low_words(w2 + (at), g##2); store_low_words(w3 + (at), g##3);
+
 static void philox(const uint32_t *c0, const uint32_t *c1, const uint32_t *c2, uint32_t c3,
                    const uint32_t *rk, int64_t n, uint32_t *w0, uint32_t *w1, uint32_t *w2, uint32_t *w3) {
     const __m256i m0 = _mm256_set1_epi64x(M0), m1 = _mm256_set1_epi64x(M1);
     int64_t j = 0;
-    for (; j + 4 <= n; j += 4) {
-        __m256i x0 = _mm256_cvtepu32_epi64(_mm_loadu_si128((const __m128i *)(c0 + j)));
-        __m256i x1 = _mm256_cvtepu32_epi64(_mm_loadu_si128((const __m128i *)(c1 + j)));
-        __m256i x2 = _mm256_cvtepu32_epi64(_mm_loadu_si128((const __m128i *)(c2 + j)));
-        __m256i x3 = _mm256_set1_epi64x(c3);
+    for (; j + 8 <= n; j += 8) {
+        LOAD_GROUP(a, j)
+        LOAD_GROUP(b, j + 4)
         for (int r = 0; r < ROUNDS; r++) {
-            __m256i p0 = _mm256_mul_epu32(x0, m0), p1 = _mm256_mul_epu32(x2, m1);
-            x0 = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(p1, 32), x1), _mm256_set1_epi64x(rk[2 * r]));
-            x2 = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(p0, 32), x3), _mm256_set1_epi64x(rk[2 * r + 1]));
-            x1 = p1;
-            x3 = p0;
+            const __m256i k0 = _mm256_set1_epi64x(rk[2 * r]), k1 = _mm256_set1_epi64x(rk[2 * r + 1]);
+            ROUND_GROUP(a)
+            ROUND_GROUP(b)
         }
-        store_low_words(w0 + j, x0); store_low_words(w1 + j, x1);
-        store_low_words(w2 + j, x2); store_low_words(w3 + j, x3);
+        STORE_GROUP(a, j)
+        STORE_GROUP(b, j + 4)
     }
     philox_scalar(c0 + j, c1 + j, c2 + j, c3, rk, n - j, w0 + j, w1 + j, w2 + j, w3 + j);
 }
@@ -95,14 +110,13 @@ static inline float log_unit(float u) {
     int32_t bits = (int32_t)float_to_bits(u);
     int32_t e = (bits - 0x3F2AAAAB) >> 23;
     float f = bits_to_float((uint32_t)(bits - (e << 23))) - 1.0f;
-    float p = -0.12648257613182068f * f + 0.14005349576473236f;
-    p = p * f - 0.12240584194660187f;
-    p = p * f + 0.1400090754032135f;
-    p = p * f - 0.16676408052444458f;
-    p = p * f + 0.20010776817798615f;
-    p = p * f - 0.24999888241291046f;
-    p = p * f + 0.3333320617675781f;
-    float log1p_f = (f * f) * (f * p - 0.5f) + f;
+    /* P(f) = C0 + C1 f + ... + C7 f^7 by Estrin's scheme: pairs, then f^2 and f^4 (a short
+       dependency chain; Horner's would leave the vector units waiting on each step). */
+    float f2 = f * f, f4 = f2 * f2;
+    float p01 = 0.3333320617675781f + -0.24999888241291046f * f, p23 = 0.20010776817798615f + -0.16676408052444458f * f;
+    float p45 = 0.1400090754032135f + -0.12240584194660187f * f, p67 = 0.14005349576473236f + -0.12648257613182068f * f;
+    float p = (p01 + f2 * p23) + f4 * (p45 + f2 * p67);
+    float log1p_f = f2 * (f * p - 0.5f) + f;
     float ef = (float)e;
     return ef * 0.693145751953125f + (ef * 1.428606765330187e-06f + log1p_f);
 }
