@@ -43,6 +43,8 @@ class ESConfig:
     stochastic_rounding: bool = False
     # materialised / virtual: the whole population in one generate call (fastes.batched); member: one by one
     eval_mode: str = "materialised"
+    # materialised: members whose perturbed weights fit in this many MiB share a generate call (at least one)
+    materialise_mb: float = 128.0
     noise_type: str = "full"  # "lowrank": matrices get eps = A B^T / sqrt(rank) (EGGROLL-style)
     rank: int = 1
     noise: str = "gaussian"  # distribution of eps: "gaussian" or "rademacher" (+-1, docs/noise.md)
@@ -294,6 +296,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _require(es.shaping in SHAPINGS, "es.shaping", f"{es.shaping!r} is not one of {SHAPINGS}")
     _require(es.eval_mode in EVAL_MODES, "es.eval_mode", f"{es.eval_mode!r} is not one of {EVAL_MODES}")
     _require(
+        es.materialise_mb > 0 and math.isfinite(es.materialise_mb),
+        "es.materialise_mb",
+        f"must be a positive number of MiB, got {es.materialise_mb}",
+    )
+    _require(
         es.noise_type in ("full", "lowrank"), "es.noise_type", f"{es.noise_type!r}: choose full or lowrank"
     )
     _require(es.rank >= 1, "es.rank", f"must be at least 1, got {es.rank}")
@@ -416,6 +423,7 @@ HELP: dict[str, str] = {
     "es.weight_decay": "decoupled weight decay",
     "es.stochastic_rounding": "round bf16/fp16 updates stochastically (reproducibly)",
     "es.eval_mode": f"one of {', '.join(EVAL_MODES)}: how a generation is evaluated (virtual needs CUDA)",
+    "es.materialise_mb": "materialised mode: MiB of members' perturbed weights per generate call (>= 1)",
     "es.noise_type": "full, or lowrank (eps = A B^T / sqrt(rank) for matrices)",
     "es.rank": "rank of low-rank noise",
     "es.noise": "distribution of eps: gaussian, or rademacher (+-1 signs, cheaper; docs/noise.md 6a)",
