@@ -11,9 +11,11 @@ How it stays fast:
   four products; other CPUs get portable C that the compiler vectorises), Box-Muller on the tile's
   words, all in L1-sized tiles. Built with the system C compiler (cc, gcc or clang; $CC) for this
   CPU in well under a second, cached under `cache_dir()`, loaded with ctypes.
-- Counters (block index words and the tensor id of every block) are inputs, so any key, tensor and
-  size runs the same code: nothing is ever recompiled. Small tensors share a chunk of CHUNK lanes;
-  only the lanes in use are computed.
+- The input is a small table of tensor slices (first Philox block, first lane, blocks, tensor id); the
+  library makes every block's counter itself, so any key, tensor and size runs the same code (nothing
+  is ever rebuilt) and no per-element counters are held. Small tensors share a chunk of CHUNK lanes;
+  only the lanes in use are computed. Chunk-sized outputs go to reused per-thread buffers (a fresh
+  megabyte per chunk costs page faults comparable to the noise itself).
 - The update regenerates every direction's noise and sums it inside the library, tile by tile: one
   call per chunk, whatever the population; then each weight is read and written once.
 - Threads: each call is split into block ranges over torch.get_num_threads() Python threads (ctypes
@@ -32,6 +34,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -45,7 +48,6 @@ from . import noise
 
 CHUNK = 1 << 18  # elements per library call (1 MB of fp32): Python overhead per call stays small
 BLOCKS = CHUNK // 4  # Philox blocks per chunk
-_CACHED_PLAN_ELEMENTS = 1 << 22  # larger layouts build their counters per chunk instead of holding them
 
 Key = tuple[int, int]
 
@@ -67,8 +69,9 @@ SOURCE = Path(__file__).with_name("csrc") / "noise_cpu.c"
 _FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=off"]
 _ARCH_FLAGS = {"x86_64": ["-march=native"], "AMD64": ["-march=native"], "aarch64": ["-mcpu=native"]}
 _POINTER, _I64, _U32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32
-_FILL_ARGS = [_POINTER, _POINTER, _POINTER, _U32, _POINTER, _I64, _POINTER]
-_SUM_ARGS = [_POINTER, _POINTER, _POINTER, _U32, _POINTER, _POINTER, _I64, _I64, _POINTER]
+# (part table, parts, first lane block, end lane block, stream word, round keys, [weights, directions,] out)
+_FILL_ARGS = [_POINTER, _I64, _I64, _I64, _U32, _POINTER, _POINTER]
+_SUM_ARGS = [_POINTER, _I64, _I64, _I64, _U32, _POINTER, _POINTER, _I64, _POINTER]
 
 _library: ctypes.CDLL | None = None
 _unavailable: str | None = None  # why the library cannot be built here, once known
@@ -180,7 +183,7 @@ _pool: ThreadPoolExecutor | None = None
 
 
 def _parallel(call: Callable[[int, int], None], n_blocks: int) -> None:
-    """call(first, count) over [0, n_blocks) in up to torch.get_num_threads() contiguous ranges.
+    """call(lo, hi) over lane blocks [0, n_blocks) in up to torch.get_num_threads() contiguous ranges.
 
     ctypes releases the GIL during a foreign call, so Python threads run the library in parallel.
     """
@@ -192,16 +195,9 @@ def _parallel(call: Callable[[int, int], None], n_blocks: int) -> None:
     if _pool is None or _pool._max_workers < threads:
         _pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fastes-noise")
     step = -(-n_blocks // threads)
-    futures = [_pool.submit(call, first, min(step, n_blocks - first)) for first in range(0, n_blocks, step)]
-    for future in futures:
+    bounds = [(lo, min(lo + step, n_blocks)) for lo in range(0, n_blocks, step)]
+    for future in [_pool.submit(call, lo, hi) for lo, hi in bounds]:
         future.result()
-
-
-def _addresses(counters: torch.Tensor, first: int) -> tuple[int, int, int]:
-    """Addresses of block `first` in the three counter rows (c0, c1, tensor id)."""
-    step = counters.stride(0) * counters.element_size()
-    base = counters.data_ptr() + first * counters.element_size()
-    return base, base + step, base + 2 * step
 
 
 _FILL = {
@@ -211,17 +207,29 @@ _FILL = {
 }
 
 
-def _run(kind: str, counters: torch.Tensor, stream: int, keys: torch.Tensor, n_blocks: int) -> torch.Tensor:
-    """The first n_blocks counter blocks through the library: "normal" gives fp32 normals, "words" int32
-    raw words, "sign" fp32 Rademacher signs (counters of 128-element sign blocks); element order."""
+_scratch_buffers = threading.local()  # per calling thread: two threads running ES never share one
+
+
+def _scratch(kind: str, lanes: int) -> torch.Tensor:
+    """A reused buffer of `lanes` values for one kind of output ("words": int32, else fp32; "total" is the
+    update's sum). Allocating a fresh megabyte per chunk costs page faults comparable to the noise
+    itself; callers use a chunk's buffer before asking for the next one of its kind."""
+    buffers = _scratch_buffers.__dict__
+    if kind not in buffers:
+        buffers[kind] = torch.empty(CHUNK, dtype=torch.int32 if kind == "words" else torch.float32)
+    return buffers[kind][:lanes]
+
+
+def _run(kind: str, table: torch.Tensor, stream: int, keys: torch.Tensor, n_blocks: int) -> torch.Tensor:
+    """Lane blocks [0, n_blocks) of a chunk through the library: "normal" gives fp32 normals, "words"
+    int32 raw words, "sign" fp32 Rademacher signs (a table of 128-element sign blocks); lane order."""
     name, per_block = _FILL[kind]
     fill = getattr(_load(), name)
-    out = torch.empty(per_block * n_blocks, dtype=torch.int32 if kind == "words" else torch.float32)
-    bytes_per_block = per_block * out.element_size()
+    out = _scratch(kind, per_block * n_blocks)
+    stream_word = stream & noise.MASK32
 
-    def call(first: int, count: int) -> None:
-        out_address = out.data_ptr() + first * bytes_per_block
-        fill(*_addresses(counters, first), stream & noise.MASK32, keys.data_ptr(), count, out_address)
+    def call(lo: int, hi: int) -> None:
+        fill(table.data_ptr(), len(table), lo, hi, stream_word, keys.data_ptr(), out.data_ptr())
 
     _parallel(call, n_blocks)
     return out
@@ -229,29 +237,20 @@ def _run(kind: str, counters: torch.Tensor, stream: int, keys: torch.Tensor, n_b
 
 def _run_sum(
     kind: str,
-    counters: torch.Tensor,
+    table: torch.Tensor,
     keys: torch.Tensor,
     weights: torch.Tensor,
     total: torch.Tensor,
     n_blocks: int,
 ) -> None:
-    """total[: per_block * n_blocks] += sum_d weights[d] eps_d, directions in order (keys: [D, 10, 2])."""
-    name, per_block = ("fastes_signs_sum", noise.SIGN_BLOCK) if kind == "sign" else ("fastes_normals_sum", 4)
-    stream = noise.STREAM_SIGN if kind == "sign" else noise.STREAM_NOISE
+    """total[lanes] += sum_d weights[d] eps_d over lane blocks [0, n_blocks), in direction order (keys:
+    [D, 10, 2]); one call covers every direction."""
+    name, stream = ("fastes_signs_sum", noise.STREAM_SIGN) if kind == "sign" else ("fastes_normals_sum", 0)
     accumulate = getattr(_load(), name)
-    bytes_per_block = per_block * total.element_size()
 
-    def call(first: int, count: int) -> None:
-        out_address = total.data_ptr() + first * bytes_per_block
-        accumulate(
-            *_addresses(counters, first),
-            stream,
-            keys.data_ptr(),
-            weights.data_ptr(),
-            len(weights),
-            count,
-            out_address,
-        )
+    def call(lo: int, hi: int) -> None:
+        args = (keys.data_ptr(), weights.data_ptr(), len(weights), total.data_ptr())
+        accumulate(table.data_ptr(), len(table), lo, hi, stream, *args)
 
     _parallel(call, n_blocks)
 
@@ -277,43 +276,38 @@ def round_keys(key: Key) -> torch.Tensor:
 class _Piece:
     """One library call's worth of work: slices of one or more tensors packed into at most CHUNK lanes.
 
-    `parts` lists (tensor index, first element, element count, first lane); `lanes` is the number of
-    lanes used (whole blocks); `counters` is the [3, lanes / per_block] int32 input (block index low and
-    high words, tensor id), or None when built at use (large layouts).
+    `parts` lists (tensor index, first element, element count, first lane), packed from lane 0 without
+    gaps, each slice on a block boundary; `lanes` is the number of lanes used (whole blocks); `table` is
+    the library's part table for the plan's block size (see `_table`).
     """
 
     parts: tuple[tuple[int, int, int, int], ...]
     lanes: int
-    counters: torch.Tensor | None
-
-
-_BLOCK_INDEX = torch.arange(BLOCKS, dtype=torch.int32)
+    table: torch.Tensor
 
 
 def _blocks(n: int, per_block: int) -> int:
     return (n + per_block - 1) // per_block
 
 
-def _counters(
-    parts: Sequence[tuple[int, int, int, int]], tensor_ids: Sequence[int], per_block: int = 4
+def _table(
+    parts: Sequence[tuple[int, int, int, int]], tensor_ids: Sequence[int], per_block: int
 ) -> torch.Tensor:
-    """The [3, blocks] int32 counters of packed slices: block index low and high words and tensor id of
-    every block of `per_block` elements (4: normals and words; 128: signs). Slices are packed without
-    gaps from lane 0, each on a block boundary, so every block belongs to one slice."""
-    index, start, n, lane = parts[-1]
-    words = torch.empty(3, lane // per_block + _blocks(n, per_block), dtype=torch.int32)
+    """The library's [parts, 4] int64 table for blocks of `per_block` elements (4: normals and words;
+    128: signs): first block of the slice in its tensor (a uint64 carried as its int64 bit pattern: element
+    offsets reach 2^66), first lane block, number of blocks, tensor id."""
+    rows = []
     for index, start, n, lane in parts:
-        first, count, block = lane // per_block, _blocks(n, per_block), start // per_block
-        low, high = block & noise.MASK32, block >> 32
-        if low + count <= 1 << 32:  # int32 addition wraps like uint32: the low words, exactly
-            torch.add(_BLOCK_INDEX[:count], _int32(low), out=words[0, first : first + count])
-            words[1, first : first + count] = _int32(high)
-        else:  # the range crosses a multiple of 2^32 blocks: the high word steps inside it
-            blocks = _BLOCK_INDEX[:count].to(torch.int64) + block
-            words[0, first : first + count] = (blocks & noise.MASK32).to(torch.int32)
-            words[1, first : first + count] = (blocks >> 32).to(torch.int32)
-        words[2, first : first + count] = _int32(tensor_ids[index])
-    return words
+        block = start // per_block
+        rows.append(
+            (
+                block - (1 << 64) if block >= 1 << 63 else block,
+                lane // per_block,
+                _blocks(n, per_block),
+                tensor_ids[index],
+            )
+        )
+    return torch.tensor(rows, dtype=torch.int64)
 
 
 _plans: OrderedDict = OrderedDict()  # the last few plans, keyed by layout
@@ -330,14 +324,12 @@ def plan(numels: Sequence[int], tensor_ids: Sequence[int], per_block: int = 4) -
     if signature in _plans:
         _plans.move_to_end(signature)
         return _plans[signature]
-    keep_counters = sum(numels) <= _CACHED_PLAN_ELEMENTS  # counters cost 3 bytes per element
     pieces: list[_Piece] = []
     parts: list[tuple[int, int, int, int]] = []
     used = 0  # lanes used in the current chunk (whole blocks)
 
     def flush() -> None:
-        counters = _counters(parts, tensor_ids, per_block) if keep_counters else None
-        pieces.append(_Piece(tuple(parts), used, counters))
+        pieces.append(_Piece(tuple(parts), used, _table(parts, tensor_ids, per_block)))
         parts.clear()
 
     for index, numel in enumerate(numels):
@@ -357,18 +349,11 @@ def plan(numels: Sequence[int], tensor_ids: Sequence[int], per_block: int = 4) -
     return pieces
 
 
-def _piece_counters(piece: _Piece, tensor_ids: Sequence[int], per_block: int = 4) -> torch.Tensor:
-    return piece.counters if piece.counters is not None else _counters(piece.parts, tensor_ids, per_block)
-
-
-def _noise_chunk(
-    noise_kind: str, piece: _Piece, tensor_ids: Sequence[int], keys: torch.Tensor
-) -> torch.Tensor:
+def _noise_chunk(noise_kind: str, piece: _Piece, keys: torch.Tensor) -> torch.Tensor:
     """eps of distribution `noise_kind` for the lanes of a chunk planned with its block size."""
     if noise_kind == "rademacher":
-        counters = _piece_counters(piece, tensor_ids, noise.SIGN_BLOCK)
-        return _run("sign", counters, noise.STREAM_SIGN, keys, piece.lanes // noise.SIGN_BLOCK)
-    return _run("normal", _piece_counters(piece, tensor_ids), noise.STREAM_NOISE, keys, piece.lanes // 4)
+        return _run("sign", piece.table, noise.STREAM_SIGN, keys, piece.lanes // noise.SIGN_BLOCK)
+    return _run("normal", piece.table, noise.STREAM_NOISE, keys, piece.lanes // 4)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -385,7 +370,7 @@ def _stream_chunks(kind: str, key: Key, tensor_id: int, numel: int, offset: int,
     keys = round_keys(key)
     for start in range(0, total, CHUNK):
         n = min(CHUNK, total - start)
-        lanes = _run(kind, _counters([(0, first + start, n, 0)], [tensor_id]), stream, keys, _blocks(n, 4))
+        lanes = _run(kind, _table([(0, first + start, n, 0)], [tensor_id], 4), stream, keys, _blocks(n, 4))
         # chunk element i is stream element first + start + i; out[j] is stream element offset + j
         lo, hi = max(first + start, offset), first + start + n
         values = lanes[lo - first - start : hi - first - start]
@@ -426,7 +411,7 @@ def perturb(
     """dst = (float32(src) + scale * eps(key, tensor id)) rounded to the tensor's dtype, chunk by chunk."""
     keys = round_keys(key)
     for piece in plan([t.numel() for t in sources], tensor_ids, noise.elements_per_block(noise_kind)):
-        eps = _noise_chunk(noise_kind, piece, tensor_ids, keys)
+        eps = _noise_chunk(noise_kind, piece, keys)
         for index, start, n, lane in piece.parts:
             src = sources[index].view(-1)[start : start + n]
             dst = destinations[index].view(-1)[start : start + n]
@@ -459,17 +444,15 @@ def es_update(
     rounding = None if rounding_key is None or grads is not None else round_keys(rounding_key)
     per_block = noise.elements_per_block(noise_kind)
     for piece in plan([p.numel() for p in params], tensor_ids, per_block):
-        total = torch.zeros(piece.lanes, dtype=torch.float32)
+        total = _scratch("total", piece.lanes).zero_()
         kind = "sign" if noise_kind == "rademacher" else "normal"
-        counters = _piece_counters(piece, tensor_ids, per_block)
-        _run_sum(kind, counters, schedules, weight_column, total, piece.lanes // per_block)
+        _run_sum(kind, piece.table, schedules, weight_column, total, piece.lanes // per_block)
         u = None
         if rounding is not None and any(params[i].dtype != torch.float32 for i, *_ in piece.parts):
-            # The rounding stream has 4 elements per block; sign pieces' lanes are 128-aligned, so
-            # 4-block counters at the same lanes give each element its uniform.
-            if noise_kind == "rademacher":
-                counters = _counters(piece.parts, tensor_ids)
-            words = _run("words", counters, noise.STREAM_ROUNDING, rounding, piece.lanes // 4)
+            # The rounding stream has 4 elements per block; sign pieces' lanes are 128-aligned, so a
+            # 4-element table at the same lanes gives each element its uniform.
+            table = _table(piece.parts, tensor_ids, 4) if noise_kind == "rademacher" else piece.table
+            words = _run("words", table, noise.STREAM_ROUNDING, rounding, piece.lanes // 4)
             u = noise._uniform(words.to(torch.int64) & noise.MASK32)
         for index, start, n, lane in piece.parts:
             param = params[index]

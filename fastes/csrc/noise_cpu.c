@@ -3,9 +3,12 @@
    The same stream as fastes/noise.py (the torch reference) and docs/noise.md, compiled once per
    machine by fastes/compiled.py and called through ctypes on tiles of counter blocks.
 
-   Every function takes the counters of `n` Philox blocks as three arrays (c0, c1: the block index
-   words; c2: the tensor id of each block), the stream word c3, and the 20 round keys of the member
-   (round r uses rk[2r], rk[2r + 1]). Callers split work across threads by block ranges.
+   Every exported function works on a range of "lane blocks" [lo, hi) of a packed chunk described by a
+   table of parts, one row per tensor slice: (first Philox block of the slice in its tensor, first lane
+   block of the slice in the chunk, number of blocks, tensor id). A block's counter is (block index low
+   and high words, tensor id, stream c3); the 20 round keys of the member come as rk (round r uses
+   rk[2r], rk[2r + 1]). Output is written at out + (values per block) * lane block. Callers split
+   [0, blocks) across threads.
 
    Numerics: integer arithmetic is exact, so words, uniforms and signs equal the reference bit for
    bit. Normals use the branch-free ln / cos / sin of the Triton kernels (kernels/philox.py), written
@@ -169,66 +172,114 @@ static void signs_tile(const uint32_t *c0, const uint32_t *c1, const uint32_t *c
 }
 
 /* ------------------------------------------------------------------------------------------- */
-/* Exported: whole ranges of blocks, tile by tile                                               */
+/* Tiles of a packed chunk: counters made from the part table                                   */
 /* ------------------------------------------------------------------------------------------- */
 
-typedef void (*tile_fn)(const uint32_t *, const uint32_t *, const uint32_t *, uint32_t, const uint32_t *,
-                        int64_t, float *);
+typedef struct {
+    uint32_t c3;
+    const uint32_t *round_keys; /* 20 per direction */
+    const float *weights;       /* per direction (sums only) */
+    int64_t n_directions;
+    void *out;
+} job_t;
 
-static void fill(tile_fn tile, int per_block, const uint32_t *c0, const uint32_t *c1, const uint32_t *c2,
-                 uint32_t c3, const uint32_t *rk, int64_t n, float *out) {
-    for (int64_t t = 0; t < n; t += TILE) {
-        int64_t m = n - t < TILE ? n - t : TILE;
-        tile(c0 + t, c1 + t, c2 + t, c3, rk, m, out + per_block * t);
-    }
-}
+/* Work on one tile of m blocks (counters c0, c1, c2) whose first lane block is `lane_block`. */
+typedef void (*tile_fn)(const job_t *job, const uint32_t *c0, const uint32_t *c1, const uint32_t *c2, int64_t m,
+                        int64_t lane_block);
 
-/* out += sum_d weights[d] * eps_d in direction order (fp32, one rounding per product and per sum). */
-static void accumulate(tile_fn tile, int per_block, const uint32_t *c0, const uint32_t *c1,
-                       const uint32_t *c2, uint32_t c3, const uint32_t *round_keys, const float *weights,
-                       int64_t n_directions, int64_t n, float *out) {
-    float eps[4 * TILE];
-    int64_t tile_blocks = 4 * TILE / per_block; /* TILE blocks of normals, TILE / 32 of signs */
-    for (int64_t t = 0; t < n; t += tile_blocks) {
-        int64_t m = n - t < tile_blocks ? n - t : tile_blocks;
-        float *dst = out + per_block * t;
-        for (int64_t d = 0; d < n_directions; d++) {
-            tile(c0 + t, c1 + t, c2 + t, c3, round_keys + 2 * ROUNDS * d, m, eps);
-            const float w = weights[d];
-            for (int64_t i = 0; i < per_block * m; i++) dst[i] = dst[i] + w * eps[i];
+static void for_each_tile(const int64_t *table, int64_t n_parts, int64_t lo, int64_t hi, int64_t tile,
+                          tile_fn work, const job_t *job) {
+    uint32_t c0[TILE], c1[TILE], c2[TILE];
+    for (int64_t p = 0; p < n_parts; p++) {
+        const int64_t *row = table + 4 * p; /* first block, first lane block, blocks, tensor id */
+        int64_t start = lo > row[1] ? lo : row[1], end = hi < row[1] + row[2] ? hi : row[1] + row[2];
+        for (int64_t t = start; t < end; t += tile) {
+            int64_t m = end - t < tile ? end - t : tile;
+            uint64_t first = (uint64_t)row[0] + (uint64_t)(t - row[1]); /* block indices are 64-bit */
+            for (int64_t j = 0; j < m; j++) {
+                c0[j] = (uint32_t)(first + (uint64_t)j);
+                c1[j] = (uint32_t)((first + (uint64_t)j) >> 32);
+                c2[j] = (uint32_t)row[3];
+            }
+            work(job, c0, c1, c2, m, t);
         }
     }
 }
 
-void fastes_words(const uint32_t *c0, const uint32_t *c1, const uint32_t *c2, uint32_t c3, const uint32_t *rk,
-                  int64_t n, uint32_t *out) {
-    uint32_t w[4][TILE];
-    for (int64_t t = 0; t < n; t += TILE) {
-        int64_t m = n - t < TILE ? n - t : TILE;
-        philox(c0 + t, c1 + t, c2 + t, c3, rk, m, w[0], w[1], w[2], w[3]);
-        for (int64_t j = 0; j < m; j++)
-            for (int v = 0; v < 4; v++) out[4 * (t + j) + v] = w[v][j];
+static void words_work(const job_t *job, const uint32_t *c0, const uint32_t *c1, const uint32_t *c2, int64_t m,
+                       int64_t lane_block) {
+    uint32_t w[4][TILE], *out = (uint32_t *)job->out + 4 * lane_block;
+    philox(c0, c1, c2, job->c3, job->round_keys, m, w[0], w[1], w[2], w[3]);
+    for (int64_t j = 0; j < m; j++)
+        for (int v = 0; v < 4; v++) out[4 * j + v] = w[v][j];
+}
+
+static void normals_work(const job_t *job, const uint32_t *c0, const uint32_t *c1, const uint32_t *c2, int64_t m,
+                         int64_t lane_block) {
+    normals_tile(c0, c1, c2, job->c3, job->round_keys, m, (float *)job->out + 4 * lane_block);
+}
+
+static void signs_work(const job_t *job, const uint32_t *c0, const uint32_t *c1, const uint32_t *c2, int64_t m,
+                       int64_t lane_block) {
+    signs_tile(c0, c1, c2, job->c3, job->round_keys, m, (float *)job->out + 128 * lane_block);
+}
+
+/* out += sum_d weights[d] * eps_d in direction order (fp32, one rounding per product and per sum):
+   each direction's noise for the tile, then its weighted add while the tile's sum is in L1. */
+static void sum_work(const job_t *job, const uint32_t *c0, const uint32_t *c1, const uint32_t *c2, int64_t m,
+                     int64_t lane_block, int per_block) {
+    float eps[4 * TILE], *out = (float *)job->out + per_block * lane_block;
+    for (int64_t d = 0; d < job->n_directions; d++) {
+        const uint32_t *rk = job->round_keys + 2 * ROUNDS * d;
+        if (per_block == 4)
+            normals_tile(c0, c1, c2, job->c3, rk, m, eps);
+        else
+            signs_tile(c0, c1, c2, job->c3, rk, m, eps);
+        const float w = job->weights[d];
+        for (int64_t i = 0; i < per_block * m; i++) out[i] = out[i] + w * eps[i];
     }
 }
 
-void fastes_normals(const uint32_t *c0, const uint32_t *c1, const uint32_t *c2, uint32_t c3, const uint32_t *rk,
-                    int64_t n, float *out) {
-    fill(normals_tile, 4, c0, c1, c2, c3, rk, n, out);
+static void normals_sum_work(const job_t *job, const uint32_t *c0, const uint32_t *c1, const uint32_t *c2,
+                             int64_t m, int64_t lane_block) {
+    sum_work(job, c0, c1, c2, m, lane_block, 4);
 }
 
-void fastes_signs(const uint32_t *c0, const uint32_t *c1, const uint32_t *c2, uint32_t c3, const uint32_t *rk,
-                  int64_t n, float *out) {
-    fill(signs_tile, 128, c0, c1, c2, c3, rk, n, out);
+static void signs_sum_work(const job_t *job, const uint32_t *c0, const uint32_t *c1, const uint32_t *c2,
+                           int64_t m, int64_t lane_block) {
+    sum_work(job, c0, c1, c2, m, lane_block, 128);
 }
 
-void fastes_normals_sum(const uint32_t *c0, const uint32_t *c1, const uint32_t *c2, uint32_t c3,
-                        const uint32_t *round_keys, const float *weights, int64_t n_directions, int64_t n,
-                        float *out) {
-    accumulate(normals_tile, 4, c0, c1, c2, c3, round_keys, weights, n_directions, n, out);
+/* ------------------------------------------------------------------------------------------- */
+/* Exported                                                                                     */
+/* ------------------------------------------------------------------------------------------- */
+
+void fastes_words(const int64_t *table, int64_t n_parts, int64_t lo, int64_t hi, uint32_t c3, const uint32_t *rk,
+                  uint32_t *out) {
+    job_t job = {c3, rk, 0, 1, out};
+    for_each_tile(table, n_parts, lo, hi, TILE, words_work, &job);
 }
 
-void fastes_signs_sum(const uint32_t *c0, const uint32_t *c1, const uint32_t *c2, uint32_t c3,
-                      const uint32_t *round_keys, const float *weights, int64_t n_directions, int64_t n,
-                      float *out) {
-    accumulate(signs_tile, 128, c0, c1, c2, c3, round_keys, weights, n_directions, n, out);
+void fastes_normals(const int64_t *table, int64_t n_parts, int64_t lo, int64_t hi, uint32_t c3,
+                    const uint32_t *rk, float *out) {
+    job_t job = {c3, rk, 0, 1, out};
+    for_each_tile(table, n_parts, lo, hi, TILE, normals_work, &job);
+}
+
+void fastes_signs(const int64_t *table, int64_t n_parts, int64_t lo, int64_t hi, uint32_t c3, const uint32_t *rk,
+                  float *out) {
+    job_t job = {c3, rk, 0, 1, out};
+    for_each_tile(table, n_parts, lo, hi, TILE, signs_work, &job);
+}
+
+void fastes_normals_sum(const int64_t *table, int64_t n_parts, int64_t lo, int64_t hi, uint32_t c3,
+                        const uint32_t *round_keys, const float *weights, int64_t n_directions, float *out) {
+    job_t job = {c3, round_keys, weights, n_directions, out};
+    for_each_tile(table, n_parts, lo, hi, TILE, normals_sum_work, &job);
+}
+
+void fastes_signs_sum(const int64_t *table, int64_t n_parts, int64_t lo, int64_t hi, uint32_t c3,
+                      const uint32_t *round_keys, const float *weights, int64_t n_directions, float *out) {
+    job_t job = {c3, round_keys, weights, n_directions, out};
+    for_each_tile(table, n_parts, lo, hi, TILE / 32, signs_sum_work, &job); /* 4 * TILE signs: the eps buffer */
 }
