@@ -224,30 +224,42 @@ static void signs_work(const job_t *job, const uint32_t *c0, const uint32_t *c1,
     signs_tile(c0, c1, c2, job->c3, job->round_keys, m, (float *)job->out + 128 * lane_block);
 }
 
-/* out += sum_d weights[d] * eps_d in direction order (fp32, one rounding per product and per sum):
-   each direction's noise for the tile, then its weighted add while the tile's sum is in L1. */
-static void sum_work(const job_t *job, const uint32_t *c0, const uint32_t *c1, const uint32_t *c2, int64_t m,
-                     int64_t lane_block, int per_block) {
-    float eps[4 * TILE], *out = (float *)job->out + per_block * lane_block;
-    for (int64_t d = 0; d < job->n_directions; d++) {
-        const uint32_t *rk = job->round_keys + 2 * ROUNDS * d;
-        if (per_block == 4)
-            normals_tile(c0, c1, c2, job->c3, rk, m, eps);
-        else
-            signs_tile(c0, c1, c2, job->c3, rk, m, eps);
-        const float w = job->weights[d];
-        for (int64_t i = 0; i < per_block * m; i++) out[i] = out[i] + w * eps[i];
-    }
-}
+/* out += sum_d weights[d] * eps_d in direction order (fp32, one rounding per product and per sum).
 
+   Normals: each direction's Box-Muller output is added into four lane-major sums (lane k of block j at
+   sum[k][j]: contiguous, no interleaving per direction), interleaved into out once per tile. Signs:
+   each direction's tile of signs, then its weighted add. Either way the tile's sum stays in L1. */
 static void normals_sum_work(const job_t *job, const uint32_t *c0, const uint32_t *c1, const uint32_t *c2,
                              int64_t m, int64_t lane_block) {
-    sum_work(job, c0, c1, c2, m, lane_block, 4);
+    uint32_t x[4][TILE];
+    float sum[4][TILE], *out = (float *)job->out + 4 * lane_block;
+    for (int64_t j = 0; j < m; j++)
+        for (int k = 0; k < 4; k++) sum[k][j] = out[4 * j + k];
+    for (int64_t d = 0; d < job->n_directions; d++) {
+        philox(c0, c1, c2, job->c3, job->round_keys + 2 * ROUNDS * d, m, x[0], x[1], x[2], x[3]);
+        const float w = job->weights[d];
+        for (int64_t j = 0; j < m; j++) {
+            float e0, e1, e2, e3;
+            box_muller(x[0][j], x[1][j], &e0, &e1);
+            box_muller(x[2][j], x[3][j], &e2, &e3);
+            sum[0][j] = sum[0][j] + w * e0;
+            sum[1][j] = sum[1][j] + w * e1;
+            sum[2][j] = sum[2][j] + w * e2;
+            sum[3][j] = sum[3][j] + w * e3;
+        }
+    }
+    for (int64_t j = 0; j < m; j++)
+        for (int k = 0; k < 4; k++) out[4 * j + k] = sum[k][j];
 }
 
 static void signs_sum_work(const job_t *job, const uint32_t *c0, const uint32_t *c1, const uint32_t *c2,
                            int64_t m, int64_t lane_block) {
-    sum_work(job, c0, c1, c2, m, lane_block, 128);
+    float eps[4 * TILE], *out = (float *)job->out + 128 * lane_block;
+    for (int64_t d = 0; d < job->n_directions; d++) {
+        signs_tile(c0, c1, c2, job->c3, job->round_keys + 2 * ROUNDS * d, m, eps);
+        const float w = job->weights[d];
+        for (int64_t i = 0; i < 128 * m; i++) out[i] = out[i] + w * eps[i];
+    }
 }
 
 /* ------------------------------------------------------------------------------------------- */
