@@ -185,18 +185,21 @@ _pool: ThreadPoolExecutor | None = None
 def _parallel(call: Callable[[int, int], None], n_blocks: int) -> None:
     """call(lo, hi) over lane blocks [0, n_blocks) in up to torch.get_num_threads() contiguous ranges.
 
-    ctypes releases the GIL during a foreign call, so Python threads run the library in parallel.
+    ctypes releases the GIL during a foreign call, so Python threads run the library in parallel; the
+    calling thread takes the first range itself.
     """
     global _pool
     threads = min(torch.get_num_threads(), n_blocks // _MIN_BLOCKS_PER_THREAD)
     if threads <= 1:
         call(0, n_blocks)
         return
-    if _pool is None or _pool._max_workers < threads:
-        _pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fastes-noise")
+    if _pool is None or _pool._max_workers < threads - 1:
+        _pool = ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="fastes-noise")
     step = -(-n_blocks // threads)
     bounds = [(lo, min(lo + step, n_blocks)) for lo in range(0, n_blocks, step)]
-    for future in [_pool.submit(call, lo, hi) for lo, hi in bounds]:
+    futures = [_pool.submit(call, lo, hi) for lo, hi in bounds[1:]]
+    call(*bounds[0])
+    for future in futures:
         future.result()
 
 
