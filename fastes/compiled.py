@@ -223,12 +223,20 @@ def _scratch(kind: str, lanes: int) -> torch.Tensor:
     return buffers[kind][:lanes]
 
 
-def _run(kind: str, table: torch.Tensor, stream: int, keys: torch.Tensor, n_blocks: int) -> torch.Tensor:
+def _run(
+    kind: str,
+    table: torch.Tensor,
+    stream: int,
+    keys: torch.Tensor,
+    n_blocks: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Lane blocks [0, n_blocks) of a chunk through the library: "normal" gives fp32 normals, "words"
-    int32 raw words, "sign" fp32 Rademacher signs (a table of 128-element sign blocks); lane order."""
+    int32 raw words, "sign" fp32 Rademacher signs (a table of 128-element sign blocks); lane order.
+    Written into `out` when given (contiguous, of the right dtype and size), else a scratch buffer."""
     name, per_block = _FILL[kind]
     fill = getattr(_load(), name)
-    out = _scratch(kind, per_block * n_blocks)
+    out = _scratch(kind, per_block * n_blocks) if out is None else out
     stream_word = stream & noise.MASK32
 
     def call(lo: int, hi: int) -> None:
@@ -373,7 +381,11 @@ def _stream_chunks(kind: str, key: Key, tensor_id: int, numel: int, offset: int,
     keys = round_keys(key)
     for start in range(0, total, CHUNK):
         n = min(CHUNK, total - start)
-        lanes = _run(kind, _table([(0, first + start, n, 0)], [tensor_id], 4), stream, keys, _blocks(n, 4))
+        table = _table([(0, first + start, n, 0)], [tensor_id], 4)
+        if kind == "normal" and first == offset and n % 4 == 0:  # whole blocks, in place: no copy
+            _run(kind, table, stream, keys, n // 4, out[start : start + n])
+            continue
+        lanes = _run(kind, table, stream, keys, _blocks(n, 4))
         # chunk element i is stream element first + start + i; out[j] is stream element offset + j
         lo, hi = max(first + start, offset), first + start + n
         values = lanes[lo - first - start : hi - first - start]
