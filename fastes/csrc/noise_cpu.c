@@ -11,9 +11,11 @@
    [0, blocks) across threads.
 
    Numerics: integer arithmetic is exact, so words, uniforms and signs equal the reference bit for
-   bit. Normals use the branch-free ln / cos / sin of the Triton kernels (kernels/philox.py), written
-   without fused multiply-adds (compiled with -ffp-contract=off), so they are the same on every CPU,
-   and within ~5e-7 of the reference's torch.log / cos / sin. */
+   bit. Normals use the branch-free ln / cos / sin of the Triton kernels (kernels/philox.py) with the
+   same explicit fused multiply-adds (C's fmaf is exactly rounded by definition: one instruction where
+   the CPU has FMA, a slower library call where it has not, the same bits either way), and nothing
+   else is contracted (-ffp-contract=off), so the normals are the same on every CPU and within 2 fp32
+   ulps (~1e-6) of the reference's torch.log / cos / sin. */
 
 #include <stdint.h>
 #include <string.h>
@@ -108,7 +110,7 @@ static inline uint32_t float_to_bits(float f) { uint32_t b; memcpy(&b, &f, 4); r
 static inline float uniform(uint32_t word) { return bits_to_float((word >> 9) | 0x3F800000u) - (1.0f - 0x1p-24f); }
 
 /* ln(u) for u in [2^-24, 1): u = 2^e (1 + f) with 1 + f in [2/3, 4/3) (exact), ln(1 + f) by the
-   kernels' degree-10 polynomial, e ln 2 with ln 2 split so that e * LN2_HI is exact. */
+   kernels' degree-10 polynomial, plus e ln 2. */
 static inline float log_unit(float u) {
     int32_t bits = (int32_t)float_to_bits(u);
     int32_t e = (bits - 0x3F2AAAAB) >> 23;
@@ -116,26 +118,28 @@ static inline float log_unit(float u) {
     /* P(f) = C0 + C1 f + ... + C7 f^7 by Estrin's scheme: pairs, then f^2 and f^4 (a short
        dependency chain; Horner's would leave the vector units waiting on each step). */
     float f2 = f * f, f4 = f2 * f2;
-    float p01 = 0.3333320617675781f + -0.24999888241291046f * f, p23 = 0.20010776817798615f + -0.16676408052444458f * f;
-    float p45 = 0.1400090754032135f + -0.12240584194660187f * f, p67 = 0.14005349576473236f + -0.12648257613182068f * f;
-    float p = (p01 + f2 * p23) + f4 * (p45 + f2 * p67);
-    float log1p_f = f2 * (f * p - 0.5f) + f;
-    float ef = (float)e;
-    return ef * 0.693145751953125f + (ef * 1.428606765330187e-06f + log1p_f);
+    float p01 = fmaf(-0.24999888241291046f, f, 0.3333320617675781f);
+    float p23 = fmaf(-0.16676408052444458f, f, 0.20010776817798615f);
+    float p45 = fmaf(-0.12240584194660187f, f, 0.1400090754032135f);
+    float p67 = fmaf(-0.12648257613182068f, f, 0.14005349576473236f);
+    float p = fmaf(f4, fmaf(f2, p67, p45), fmaf(f2, p23, p01));
+    float log1p_f = fmaf(f2, fmaf(f, p, -0.5f), f);
+    return fmaf((float)e, 0.6931471805599453f, log1p_f);
 }
 
 /* cos and sin of an angle in [0, 2 pi]: a = n pi/2 + r with n = round(a 2/pi) (by adding 1.5 2^23),
-   r = a - n pi/2 with pi/2 in three parts of <= 21 bits (each n * part exact for n <= 4), then the
-   kernels' minimax polynomials on [-pi/4, pi/4] and the quadrant's swap and signs. */
+   r = a - n pi/2 exactly (two fused multiply-adds with pi/2 split in two), then the kernels' minimax
+   polynomials on [-pi/4, pi/4] and the quadrant's swap and signs. */
 static inline void cos_sin(float a, float *cos_a, float *sin_a) {
-    float shifted = a * 0.63661975f + 12582912.0f;
+    float shifted = fmaf(a, 0.63661975f, 12582912.0f);
     uint32_t q = float_to_bits(shifted); /* n in the low bits */
     float n = shifted - 12582912.0f;
-    float r = (a - n * 1.570796012878418f) - n * 3.139164164167596e-07f - n * 6.217248937900877e-14f;
+    float r = fmaf(-n, 1.5707963705062866f, a);
+    r = fmaf(-n, -4.371139000186243e-08f, r);
     float z = r * r;
-    float sin_r = (r * z) * ((-1.9515295891e-4f * z + 8.3321608736e-3f) * z - 1.6666654611e-1f) + r;
-    float cos_r = (z * z) * ((2.443315711809948e-5f * z - 1.388731625493765e-3f) * z + 4.166664568298827e-2f)
-                  + (1.0f - 0.5f * z);
+    float sin_r = fmaf(r * z, fmaf(fmaf(-1.9515295891e-4f, z, 8.3321608736e-3f), z, -1.6666654611e-1f), r);
+    float cos_r = fmaf(z * z, fmaf(fmaf(2.443315711809948e-5f, z, -1.388731625493765e-3f), z, 4.166664568298827e-2f),
+                       fmaf(z, -0.5f, 1.0f));
     float c = (q & 1) ? sin_r : cos_r, s = (q & 1) ? cos_r : sin_r;
     *cos_a = ((q + 1) & 2) ? -c : c;
     *sin_a = (q & 2) ? -s : s;
