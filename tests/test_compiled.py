@@ -190,6 +190,29 @@ def test_thread_count_does_not_change_the_noise(monkeypatch):
     assert all(torch.equal(x, y) for other in results[1:] for x, y in zip(results[0], other))
 
 
+def test_portable_build_gives_the_same_bits(monkeypatch, tmp_path):
+    """Without -march=native (no AVX2 Philox path; fmaf without FMA instructions) every output is the
+    same bits as this machine's native build: results do not depend on the CPU."""
+    key, tid = noise.member_key(9, 1, 4), noise.tensor_id("portable.weight")
+    params = make_tensors(torch.bfloat16, 5, [(3, 333), (4097,)])
+    keys, weights = [noise.member_key(9, 1, j) for j in range(3)], [0.5, -1.0, 0.25]
+
+    def outputs():
+        updated = [t.clone() for t in params]
+        ops.es_update(updated, IDS[:2], keys, weights, coef=0.1, rounding_key=(3, 4), backend="cpu")
+        signs = [t.float() for t in params]
+        ops.es_update(signs, IDS[:2], keys, weights, coef=0.1, noise_kind="rademacher", backend="cpu")
+        return [compiled.normal(key, tid, 70_001, offset=5), compiled.words(key, tid, 999), *updated, *signs]
+
+    native = outputs()
+    monkeypatch.setattr(compiled, "_ARCH_FLAGS", {})
+    monkeypatch.setattr(compiled, "_library", None)
+    monkeypatch.setenv("FASTES_CACHE_DIR", str(tmp_path))
+    portable = outputs()
+    assert compiled._load()._name.startswith(str(tmp_path))  # really the portable build
+    assert all(torch.equal(a, b) for a, b in zip(native, portable))
+
+
 def test_library_is_built_once_per_machine_and_reused(tmp_path):
     """Any tensor size, key or process reuses the one cached build: nothing is compiled per shape."""
     code = (
