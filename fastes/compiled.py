@@ -157,8 +157,9 @@ def _load() -> ctypes.CDLL:
             _unavailable = f"{type(error).__name__}: {error}"
             warnings.warn(
                 f"fastes: the compiled CPU backend is unavailable ({_unavailable}); using the eager torch "
-                "reference, which is several times slower. Install a C compiler (gcc or clang, or set CC) "
-                "to enable it, or pass backend='torch' to silence this warning.",
+                "reference, which is several times slower. Install a C compiler (gcc or clang, or set CC; "
+                "builds go to $FASTES_CACHE_DIR, default ~/.cache/fastes, which must be writable) to "
+                "enable it, or pass backend='torch' to silence this warning.",
                 RuntimeWarning,
                 stacklevel=4,
             )
