@@ -281,6 +281,7 @@ def markdown(data: dict, plot_name: str | None) -> str:
                 ],
                 rows,
             )
+            lines += _iteration_bound(r)
             if "fastes-lowrank" in r:
                 lines += [
                     "fastes-lowrank evaluates rank-1 low-rank noise (a different perturbation), the "
@@ -381,11 +382,29 @@ def _step_md(records: list[dict]) -> list[str]:
         ]
         if "compile_cold_s" in r:
             lines += [
-                f"First compiled call in a fresh process: {r['compile_cold_s']:.1f} s with an empty inductor "
-                f"cache, {r['compile_warm_s']:.1f} s with the cache it left (imports excluded).",
+                f"First compiled call in a fresh process: {r['compile_cold_s']:.2f} s with an empty build "
+                f"cache (it builds the C library), {r['compile_warm_s']:.3f} s with the build it left "
+                "(imports excluded).",
                 "",
             ]
     return lines
+
+
+def _iteration_bound(r: dict) -> list[str]:
+    """What bounds the whole-iteration speedup: generation, split from the ES work by the baselines."""
+    needed = ("fastes", "naive", "generate-only", "batched-inference")
+    if not all(k in r for k in needed):
+        return []
+    naive, fastes = r["naive"]["median_s"], r["fastes"]["median_s"]
+    generate, batched = r["generate-only"]["median_s"], r["batched-inference"]["median_s"]
+    return [
+        f"What bounds it: the naive loop spends {generate / naive:.0%} of its time in its N `generate` "
+        f"calls; one batched generate call over all members x prompts takes {_ms(batched)}, so even with "
+        f"free ES work batching can reach at most {naive / batched:.2f}x the naive loop. fastes spends "
+        f"{_ms(max(fastes - batched, 0.0))} per iteration beyond that plain batched call (noise, "
+        f"population layers, scoring, update): {1 - min(batched / fastes, 1.0):.0%} of its iteration.",
+        "",
+    ]
 
 
 def ratio_text(baseline: float, value: float) -> str:

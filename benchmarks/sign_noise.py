@@ -48,7 +48,7 @@ def layouts(quick: bool) -> dict[str, list[int]]:
 
 
 # The CPU backends: the compiled one (fastes/compiled.py) where it exists, and the eager reference.
-BACKENDS = [b for b in ("inductor", "torch") if b in ops.BACKENDS]
+BACKENDS = [b for b in ("cpu", "torch") if b in ops.BACKENDS]
 
 
 def perturb_call(params: list, work: list, ids: list, kind: str, backend: str) -> Callable[[], None]:
@@ -258,7 +258,7 @@ def report(results: dict) -> str:
         "",
         "Machine shared with other jobs; every ratio is measured in one run, the two noises interleaved.",
         "",
-        "## CPU throughput (1 thread, fp32; inductor: the compiled CPU backend, torch: the reference)",
+        "## CPU throughput (1 thread, fp32; cpu: the compiled CPU backend, torch: the reference)",
         "",
         "| layout | backend | op | gaussian | rademacher | sign speedup |",
         "|---|---|---|---|---|---|",

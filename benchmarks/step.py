@@ -8,7 +8,7 @@ negligible cost. Variants, timed side by side in one run:
 - member: one member's perturb + exact restore (`with member:`) vs naive perturb + restore, and the
   same member on the eager reference backend;
 - update: `fastes.ops.es_update` over 30 directions vs the naive 30-pass update.
-Compile: a fresh process with an empty inductor cache times its first compiled call (cold), a second
+Compile: a fresh process with an empty build cache times its first compiled call (cold), a second
 process with that cache does it again (warm). Memory: a fresh process reports the peak RSS of one ES
 step beyond the weights, over the evolved bytes (the work buffer alone is 1x).
 
@@ -94,10 +94,10 @@ def step_variants(
 
 
 def _child(spec: dict, cache_dir: str | None = None) -> dict:
-    """Run child_main(spec) in a fresh process (with its own inductor cache when `cache_dir` is given)."""
+    """Run child_main(spec) in a fresh process (with its own build cache when `cache_dir` is given)."""
     env = dict(os.environ)
     if cache_dir is not None:
-        env["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+        env["FASTES_CACHE_DIR"] = cache_dir
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     out = subprocess.run(
@@ -136,8 +136,8 @@ def run_step(ctx: Context, plan, models) -> list[dict]:
         "update_speedup_vs_naive": ratio(t["naive-update"].median, t["update"].median),
     }
     spec = {"quick": ctx.quick, "threads": torch.get_num_threads(), "backend": ctx.backend}
-    if not ctx.quick:  # a cold compile takes tens of seconds: the full run only
-        with tempfile.TemporaryDirectory(prefix="fastes-inductor-cache-") as cache:
+    if not ctx.quick:  # the first call builds the library (cold) or loads the cached build (warm)
+        with tempfile.TemporaryDirectory(prefix="fastes-build-cache-") as cache:
             record["compile_cold_s"] = _child({**spec, "measure": "compile"}, cache)["first_call_s"]
             record["compile_warm_s"] = _child({**spec, "measure": "compile"}, cache)["first_call_s"]
     record["memory"] = _child({**spec, "measure": "memory"})

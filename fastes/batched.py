@@ -180,15 +180,29 @@ def _population_layers(
     ]
 
 
+def member_groups(es: ES, mode: str, materialise_bytes: float) -> list[list[Member]]:
+    """The members in evaluation groups: all at once, except in "materialised" mode, where a group's
+    perturbed weights (one copy of the evolved weights per member) stay within `materialise_bytes`."""
+    members = list(es.members())
+    if mode != "materialised":
+        return [members]
+    evolved = sum(p.numel() * p.element_size() for group in es.param_groups for p in group["params"])
+    size = max(1, int(materialise_bytes // max(evolved, 1)))
+    return [members[i : i + size] for i in range(0, len(members), size)]
+
+
 @contextmanager
-def population_batched(es: ES, model: torch.nn.Module, mode: str = "materialised") -> Iterator[list[Member]]:
-    """Swap the evolved projection layers of `model` for population-batched ones; yields the members.
+def population_batched(
+    es: ES, model: torch.nn.Module, mode: str = "materialised", members: list[Member] | None = None
+) -> Iterator[list[Member]]:
+    """Swap the evolved projection layers of `model` for population-batched ones; yields the members
+    (all of this process's, or the given group).
 
     Feed the model `len(members) * b` rows, member i's rows being i * b ... (i + 1) * b - 1.
     """
     if mode not in MODES:
         raise ValueError(f"unknown batched mode {mode!r}; choose one of {MODES}")
-    members = list(es.members())
+    members = list(es.members()) if members is None else members
     owners = projections(model)
     swapped: list[tuple[torch.nn.Module, str, torch.nn.Module]] = []
     try:

@@ -1,46 +1,53 @@
-"""The compiled CPU backend ("inductor"): the noise contract through torch.compile's C++ code generation.
+"""The compiled CPU backend ("cpu"): the noise contract as a small C library, built once per machine.
 
 It computes exactly what the eager reference (`fastes.noise`, `fastes.ops.*_reference`) specifies, in
-bounded chunks: raw Philox words and uniforms are bit-identical to the reference, normals agree to float
-tolerance (~1e-6: inductor's vectorised log/sin/cos are not torch's), so the weights of a run agree
-with the reference's at float tolerance, not bit for bit. The reference stays the readable
-specification and the test oracle.
+bounded chunks: raw Philox words, uniforms and signs are bit-identical to the reference; normals agree
+to float tolerance (within 2 ulps, ~1e-6: the library uses the Triton kernels' branch-free ln / cos / sin, the
+reference torch's), so the weights of a run agree with the reference's at float tolerance, not bit for
+bit. The reference stays the readable specification and the test oracle.
 
 How it stays fast:
-- Philox runs on int32 lanes. AVX2 has no 64-bit multiply, so the reference's int64 products would be
-  emulated one lane at a time; here each 32 x 32 -> 64-bit product is assembled from 16-bit halves in
-  int32 arithmetic that wraps modulo 2^32 (native 8-lane multiplies).
-- One compiled graph (normals, or raw words for the rounding stream), always on a chunk of CHUNK
-  elements: the counters (block index words and tensor id of every Philox block), the stream and the
-  round keys are tensor inputs, so new keys, tensors and tensor sizes reuse the compiled code. Small
-  tensors share a chunk; a partly used chunk computes a few unused lanes.
-- Sign noise (noise "rademacher", docs/noise.md 6a) has a second graph on the same chunks, whose
-  counters are 128-element sign blocks (every slice on a 128-aligned lane); signs are exact, so its
-  perturb and update equal the reference's bit for bit.
-- The consumers (perturb, update, fill) run per chunk on chunk-sized slices: the weights are read and
-  written once, and no temporary is larger than a chunk.
-- inductor writes the thread count (torch.get_num_threads()) into the code; torch.compile guards on it,
-  so another thread count compiles once more. Compiled code is cached on disk by inductor (see
-  TORCHINDUCTOR_CACHE_DIR): later processes load it in seconds instead of compiling.
+- fastes/csrc/noise_cpu.c: Philox on four blocks per AVX2 register (one vpmuludq gives both words of
+  four products; other CPUs get portable C that the compiler vectorises), Box-Muller on the tile's
+  words, all in L1-sized tiles. Built with the system C compiler (cc, gcc or clang; $CC) for this
+  CPU in well under a second, cached under `cache_dir()`, loaded with ctypes.
+- The input is a small table of tensor slices (first Philox block, first lane, blocks, tensor id); the
+  library makes every block's counter itself, so any key, tensor and size runs the same code (nothing
+  is ever rebuilt) and no per-element counters are held. Small tensors share a chunk of CHUNK lanes;
+  only the lanes in use are computed. Chunk-sized outputs go to reused per-thread buffers (a fresh
+  megabyte per chunk costs page faults comparable to the noise itself).
+- The update regenerates every direction's noise and sums it inside the library, tile by tile: one
+  call per chunk, whatever the population; then each weight is read and written once.
+- Threads: each call is split into block ranges over torch.get_num_threads() Python threads (ctypes
+  releases the GIL), so torch.set_num_threads applies at once.
 
-Where no C++ compiler is found, or compiling fails, `available()` turns False after one warning and
+Where no C compiler is found, or building fails, `available()` turns False after one warning and
 `fastes.ops` falls back to the eager reference.
 """
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from . import noise
 
-CHUNK = 1 << 18  # elements per compiled call (1 MB of fp32): Python overhead per call stays small
+CHUNK = 1 << 18  # elements per library call (1 MB of fp32): Python overhead per call stays small
 BLOCKS = CHUNK // 4  # Philox blocks per chunk
-_CACHED_PLAN_ELEMENTS = 1 << 22  # larger layouts build their counters per chunk instead of holding them
 
 Key = tuple[int, int]
 
@@ -52,68 +59,212 @@ def _int32(value: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------
-# The noise function on int32 lanes (traced and compiled; every value is a uint32 bit pattern)
+# The compiled library: built once per machine, cached on disk, called through ctypes
 # ---------------------------------------------------------------------------------------------------
 
+SOURCE = Path(__file__).with_name("csrc") / "noise_cpu.c"
+# No -ffast-math: the uniforms, the log's exponent split and the angle reduction rely on exact IEEE
+# arithmetic; -ffp-contract=off leaves the source's explicit fmaf calls as the only fused multiply-adds,
+# so the normals are the same bits on every CPU.
+_FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=off"]
+_ARCH_FLAGS = {"x86_64": ["-march=native"], "AMD64": ["-march=native"], "aarch64": ["-mcpu=native"]}
+_POINTER, _I64, _U32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32
+# (part table, parts, first lane block, end lane block, stream word, round keys, [weights, directions,] out)
+_FILL_ARGS = [_POINTER, _I64, _I64, _I64, _U32, _POINTER, _POINTER]
+_SUM_ARGS = [_POINTER, _I64, _I64, _I64, _U32, _POINTER, _POINTER, _I64, _POINTER]
 
-def _mulhilo(m: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """High and low words of the 64-bit product of the uint32 constant m and the words x (int32 lanes).
+_library: ctypes.CDLL | None = None
+_unavailable: str | None = None  # why the library cannot be built here, once known
 
-    lo is the wrapping int32 product. hi is assembled from 16-bit halves (Hacker's Delight, mulhu):
-    every partial sum is below 2^32, so wrapping int32 arithmetic holds it exactly; `(v >> 16) & 0xFFFF`
-    is the logical shift of a uint32 bit pattern.
+
+class CompileUnavailable(RuntimeError):
+    """The compiled library cannot be built here (a warning was issued); use the reference."""
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept: $FASTES_CACHE_DIR, else $XDG_CACHE_HOME/fastes or ~/.cache/fastes."""
+    if os.environ.get("FASTES_CACHE_DIR"):
+        return Path(os.environ["FASTES_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fastes"
+
+
+def _compiler() -> str:
+    """$CC when set (it must work), else the first of cc, gcc, clang on PATH."""
+    if os.environ.get("CC"):
+        return os.environ["CC"]
+    for name in ("cc", "gcc", "clang"):
+        if shutil.which(name):
+            return name
+    raise FileNotFoundError("no C compiler found (tried cc, gcc, clang)")
+
+
+def _cpu_identity() -> str:
+    """What -march=native depends on: the CPU model and feature flags (Linux), else the platform."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return "\n".join(
+            sorted({line for line in lines if line.startswith(("model name", "flags", "Features"))})
+        )
+    except OSError:
+        return platform.processor() + platform.machine()
+
+
+def _build(compiler: str) -> Path:
+    """Compile SOURCE for this machine (or reuse the cached build): the path of the shared library.
+
+    Falls back to portable flags when the native ones are refused. The file is written under a
+    temporary name and renamed, so processes building at the same time never load a partial file.
     """
-    m_hi, m_lo = m >> 16, m & 0xFFFF
-    x_hi, x_lo = (x >> 16) & 0xFFFF, x & 0xFFFF
-    t = m_hi * x_lo + ((m_lo * x_lo >> 16) & 0xFFFF)
-    middle = m_lo * x_hi + (t & 0xFFFF)
-    hi = m_hi * x_hi + ((t >> 16) & 0xFFFF) + ((middle >> 16) & 0xFFFF)
-    return hi, x * _int32(m)
+    source = SOURCE.read_bytes()
+    arch = _ARCH_FLAGS.get(platform.machine(), [])
+    errors = []
+    for flags in ([*_FLAGS, *arch], _FLAGS) if arch else (_FLAGS,):
+        identity = "\0".join([compiler, *flags, _cpu_identity(), sys.platform]).encode()
+        digest = hashlib.sha256(source + identity).hexdigest()[:16]
+        path = cache_dir() / f"noise_cpu-{digest}.so"
+        if path.exists():
+            return path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        done = subprocess.run(
+            [compiler, *flags, str(SOURCE), "-o", str(partial)], capture_output=True, text=True, timeout=300
+        )
+        if done.returncode == 0:
+            os.replace(partial, path)
+            return path
+        partial.unlink(missing_ok=True)
+        errors.append(
+            done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"
+        )
+    raise RuntimeError(f"{compiler} failed: {errors[-1]}")
 
 
-def _philox_words(counters: torch.Tensor, stream: torch.Tensor, round_keys: torch.Tensor):
-    """Philox4x32-10 of counter (c0, c1, tensor id, stream) per block; round r uses round_keys[r]."""
-    c0, c1, c2 = counters[0], counters[1], counters[2]
-    c3 = stream.expand_as(c0)
-    for r in range(noise.PHILOX_ROUNDS):
-        hi0, lo0 = _mulhilo(noise.PHILOX_M0, c0)
-        hi1, lo1 = _mulhilo(noise.PHILOX_M1, c2)
-        c0, c1, c2, c3 = hi1 ^ c1 ^ round_keys[r, 0], lo1, hi0 ^ c3 ^ round_keys[r, 1], lo0
-    return c0, c1, c2, c3
+def _load() -> ctypes.CDLL:
+    """The library, built on first use; raises CompileUnavailable (after one warning) where it cannot be."""
+    global _library, _unavailable
+    if _library is not None:
+        return _library
+    if _unavailable is None:
+        try:
+            library = ctypes.CDLL(str(_build(_compiler())))
+            for name in ("fastes_words", "fastes_normals", "fastes_signs"):
+                getattr(library, name).argtypes = _FILL_ARGS
+            for name in ("fastes_normals_sum", "fastes_signs_sum"):
+                getattr(library, name).argtypes = _SUM_ARGS
+            _library = library
+            return library
+        except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+            _unavailable = f"{type(error).__name__}: {error}"
+            warnings.warn(
+                f"fastes: the compiled CPU backend is unavailable ({_unavailable}); using the eager torch "
+                "reference, which is several times slower. Install a C compiler (gcc or clang, or set CC; "
+                "builds go to $FASTES_CACHE_DIR, default ~/.cache/fastes, which must be writable) to "
+                "enable it, or pass backend='torch' to silence this warning.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+    raise CompileUnavailable(_unavailable)
 
 
-def _uniform(word: torch.Tensor) -> torch.Tensor:
-    """(2 (x >> 9) + 1) 2^-24 with a logical shift of the uint32 bit pattern."""
-    return (((word >> 9) & 0x7FFFFF) * 2 + 1).to(torch.float32) * 2.0**-24
+def available() -> bool:
+    """Whether the compiled backend runs here: the library is built (or cached) and loads."""
+    try:
+        _load()
+    except CompileUnavailable:
+        return False
+    return True
 
 
-def _chunk(counters: torch.Tensor, stream: torch.Tensor, round_keys: torch.Tensor, raw: torch.Tensor):
-    """Box-Muller normals of every block, lanes interleaved: [4 * blocks] fp32 (docs/noise.md section 6).
+# ---------------------------------------------------------------------------------------------------
+# Calling it on a chunk, split across threads
+# ---------------------------------------------------------------------------------------------------
 
-    With `raw` true the same lanes hold the raw output words instead, bit-cast to fp32. One graph serves
-    both, so a process compiles once; the raw words are needed only once per update (rounding stream).
+_MIN_BLOCKS_PER_THREAD = 2048  # below this, starting a thread costs more than it saves
+_pool: ThreadPoolExecutor | None = None
+
+
+def _parallel(call: Callable[[int, int], None], n_blocks: int) -> None:
+    """call(lo, hi) over lane blocks [0, n_blocks) in up to torch.get_num_threads() contiguous ranges.
+
+    ctypes releases the GIL during a foreign call, so Python threads run the library in parallel; the
+    calling thread takes the first range itself.
     """
-    x0, x1, x2, x3 = _philox_words(counters, stream, round_keys)
-    r01 = torch.sqrt(-2.0 * torch.log(_uniform(x0)))
-    a01 = noise.TWO_PI * _uniform(x1)
-    r23 = torch.sqrt(-2.0 * torch.log(_uniform(x2)))
-    a23 = noise.TWO_PI * _uniform(x3)
-    normals = (r01 * torch.cos(a01), r01 * torch.sin(a01), r23 * torch.cos(a23), r23 * torch.sin(a23))
-    lanes = [torch.where(raw, x.view(torch.float32), z) for x, z in zip((x0, x1, x2, x3), normals)]
-    return torch.stack(lanes, dim=1).reshape(-1)
+    global _pool
+    threads = min(torch.get_num_threads(), n_blocks // _MIN_BLOCKS_PER_THREAD)
+    if threads <= 1:
+        call(0, n_blocks)
+        return
+    if _pool is None or _pool._max_workers < threads - 1:
+        _pool = ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="fastes-noise")
+    step = -(-n_blocks // threads)
+    bounds = [(lo, min(lo + step, n_blocks)) for lo in range(0, n_blocks, step)]
+    futures = [_pool.submit(call, lo, hi) for lo, hi in bounds[1:]]
+    call(*bounds[0])
+    for future in futures:
+        future.result()
 
 
-def _sign_chunk(counters: torch.Tensor, stream: torch.Tensor, round_keys: torch.Tensor) -> torch.Tensor:
-    """Rademacher signs of every sign block, [128 * blocks] fp32 +-1 (docs/noise.md section 6a).
+_FILL = {
+    "normal": ("fastes_normals", 4),
+    "words": ("fastes_words", 4),
+    "sign": ("fastes_signs", noise.SIGN_BLOCK),
+}
 
-    Element 128 b + 32 w + i is bit i of word w; the bit becomes the sign bit of 1.0 (no shift into the
-    sign position of a signed int: the bit is negated and masked instead).
-    """
-    words = torch.stack(_philox_words(counters, stream, round_keys), dim=1)  # [blocks, 4]
-    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
-    bits = (words[:, :, None] >> shifts) & 1  # arithmetic shift; the & 1 keeps the wanted bit only
-    sign_bits = (-bits) & -(2**31)
-    return (sign_bits | 0x3F800000).view(torch.float32).reshape(-1)
+
+_scratch_buffers = threading.local()  # per calling thread: two threads running ES never share one
+
+
+def _scratch(kind: str, lanes: int) -> torch.Tensor:
+    """A reused buffer of `lanes` values for one kind of output ("words": int32, else fp32; "total" is the
+    update's sum). Allocating a fresh megabyte per chunk costs page faults comparable to the noise
+    itself; callers use a chunk's buffer before asking for the next one of its kind."""
+    buffers = _scratch_buffers.__dict__
+    if kind not in buffers:
+        buffers[kind] = torch.empty(CHUNK, dtype=torch.int32 if kind == "words" else torch.float32)
+    return buffers[kind][:lanes]
+
+
+def _run(
+    kind: str,
+    table: torch.Tensor,
+    stream: int,
+    keys: torch.Tensor,
+    n_blocks: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Lane blocks [0, n_blocks) of a chunk through the library: "normal" gives fp32 normals, "words"
+    int32 raw words, "sign" fp32 Rademacher signs (a table of 128-element sign blocks); lane order.
+    Written into `out` when given (contiguous, of the right dtype and size), else a scratch buffer."""
+    name, per_block = _FILL[kind]
+    fill = getattr(_load(), name)
+    out = _scratch(kind, per_block * n_blocks) if out is None else out
+    stream_word = stream & noise.MASK32
+
+    def call(lo: int, hi: int) -> None:
+        fill(table.data_ptr(), len(table), lo, hi, stream_word, keys.data_ptr(), out.data_ptr())
+
+    _parallel(call, n_blocks)
+    return out
+
+
+def _run_sum(
+    kind: str,
+    table: torch.Tensor,
+    keys: torch.Tensor,
+    weights: torch.Tensor,
+    total: torch.Tensor,
+    n_blocks: int,
+) -> None:
+    """total[lanes] += sum_d weights[d] eps_d over lane blocks [0, n_blocks), in direction order (keys:
+    [D, 10, 2]); one call covers every direction."""
+    name, stream = ("fastes_signs_sum", noise.STREAM_SIGN) if kind == "sign" else ("fastes_normals_sum", 0)
+    accumulate = getattr(_load(), name)
+
+    def call(lo: int, hi: int) -> None:
+        args = (keys.data_ptr(), weights.data_ptr(), len(weights), total.data_ptr())
+        accumulate(table.data_ptr(), len(table), lo, hi, stream, *args)
+
+    _parallel(call, n_blocks)
 
 
 def round_keys(key: Key) -> torch.Tensor:
@@ -129,133 +280,46 @@ def round_keys(key: Key) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Compiling, once, with a fallback
-# ---------------------------------------------------------------------------------------------------
-
-_compiled: Callable | None = None
-_compiled_sign: Callable | None = None
-_compiler_checked = False
-_unavailable: str | None = None  # why compiling is impossible here, once known
-
-
-def _compile(fn: Callable) -> Callable:
-    return torch.compile(fn, fullgraph=True, dynamic=False)
-
-
-def _disable(reason: str) -> None:
-    global _unavailable
-    _unavailable = reason
-    warnings.warn(
-        f"fastes: the compiled CPU backend is unavailable ({reason}); using the eager torch reference, "
-        "which is several times slower. Install a C++ compiler (g++ or clang++, or set CXX) to enable it, "
-        "or pass backend='torch' to silence this warning.",
-        RuntimeWarning,
-        stacklevel=3,
-    )
-
-
-def available() -> bool:
-    """Whether the compiled backend can run here: a C++ compiler is found and nothing failed to compile."""
-    global _compiler_checked
-    if not _compiler_checked:
-        _compiler_checked = True
-        try:
-            from torch._inductor.cpp_builder import get_cpp_compiler
-
-            get_cpp_compiler()
-        except Exception as error:  # InvalidCxxCompiler, or an inductor too old to ask
-            _disable(f"no C++ compiler for torch.compile: {type(error).__name__}: {error}".strip(": "))
-    return _unavailable is None
-
-
-class CompileUnavailable(RuntimeError):
-    """Compiling failed here; the caller falls back to the reference (a warning was issued)."""
-
-
-_ran = False  # the compiled graph has run in this process
-_RAW = {False: torch.tensor(False), True: torch.tensor(True)}
-_STREAMS = [torch.tensor(stream, dtype=torch.int32) for stream in range(7)]  # every fastes.noise stream
-
-
-@torch.no_grad()
-def _run(kind: str, counters: torch.Tensor, stream: int, keys: torch.Tensor) -> torch.Tensor:
-    """One chunk through a compiled graph: "normal" gives fp32 normals, "words" int32 raw words (one
-    graph), "sign" fp32 Rademacher signs (a second graph, on counters of 128-element sign blocks).
-
-    The first call compiles. Every consumer makes it before writing anything, so when compiling fails
-    (no toolchain, a broken one) nothing was written and the caller can fall back to the reference.
-    """
-    global _compiled, _compiled_sign, _ran
-    try:
-        stream_word = (
-            _STREAMS[stream] if stream < len(_STREAMS) else torch.tensor(_int32(stream), dtype=torch.int32)
-        )
-        if kind == "sign":
-            if _compiled_sign is None:
-                _compiled_sign = _compile(_sign_chunk)
-            out = _compiled_sign(counters, stream_word, keys)
-        else:
-            if _compiled is None:
-                _compiled = _compile(_chunk)
-            out = _compiled(counters, stream_word, keys, _RAW[kind == "words"])
-    except Exception as error:
-        if _ran:
-            raise
-        _compiled = _compiled_sign = None
-        _disable(f"torch.compile failed: {type(error).__name__}: {str(error)[:300]}")
-        raise CompileUnavailable(str(error)) from error
-    _ran = True
-    return out.view(torch.int32) if kind == "words" else out
-
-
-# ---------------------------------------------------------------------------------------------------
 # Chunk plans: which tensor slices each compiled call covers
 # ---------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class _Piece:
-    """One compiled call's worth of work: slices of one or more tensors packed into CHUNK lanes.
+    """One library call's worth of work: slices of one or more tensors packed into at most CHUNK lanes.
 
-    `parts` lists (tensor index, first element, element count, first lane); `counters` is the [3, BLOCKS]
-    int32 input (block index low and high words, tensor id), or None when built at use (large layouts).
+    `parts` lists (tensor index, first element, element count, first lane), packed from lane 0 without
+    gaps, each slice on a block boundary; `lanes` is the number of lanes used (whole blocks); `table` is
+    the library's part table for the plan's block size (see `_table`).
     """
 
     parts: tuple[tuple[int, int, int, int], ...]
-    counters: torch.Tensor | None
+    lanes: int
+    table: torch.Tensor
 
 
-_BLOCK_INDEX = torch.arange(BLOCKS, dtype=torch.int32)
+def _blocks(n: int, per_block: int) -> int:
+    return (n + per_block - 1) // per_block
 
 
-def _counters(
-    parts: Sequence[tuple[int, int, int, int]], tensor_ids: Sequence[int], per_block: int = 4
+def _table(
+    parts: Sequence[tuple[int, int, int, int]], tensor_ids: Sequence[int], per_block: int
 ) -> torch.Tensor:
-    """The [3, CHUNK / per_block] int32 counter input of a chunk: block index low and high words, tensor
-    id, for blocks of `per_block` elements (4: normals and words; 128: signs). Lanes are block-aligned.
-
-    Unused blocks (a partly filled chunk) keep zero counters; their lanes are computed and ignored.
-    """
-    n_blocks = CHUNK // per_block
-    words = (
-        torch.zeros(3, n_blocks, dtype=torch.int32)
-        if len(parts) > 1
-        else torch.empty(3, n_blocks, dtype=torch.int32)
-    )
+    """The library's [parts, 4] int64 table for blocks of `per_block` elements (4: normals and words;
+    128: signs): first block of the slice in its tensor (a uint64 carried as its int64 bit pattern: element
+    offsets reach 2^66), first lane block, number of blocks, tensor id."""
+    rows = []
     for index, start, n, lane in parts:
-        first, count, block = lane // per_block, (n + per_block - 1) // per_block, start // per_block
-        if len(parts) == 1 and (first or count < n_blocks):
-            words.zero_()
-        low, high = block & noise.MASK32, block >> 32
-        if low + count <= 1 << 32:  # int32 addition wraps like uint32: the low words, exactly
-            torch.add(_BLOCK_INDEX[:count], _int32(low), out=words[0, first : first + count])
-            words[1, first : first + count] = _int32(high)
-        else:  # the range crosses a multiple of 2^32 blocks: the high word steps inside it
-            blocks = _BLOCK_INDEX[:count].to(torch.int64) + block
-            words[0, first : first + count] = (blocks & noise.MASK32).to(torch.int32)
-            words[1, first : first + count] = (blocks >> 32).to(torch.int32)
-        words[2, first : first + count] = _int32(tensor_ids[index])
-    return words
+        block = start // per_block
+        rows.append(
+            (
+                block - (1 << 64) if block >= 1 << 63 else block,
+                lane // per_block,
+                _blocks(n, per_block),
+                tensor_ids[index],
+            )
+        )
+    return torch.tensor(rows, dtype=torch.int64)
 
 
 _plans: OrderedDict = OrderedDict()  # the last few plans, keyed by layout
@@ -272,20 +336,18 @@ def plan(numels: Sequence[int], tensor_ids: Sequence[int], per_block: int = 4) -
     if signature in _plans:
         _plans.move_to_end(signature)
         return _plans[signature]
-    keep_counters = sum(numels) <= _CACHED_PLAN_ELEMENTS  # counters cost 3 bytes per element
     pieces: list[_Piece] = []
     parts: list[tuple[int, int, int, int]] = []
-    used = 0  # lanes used in the current chunk (a multiple of 4)
+    used = 0  # lanes used in the current chunk (whole blocks)
 
     def flush() -> None:
-        counters = _counters(parts, tensor_ids, per_block) if keep_counters else None
-        pieces.append(_Piece(tuple(parts), counters))
+        pieces.append(_Piece(tuple(parts), used, _table(parts, tensor_ids, per_block)))
         parts.clear()
 
     for index, numel in enumerate(numels):
         for start in range(0, numel, CHUNK):
             n = min(CHUNK, numel - start)
-            lanes = per_block * ((n + per_block - 1) // per_block)
+            lanes = per_block * _blocks(n, per_block)
             if used + lanes > CHUNK:
                 flush()
                 used = 0
@@ -299,17 +361,11 @@ def plan(numels: Sequence[int], tensor_ids: Sequence[int], per_block: int = 4) -
     return pieces
 
 
-def _piece_counters(piece: _Piece, tensor_ids: Sequence[int], per_block: int = 4) -> torch.Tensor:
-    return piece.counters if piece.counters is not None else _counters(piece.parts, tensor_ids, per_block)
-
-
-def _noise_chunk(
-    noise_kind: str, piece: _Piece, tensor_ids: Sequence[int], keys: torch.Tensor
-) -> torch.Tensor:
+def _noise_chunk(noise_kind: str, piece: _Piece, keys: torch.Tensor) -> torch.Tensor:
     """eps of distribution `noise_kind` for the lanes of a chunk planned with its block size."""
     if noise_kind == "rademacher":
-        return _run("sign", _piece_counters(piece, tensor_ids, noise.SIGN_BLOCK), noise.STREAM_SIGN, keys)
-    return _run("normal", _piece_counters(piece, tensor_ids), noise.STREAM_NOISE, keys)
+        return _run("sign", piece.table, noise.STREAM_SIGN, keys, piece.lanes // noise.SIGN_BLOCK)
+    return _run("normal", piece.table, noise.STREAM_NOISE, keys, piece.lanes // 4)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -326,7 +382,11 @@ def _stream_chunks(kind: str, key: Key, tensor_id: int, numel: int, offset: int,
     keys = round_keys(key)
     for start in range(0, total, CHUNK):
         n = min(CHUNK, total - start)
-        lanes = _run(kind, _counters([(0, first + start, n, 0)], [tensor_id]), stream, keys)
+        table = _table([(0, first + start, n, 0)], [tensor_id], 4)
+        if kind == "normal" and first == offset and n % 4 == 0:  # whole blocks, in place: no copy
+            _run(kind, table, stream, keys, n // 4, out[start : start + n])
+            continue
+        lanes = _run(kind, table, stream, keys, _blocks(n, 4))
         # chunk element i is stream element first + start + i; out[j] is stream element offset + j
         lo, hi = max(first + start, offset), first + start + n
         values = lanes[lo - first - start : hi - first - start]
@@ -367,7 +427,7 @@ def perturb(
     """dst = (float32(src) + scale * eps(key, tensor id)) rounded to the tensor's dtype, chunk by chunk."""
     keys = round_keys(key)
     for piece in plan([t.numel() for t in sources], tensor_ids, noise.elements_per_block(noise_kind)):
-        eps = _noise_chunk(noise_kind, piece, tensor_ids, keys)
+        eps = _noise_chunk(noise_kind, piece, keys)
         for index, start, n, lane in piece.parts:
             src = sources[index].view(-1)[start : start + n]
             dst = destinations[index].view(-1)[start : start + n]
@@ -392,24 +452,24 @@ def es_update(
 ) -> None:
     """theta = theta * decay + coef * sum_j w_j eps_j (or grad = coef * sum), chunk by chunk.
 
-    Per chunk, every direction's noise is regenerated and summed in fp32 in direction order into a
-    chunk-sized buffer, then each weight is read and written once.
+    Per chunk, one library call regenerates every direction's noise and sums it in fp32 in direction
+    order (the sum stays in L1-sized tiles), then each weight is read and written once.
     """
-    schedules = [round_keys(k) for k in keys]
+    schedules = torch.stack([round_keys(k) for k in keys])
+    weight_column = torch.tensor(list(weights), dtype=torch.float32)
     rounding = None if rounding_key is None or grads is not None else round_keys(rounding_key)
-    for piece in plan([p.numel() for p in params], tensor_ids, noise.elements_per_block(noise_kind)):
-        total = torch.zeros(CHUNK, dtype=torch.float32)
-        for schedule, w in zip(schedules, weights):
-            total.add_(_noise_chunk(noise_kind, piece, tensor_ids, schedule), alpha=w)
+    per_block = noise.elements_per_block(noise_kind)
+    for piece in plan([p.numel() for p in params], tensor_ids, per_block):
+        total = _scratch("total", piece.lanes).zero_()
+        kind = "sign" if noise_kind == "rademacher" else "normal"
+        _run_sum(kind, piece.table, schedules, weight_column, total, piece.lanes // per_block)
         u = None
         if rounding is not None and any(params[i].dtype != torch.float32 for i, *_ in piece.parts):
-            # The rounding stream has 4 elements per block; sign pieces' lanes are 128-aligned, so
-            # 4-block counters at the same lanes give each element its uniform.
-            counters = _counters(piece.parts, tensor_ids) if noise_kind == "rademacher" else None
-            counters = _piece_counters(piece, tensor_ids) if counters is None else counters
-            u = noise._uniform(
-                _run("words", counters, noise.STREAM_ROUNDING, rounding).to(torch.int64) & noise.MASK32
-            )
+            # The rounding stream has 4 elements per block; sign pieces' lanes are 128-aligned, so a
+            # 4-element table at the same lanes gives each element its uniform.
+            table = _table(piece.parts, tensor_ids, 4) if noise_kind == "rademacher" else piece.table
+            words = _run("words", table, noise.STREAM_ROUNDING, rounding, piece.lanes // 4)
+            u = noise._uniform(words.to(torch.int64) & noise.MASK32)
         for index, start, n, lane in piece.parts:
             param = params[index]
             step = total[lane : lane + n].mul(coef)

@@ -43,6 +43,8 @@ class ESConfig:
     stochastic_rounding: bool = False
     # materialised / virtual: the whole population in one generate call (fastes.batched); member: one by one
     eval_mode: str = "materialised"
+    # materialised: members whose perturbed weights fit in this many MiB share a generate call (at least one)
+    materialise_mb: float = 128.0
     noise_type: str = "full"  # "lowrank": matrices get eps = A B^T / sqrt(rank) (EGGROLL-style)
     rank: int = 1
     noise: str = "gaussian"  # distribution of eps: "gaussian" or "rademacher" (+-1, docs/noise.md)
@@ -268,14 +270,14 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         _require(getattr(cfg, key) >= 0, key, f"must be >= 0 (0 = never), got {getattr(cfg, key)}")
     _require(cfg.dtype in ("float32", "bfloat16", "float16"), "dtype", "choose float32, bfloat16 or float16")
     _require(
-        cfg.backend in ("auto", "triton", "inductor", "torch"),
+        cfg.backend in ("auto", "triton", "cpu", "torch"),
         "backend",
-        "choose auto, triton, inductor or torch",
+        "choose auto, triton, cpu or torch",
     )
     _require(
-        not (cfg.backend == "inductor" and cfg.device.startswith("cuda")),
+        not (cfg.backend == "cpu" and cfg.device.startswith("cuda")),
         "backend",
-        f"'inductor' is the compiled CPU backend, but device = {cfg.device!r}; use backend 'auto' or 'torch'",
+        f"'cpu' is the compiled CPU backend, but device = {cfg.device!r}; use backend 'auto' or 'torch'",
     )
     _require(math.isfinite(cfg.format_weight) and cfg.format_weight >= 0, "format_weight", "must be >= 0")
     es = cfg.es
@@ -293,6 +295,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 
     _require(es.shaping in SHAPINGS, "es.shaping", f"{es.shaping!r} is not one of {SHAPINGS}")
     _require(es.eval_mode in EVAL_MODES, "es.eval_mode", f"{es.eval_mode!r} is not one of {EVAL_MODES}")
+    _require(
+        es.materialise_mb > 0 and math.isfinite(es.materialise_mb),
+        "es.materialise_mb",
+        f"must be a positive number of MiB, got {es.materialise_mb}",
+    )
     _require(
         es.noise_type in ("full", "lowrank"), "es.noise_type", f"{es.noise_type!r}: choose full or lowrank"
     )
@@ -403,7 +410,7 @@ HELP: dict[str, str] = {
     "checkpoint_every": "checkpoint every this many steps (0: never); --resume continues the newest",
     "dtype": "float32, bfloat16 or float16",
     "device": "cpu, cuda, cuda:1, ...",
-    "backend": "noise kernels: auto (Triton on CUDA, compiled C++ on CPU), triton, inductor (CPU) or torch",
+    "backend": "noise kernels: auto (Triton on CUDA, compiled C on CPU), triton, cpu (CPU) or torch",
     "threads": "torch CPU threads (0: 1 for models under 5M parameters, else torch's default)",
     "progress": "show a progress bar",
     "collective_timeout": "seconds a multi-process collective waits for the other ranks before failing",
@@ -416,6 +423,7 @@ HELP: dict[str, str] = {
     "es.weight_decay": "decoupled weight decay",
     "es.stochastic_rounding": "round bf16/fp16 updates stochastically (reproducibly)",
     "es.eval_mode": f"one of {', '.join(EVAL_MODES)}: how a generation is evaluated (virtual needs CUDA)",
+    "es.materialise_mb": "materialised mode: MiB of members' perturbed weights per generate call (>= 1)",
     "es.noise_type": "full, or lowrank (eps = A B^T / sqrt(rank) for matrices)",
     "es.rank": "rank of low-rank noise",
     "es.noise": "distribution of eps: gaussian, or rademacher (+-1 signs, cheaper; docs/noise.md 6a)",

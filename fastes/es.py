@@ -79,7 +79,7 @@ class ES:
             -1 / (N sigma) sum_i w_i eps_i into .grad and lets that optimizer take the step.
         nonfinite: "error" (default) raises on NaN/inf rewards; "drop" leaves out the members with a
             non-finite reward (the whole pair when antithetic) and shapes the rest.
-        backend: "auto", "triton", "inductor" or "torch" (see fastes.ops); `state_dict` records the
+        backend: "auto", "triton", "cpu" or "torch" (see fastes.ops); `state_dict` records the
             one that ran, and resuming or replaying on another warns that weights differ at float tolerance.
         checksum_every: compare a checksum of the weights across processes every this many generations.
         timeout: seconds each cross-process collective (rewards, checksum) may wait for the other
@@ -401,7 +401,7 @@ class ES:
 
     @property
     def resolved_backend(self) -> str:
-        """The backend that computes this ES's noise here: "triton", "inductor" or "torch"."""
+        """The backend that computes this ES's noise here: "triton", "cpu" or "torch"."""
         return ops.resolve_backend(self.param_groups[0]["params"], self.backend)
 
     def state_dict(self) -> dict[str, Any]:

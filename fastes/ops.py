@@ -5,10 +5,11 @@ torch reference (`perturb_reference`, `es_update_reference`, `fastes.noise.norma
 compare line by line with the Triton kernels in `fastes.kernels` and the compiled CPU backend in
 `fastes.compiled`; all produce the same noise (`fastes.noise`).
 
-Backends: "triton" (CUDA tensors; or CPU tensors under TRITON_INTERPRET=1 in tests), "inductor" (CPU
-tensors: the same contract compiled by torch.compile), "torch" (the eager reference, any device).
-"auto" (default, or the FASTES_BACKEND environment variable) picks triton on CUDA, inductor on CPU
-(the reference where no C++ compiler is available, after one warning) and the reference elsewhere.
+Backends: "triton" (CUDA tensors; or CPU tensors under TRITON_INTERPRET=1 in tests), "cpu" (CPU
+tensors: the same contract as a small C library built for this machine, `fastes.compiled`), "torch"
+(the eager reference, any device). "auto" (default, or the FASTES_BACKEND environment variable) picks
+triton on CUDA, cpu on CPU (the reference where no C compiler is available, after one warning) and
+the reference elsewhere.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from . import compiled, noise
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-BACKENDS = ("auto", "triton", "inductor", "torch")
+BACKENDS = ("auto", "triton", "cpu", "torch")
 _REFERENCE_CHUNK = 1 << 18  # elements per reference pass: int64 temporaries of 2 MB stay in cache
 _CACHED_PLAN_ELEMENTS = 1 << 22  # larger layouts rebuild their counters per call rather than hold them
 _BLOCK = 1024  # elements per Triton program (a multiple of 4: whole Philox blocks)
@@ -62,7 +63,7 @@ def check_tensors(tensors: Sequence[torch.Tensor], tensor_ids: Sequence[int], wh
 
 
 def resolve_backend(tensors: Sequence[torch.Tensor], backend: str = "auto") -> str:
-    """The backend that runs for these tensors: "triton", "inductor" or "torch" (see the module doc)."""
+    """The backend that runs for these tensors: "triton", "cpu" or "torch" (see the module doc)."""
     if backend == "auto":
         backend = os.environ.get("FASTES_BACKEND", "auto")
     if backend not in BACKENDS:
@@ -71,19 +72,19 @@ def resolve_backend(tensors: Sequence[torch.Tensor], backend: str = "auto") -> s
     if backend == "auto":
         if device.type == "cuda" and _triton_available():
             return "triton"
-        backend = "inductor" if device.type == "cpu" else "torch"
+        backend = "cpu" if device.type == "cpu" else "torch"
     if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError(
             "backend 'triton' on CPU tensors needs the Triton interpreter: set "
             "TRITON_INTERPRET=1 before triton is imported, or use backend='torch'"
         )
-    if backend == "inductor":
+    if backend == "cpu":
         if device.type != "cpu":
             raise ValueError(
-                f"backend 'inductor' is the compiled CPU backend, but the tensors are on {device}; "
+                f"backend 'cpu' is the compiled CPU backend, but the tensors are on {device}; "
                 "use backend='auto' (Triton on CUDA) or 'torch'"
             )
-        if not compiled.available():  # warned once: no C++ compiler, or compiling failed
+        if not compiled.available():  # warned once: no C compiler, or building failed
             return "torch"
     return backend
 
@@ -310,12 +311,9 @@ def perturb(
     if not math.isfinite(scale):
         raise ValueError(f"perturb: scale must be finite, got {scale}")
     chosen = resolve_backend(sources, backend)
-    if chosen == "inductor":
-        try:
-            compiled.perturb(sources, destinations, tensor_ids, key, scale, noise_kind)
-            return
-        except compiled.CompileUnavailable:  # warned; nothing was written
-            chosen = "torch"
+    if chosen == "cpu":
+        compiled.perturb(sources, destinations, tensor_ids, key, scale, noise_kind)
+        return
     if chosen == "torch":
         perturb_reference(sources, destinations, tensor_ids, key, scale, noise_kind)
         return
@@ -377,12 +375,9 @@ def es_update(
         "grads": grads,
         "noise_kind": noise_kind,
     }
-    if chosen == "inductor":
-        try:
-            compiled.es_update(params, tensor_ids, keys, weights, **options)
-            return
-        except compiled.CompileUnavailable:  # warned; nothing was written
-            chosen = "torch"
+    if chosen == "cpu":
+        compiled.es_update(params, tensor_ids, keys, weights, **options)
+        return
     if chosen == "torch":
         es_update_reference(params, tensor_ids, keys, weights, **options)
         return
@@ -428,11 +423,8 @@ def normal(
     The same values as `fastes.noise.normal` (to float tolerance), from the backend chosen for `device`.
     """
     chosen = resolve_backend([torch.empty(0, device=device)], backend)
-    if chosen == "inductor":
-        try:
-            return compiled.normal(key, tensor_id, numel, offset=offset, stream=stream)
-        except compiled.CompileUnavailable:
-            chosen = "torch"
+    if chosen == "cpu":
+        return compiled.normal(key, tensor_id, numel, offset=offset, stream=stream)
     if chosen == "triton" and offset % 4 == 0:
         from .kernels import launch_fill
 

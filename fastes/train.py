@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from . import ES, distributed, linear_weights, rundir
 from .analysis.diversity import js_diversity
 from .analysis.entropy import token_entropy
-from .batched import population_batched
+from .batched import member_groups, population_batched
 from .checkpoint import latest_checkpoint, save_checkpoint, write_atomic
 from .config import ConfigError, ESConfig, TrainConfig
 from .es import CollectiveError
@@ -131,20 +131,23 @@ def es_iteration(run: Run, es: ES, step: int) -> dict[str, float]:
     """Score every member on one batch of prompts (greedy), then take the ES step.
 
     eval_mode "member" generates member by member under each member's perturbation; "materialised" and
-    "virtual" generate for the whole population in one call (fastes.batched), rows grouped by member.
+    "virtual" generate for the whole population in one call (fastes.batched), rows grouped by member;
+    materialised mode in groups whose perturbed weights fit in es.materialise_mb (big models: one each).
     Under torchrun each process evaluates its members (es.members()) and es.step all-reduces the rewards.
     """
     examples = batch_for(run, "es", step)
     prompts = run.prompts(examples)
     max_new = run.cfg.max_new_tokens
     start = time.perf_counter()
-    if run.cfg.es.eval_mode != "member":
-        with population_batched(es, run.model, mode=run.cfg.es.eval_mode) as members:
-            gen = generate(run.model, run.tokenizer, prompts * len(members), max_new_tokens=max_new)
-        texts = [gen.texts[i * len(prompts) : (i + 1) * len(prompts)] for i in range(len(members))]
-        tokens = gen.num_tokens
+    texts, tokens = [], 0
+    mode = run.cfg.es.eval_mode
+    if mode != "member":
+        for group in member_groups(es, mode, run.cfg.es.materialise_mb * 2**20):
+            with population_batched(es, run.model, mode=mode, members=group) as members:
+                gen = generate(run.model, run.tokenizer, prompts * len(members), max_new_tokens=max_new)
+            texts += [gen.texts[i * len(prompts) : (i + 1) * len(prompts)] for i in range(len(members))]
+            tokens += gen.num_tokens
     else:
-        texts, tokens = [], 0
         for member in es.members():
             with member:
                 gen = generate(run.model, run.tokenizer, prompts, max_new_tokens=max_new)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import fastes
-from fastes.batched import PopulationLinear, population_batched
+from fastes.batched import PopulationLinear, member_groups, population_batched
 from fastes.generation import generate
 from fastes.models import build_tiny_model, build_tokenizer
 
@@ -50,6 +50,24 @@ def test_batched_greedy_generations_are_identical(tiny):
     with population_batched(es, model) as members:
         got = generate(model, tokenizer, PROMPTS * len(members), max_new_tokens=8).texts
     assert got == expected
+
+
+def test_materialised_groups_fit_the_memory_budget_and_generate_the_same(tiny):
+    model, tokenizer = tiny
+    es = make_es(model, population=6, seed=4)
+    copy = sum(p.numel() * p.element_size() for group in es.param_groups for p in group["params"])
+    assert [len(g) for g in member_groups(es, "materialised", 2.5 * copy)] == [2, 2, 2]
+    assert [len(g) for g in member_groups(es, "materialised", 0.1 * copy)] == [1] * 6  # at least one
+    assert [len(g) for g in member_groups(es, "materialised", 100 * copy)] == [6]
+    assert [len(g) for g in member_groups(es, "lowrank", 0.1 * copy)] == [6]  # nothing materialised
+    with population_batched(es, model) as members:
+        together = generate(model, tokenizer, PROMPTS * len(members), max_new_tokens=8).texts
+    grouped = []
+    for group in member_groups(es, "materialised", 2.5 * copy):
+        with population_batched(es, model, members=group) as members:
+            assert members == group
+            grouped += generate(model, tokenizer, PROMPTS * len(members), max_new_tokens=8).texts
+    assert grouped == together
 
 
 def test_modules_are_put_back_and_weights_untouched(tiny):

@@ -245,7 +245,7 @@ def test_unknown_backend_is_rejected(monkeypatch):
 def test_auto_backend_compiles_on_cpu(monkeypatch):
     monkeypatch.delenv("FASTES_BACKEND", raising=False)
     t = [torch.zeros(8)]
-    assert ops.resolve_backend(t) == "inductor"  # a C++ compiler is part of the test environment
+    assert ops.resolve_backend(t) == "cpu"  # a C compiler is part of the test environment
     assert ops.resolve_backend(t, "torch") == "torch"
     monkeypatch.setenv("FASTES_BACKEND", "triton")
     assert ops.resolve_backend(t) == "triton"

@@ -475,12 +475,12 @@ def test_config_and_cli_take_the_noise(capsys):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_cpu_backend_equals_reference_bit_for_bit(dtype):
-    # The inductor backend (fastes/compiled.py) packs tensors into chunks on 128-aligned lanes for signs;
+    # The compiled CPU backend (fastes/compiled.py) packs tensors into chunks on 128-aligned lanes for signs;
     # its results must be the reference's exactly, in every update mode.
     key, scale = noise.member_key(8, 1, 2), 0.05
     src = make_tensors(dtype, 3)
     results = {}
-    for backend in ("torch", "inductor"):
+    for backend in ("torch", "cpu"):
         out = [torch.full_like(t, float("nan")) for t in src]
         ops.perturb(src, out, IDS, key, scale, noise_kind="rademacher", backend=backend)
         results[backend, "perturb"] = out
@@ -504,7 +504,7 @@ def test_compiled_cpu_backend_equals_reference_bit_for_bit(dtype):
             results[backend, mode] = options.get("grads", params)
     for what in ("perturb", "nearest", "stochastic", "gradient"):
         assert all(
-            torch.equal(a, b) for a, b in zip(bits(results["torch", what]), bits(results["inductor", what]))
+            torch.equal(a, b) for a, b in zip(bits(results["torch", what]), bits(results["cpu", what]))
         )
 
 
