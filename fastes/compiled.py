@@ -69,9 +69,17 @@ SOURCE = Path(__file__).with_name("csrc") / "noise_cpu.c"
 _FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=off"]
 _ARCH_FLAGS = {"x86_64": ["-march=native"], "AMD64": ["-march=native"], "aarch64": ["-mcpu=native"]}
 _POINTER, _I64, _U32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32
-# (part table, parts, first lane block, end lane block, stream word, round keys, [weights, directions,] out)
-_FILL_ARGS = [_POINTER, _I64, _I64, _I64, _U32, _POINTER, _POINTER]
-_SUM_ARGS = [_POINTER, _I64, _I64, _I64, _U32, _POINTER, _POINTER, _I64, _POINTER]
+_FLOAT = ctypes.c_float
+# Every function starts (part table, [part addresses,] parts, first lane block, end lane block, stream
+# word, round keys); see the signatures in noise_cpu.c.
+_SIGNATURES = {
+    "fastes_words": [_POINTER, _I64, _I64, _I64, _U32, _POINTER, _POINTER],
+    "fastes_eps": [_POINTER, _I64, _I64, _I64, _U32, _POINTER, _I64, _POINTER],
+    "fastes_eps_sum": [_POINTER, _I64, _I64, _I64, _U32, _POINTER, _POINTER, _I64, _I64, _POINTER],
+    "fastes_perturb_f32": [_POINTER, _POINTER, _I64, _I64, _I64, _U32, _POINTER, _I64, _FLOAT],
+    "fastes_update_f32": [_POINTER, _POINTER, _I64, _I64, _I64, _U32, _POINTER, _POINTER, _I64, _I64]
+    + [_FLOAT, _FLOAT],
+}
 
 _library: ctypes.CDLL | None = None
 _unavailable: str | None = None  # why the library cannot be built here, once known
@@ -147,10 +155,8 @@ def _load() -> ctypes.CDLL:
     if _unavailable is None:
         try:
             library = ctypes.CDLL(str(_build(_compiler())))
-            for name in ("fastes_words", "fastes_normals", "fastes_signs"):
-                getattr(library, name).argtypes = _FILL_ARGS
-            for name in ("fastes_normals_sum", "fastes_signs_sum"):
-                getattr(library, name).argtypes = _SUM_ARGS
+            for name, argtypes in _SIGNATURES.items():
+                getattr(library, name).argtypes = argtypes
             _library = library
             return library
         except (OSError, RuntimeError, subprocess.SubprocessError) as error:
@@ -204,13 +210,6 @@ def _parallel(call: Callable[[int, int], None], n_blocks: int) -> None:
         future.result()
 
 
-_FILL = {
-    "normal": ("fastes_normals", 4),
-    "words": ("fastes_words", 4),
-    "sign": ("fastes_signs", noise.SIGN_BLOCK),
-}
-
-
 _scratch_buffers = threading.local()  # per calling thread: two threads running ES never share one
 
 
@@ -224,6 +223,9 @@ def _scratch(kind: str, lanes: int) -> torch.Tensor:
     return buffers[kind][:lanes]
 
 
+_STREAM_OF = {"gaussian": noise.STREAM_NOISE, "rademacher": noise.STREAM_SIGN}
+
+
 def _run(
     kind: str,
     table: torch.Tensor,
@@ -235,36 +237,54 @@ def _run(
     """Lane blocks [0, n_blocks) of a chunk through the library: "normal" gives fp32 normals, "words"
     int32 raw words, "sign" fp32 Rademacher signs (a table of 128-element sign blocks); lane order.
     Written into `out` when given (contiguous, of the right dtype and size), else a scratch buffer."""
-    name, per_block = _FILL[kind]
-    fill = getattr(_load(), name)
+    library = _load()
+    per_block = noise.SIGN_BLOCK if kind == "sign" else 4
     out = _scratch(kind, per_block * n_blocks) if out is None else out
-    stream_word = stream & noise.MASK32
+    stream_word, args = stream & noise.MASK32, (table.data_ptr(), len(table))
 
     def call(lo: int, hi: int) -> None:
-        fill(table.data_ptr(), len(table), lo, hi, stream_word, keys.data_ptr(), out.data_ptr())
+        if kind == "words":
+            library.fastes_words(*args, lo, hi, stream_word, keys.data_ptr(), out.data_ptr())
+        else:
+            library.fastes_eps(*args, lo, hi, stream_word, keys.data_ptr(), per_block, out.data_ptr())
 
     _parallel(call, n_blocks)
     return out
 
 
 def _run_sum(
-    kind: str,
+    noise_kind: str,
     table: torch.Tensor,
     keys: torch.Tensor,
     weights: torch.Tensor,
     total: torch.Tensor,
     n_blocks: int,
 ) -> None:
-    """total[lanes] += sum_d weights[d] eps_d over lane blocks [0, n_blocks), in direction order (keys:
+    """total[lanes] = sum_d weights[d] eps_d over lane blocks [0, n_blocks), in direction order (keys:
     [D, 10, 2]); one call covers every direction."""
-    name, stream = ("fastes_signs_sum", noise.STREAM_SIGN) if kind == "sign" else ("fastes_normals_sum", 0)
-    accumulate = getattr(_load(), name)
+    library, per_block = _load(), noise.elements_per_block(noise_kind)
+    args = (keys.data_ptr(), weights.data_ptr(), len(weights), per_block, total.data_ptr())
 
     def call(lo: int, hi: int) -> None:
-        args = (keys.data_ptr(), weights.data_ptr(), len(weights), total.data_ptr())
-        accumulate(table.data_ptr(), len(table), lo, hi, stream, *args)
+        library.fastes_eps_sum(table.data_ptr(), len(table), lo, hi, _STREAM_OF[noise_kind], *args)
 
     _parallel(call, n_blocks)
+
+
+def _in_place_layout(
+    sources: Sequence[torch.Tensor],
+    destinations: Sequence[torch.Tensor],
+    tensor_ids: Sequence[int],
+    per_block: int,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The part table of whole tensors laid end to end (no chunks: nothing is buffered), the addresses
+    (source, destination, elements) of each, and the number of blocks: for one library call over all."""
+    parts, lane = [], 0
+    for index, t in enumerate(sources):
+        parts.append((index, 0, t.numel(), lane))
+        lane += per_block * _blocks(t.numel(), per_block)
+    io = [(s.data_ptr(), d.data_ptr(), s.numel()) for s, d in zip(sources, destinations)]
+    return _table(parts, tensor_ids, per_block), torch.tensor(io, dtype=torch.int64), lane // per_block
 
 
 def round_keys(key: Key) -> torch.Tensor:
@@ -424,9 +444,24 @@ def perturb(
     scale: float,
     noise_kind: str = "gaussian",
 ) -> None:
-    """dst = (float32(src) + scale * eps(key, tensor id)) rounded to the tensor's dtype, chunk by chunk."""
+    """dst = (float32(src) + scale * eps(key, tensor id)) rounded to the tensor's dtype.
+
+    All fp32: one library call over every tensor (the noise of a tile never leaves L1). Otherwise chunk
+    by chunk: the library's noise, then torch's rounding to the tensor's dtype.
+    """
     keys = round_keys(key)
-    for piece in plan([t.numel() for t in sources], tensor_ids, noise.elements_per_block(noise_kind)):
+    per_block = noise.elements_per_block(noise_kind)
+    if all(t.dtype == torch.float32 for t in sources):
+        library = _load()
+        table, io, n_blocks = _in_place_layout(sources, destinations, tensor_ids, per_block)
+        args = (_STREAM_OF[noise_kind], keys.data_ptr(), per_block, scale)
+
+        def call(lo: int, hi: int) -> None:
+            library.fastes_perturb_f32(table.data_ptr(), io.data_ptr(), len(table), lo, hi, *args)
+
+        _parallel(call, n_blocks)
+        return
+    for piece in plan([t.numel() for t in sources], tensor_ids, per_block):
         eps = _noise_chunk(noise_kind, piece, keys)
         for index, start, n, lane in piece.parts:
             src = sources[index].view(-1)[start : start + n]
@@ -450,19 +485,32 @@ def es_update(
     grads: Sequence[torch.Tensor] | None = None,
     noise_kind: str = "gaussian",
 ) -> None:
-    """theta = theta * decay + coef * sum_j w_j eps_j (or grad = coef * sum), chunk by chunk.
+    """theta = theta * decay + coef * sum_j w_j eps_j (or grad = coef * sum).
 
-    Per chunk, one library call regenerates every direction's noise and sums it in fp32 in direction
-    order (the sum stays in L1-sized tiles), then each weight is read and written once.
+    The library regenerates every direction's noise per L1-sized tile and sums it in fp32 in direction
+    order. All fp32 (and no grads): one call over every tensor applies it in place, each weight read and
+    written once. Otherwise chunk by chunk: the library's sums, then torch's rounding (nearest or
+    stochastic) to the tensor's dtype, or the gradient.
     """
     schedules = torch.stack([round_keys(k) for k in keys])
     weight_column = torch.tensor(list(weights), dtype=torch.float32)
     rounding = None if rounding_key is None or grads is not None else round_keys(rounding_key)
     per_block = noise.elements_per_block(noise_kind)
+    if grads is None and all(p.dtype == torch.float32 for p in params):
+        library = _load()
+        table, io, n_blocks = _in_place_layout(params, params, tensor_ids, per_block)
+        args = (_STREAM_OF[noise_kind], schedules.data_ptr(), weight_column.data_ptr(), len(weights))
+
+        def call(lo: int, hi: int) -> None:
+            library.fastes_update_f32(
+                table.data_ptr(), io.data_ptr(), len(table), lo, hi, *args, per_block, coef, decay
+            )
+
+        _parallel(call, n_blocks)
+        return
     for piece in plan([p.numel() for p in params], tensor_ids, per_block):
-        total = _scratch("total", piece.lanes).zero_()
-        kind = "sign" if noise_kind == "rademacher" else "normal"
-        _run_sum(kind, piece.table, schedules, weight_column, total, piece.lanes // per_block)
+        total = _scratch("total", piece.lanes)
+        _run_sum(noise_kind, piece.table, schedules, weight_column, total, piece.lanes // per_block)
         u = None
         if rounding is not None and any(params[i].dtype != torch.float32 for i, *_ in piece.parts):
             # The rounding stream has 4 elements per block; sign pieces' lanes are 128-aligned, so a

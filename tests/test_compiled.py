@@ -147,20 +147,22 @@ def test_update_matches_reference(dtype, mode):
     assert changed > 0.5 * sum(t.numel() for t in theta)
 
 
-def test_noise_does_not_depend_on_packing_or_other_tensors():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # fp32 in place, bf16 chunk by chunk
+def test_noise_does_not_depend_on_packing_or_other_tensors(dtype):
     """Within the compiled backend, bit for bit: alone, packed with others, or in a large layout."""
     key = noise.member_key(2, 0, 1)
-    a, b, c = make_tensors(torch.float32, 9, [(1030,), (compiled.CHUNK - 3,), (5,)])
+    a, b, c = make_tensors(dtype, 9, [(1030,), (compiled.CHUNK - 3,), (5,)])
     alone = torch.empty_like(a)
     ops.perturb([a], [alone], [IDS[1]], key, 0.1, backend="cpu")
     together = [torch.empty_like(t) for t in (b, a, c)]
     ops.perturb([b, a, c], together, [IDS[0], IDS[1], IDS[2]], key, 0.1, backend="cpu")
     assert torch.equal(together[1], alone)
     eps = compiled.normal(key, IDS[1], a.numel())
-    assert torch.equal(alone, torch.add(a, eps, alpha=0.1))
-    big = torch.zeros(compiled.CHUNK * 3 + 11)  # the first element of every chunk lines up with the stream
+    # src + fp32(scale) * eps, the product and the sum each rounded once, then rounded to the dtype
+    assert torch.equal(alone, (a.float() + eps * 0.1).to(dtype))
+    big = torch.zeros(compiled.CHUNK * 3 + 11, dtype=dtype)  # chunk starts line up with the stream
     ops.perturb([big], [big], [IDS[4]], key, 1.0, backend="cpu")
-    assert torch.equal(big, compiled.normal(key, IDS[4], big.numel()))
+    assert torch.equal(big, compiled.normal(key, IDS[4], big.numel()).to(dtype))
 
 
 def test_lowrank_factors_match_reference():

@@ -180,16 +180,19 @@ static void signs_tile(const uint32_t *c0, const uint32_t *c1, const uint32_t *c
 /* ------------------------------------------------------------------------------------------- */
 
 typedef struct {
-    uint32_t c3;
+    uint32_t c3;                /* the stream word */
     const uint32_t *round_keys; /* 20 per direction */
-    const float *weights;       /* per direction (sums only) */
+    const float *weights;       /* per direction (sums and updates) */
     int64_t n_directions;
-    void *out;
+    int per_block;  /* elements per Philox block: 4 (normals, words) or 128 (signs) */
+    void *out;      /* chunk output (fills and sums), indexed by lane */
+    const int64_t *table, *io; /* in-place work: per part (source address, destination address, elements) */
+    float scale, coef, decay;
 } job_t;
 
-/* Work on one tile of m blocks (counters c0, c1, c2) whose first lane block is `lane_block`. */
-typedef void (*tile_fn)(const job_t *job, const uint32_t *c0, const uint32_t *c1, const uint32_t *c2, int64_t m,
-                        int64_t lane_block);
+/* Work on one tile of m blocks (counters c0, c1, c2) of part `row` whose first lane block is `lane_block`. */
+typedef void (*tile_fn)(const job_t *job, const int64_t *row, const uint32_t *c0, const uint32_t *c1,
+                        const uint32_t *c2, int64_t m, int64_t lane_block);
 
 static void for_each_tile(const int64_t *table, int64_t n_parts, int64_t lo, int64_t hi, int64_t tile,
                           tile_fn work, const job_t *job) {
@@ -205,97 +208,154 @@ static void for_each_tile(const int64_t *table, int64_t n_parts, int64_t lo, int
                 c1[j] = (uint32_t)((first + (uint64_t)j) >> 32);
                 c2[j] = (uint32_t)row[3];
             }
-            work(job, c0, c1, c2, m, t);
+            work(job, row, c0, c1, c2, m, t);
         }
     }
 }
 
-static void words_work(const job_t *job, const uint32_t *c0, const uint32_t *c1, const uint32_t *c2, int64_t m,
-                       int64_t lane_block) {
+/* Tiles of TILE blocks for normals and words, TILE / 32 sign blocks for signs: 4 * TILE values each. */
+static int64_t tile_blocks(int per_block) { return 4 * TILE / per_block; }
+
+static void eps_tile(const job_t *job, const uint32_t *rk, const uint32_t *c0, const uint32_t *c1,
+                     const uint32_t *c2, int64_t m, float *eps) {
+    if (job->per_block == 4)
+        normals_tile(c0, c1, c2, job->c3, rk, m, eps);
+    else
+        signs_tile(c0, c1, c2, job->c3, rk, m, eps);
+}
+
+/* sum = sum_d weights[d] * eps_d over the tile, in direction order (fp32, one rounding per product and
+   per sum, from 0). Normals: each direction's Box-Muller output is added into four lane-major sums
+   (lane k of block j at lanes[k][j]: contiguous, no interleaving per direction), interleaved once.
+   Signs: each direction's tile of signs, then its weighted add. The tile's sum stays in L1. */
+static void tile_sum(const job_t *job, const uint32_t *c0, const uint32_t *c1, const uint32_t *c2, int64_t m,
+                     float *sum) {
+    if (job->per_block == 4) {
+        uint32_t x[4][TILE];
+        float lanes[4][TILE];
+        for (int64_t j = 0; j < m; j++)
+            for (int k = 0; k < 4; k++) lanes[k][j] = 0.0f;
+        for (int64_t d = 0; d < job->n_directions; d++) {
+            philox(c0, c1, c2, job->c3, job->round_keys + 2 * ROUNDS * d, m, x[0], x[1], x[2], x[3]);
+            const float w = job->weights[d];
+            for (int64_t j = 0; j < m; j++) {
+                float e0, e1, e2, e3;
+                box_muller(x[0][j], x[1][j], &e0, &e1);
+                box_muller(x[2][j], x[3][j], &e2, &e3);
+                lanes[0][j] = lanes[0][j] + w * e0;
+                lanes[1][j] = lanes[1][j] + w * e1;
+                lanes[2][j] = lanes[2][j] + w * e2;
+                lanes[3][j] = lanes[3][j] + w * e3;
+            }
+        }
+        for (int64_t j = 0; j < m; j++)
+            for (int k = 0; k < 4; k++) sum[4 * j + k] = lanes[k][j];
+        return;
+    }
+    float eps[4 * TILE];
+    for (int64_t i = 0; i < 128 * m; i++) sum[i] = 0.0f;
+    for (int64_t d = 0; d < job->n_directions; d++) {
+        signs_tile(c0, c1, c2, job->c3, job->round_keys + 2 * ROUNDS * d, m, eps);
+        const float w = job->weights[d];
+        for (int64_t i = 0; i < 128 * m; i++) sum[i] = sum[i] + w * eps[i];
+    }
+}
+
+/* The tile's elements inside its part (the part's last block may reach past the tensor's end): the
+   first element's offset in the part, and how many. */
+static int64_t part_elements(const job_t *job, const int64_t *row, int64_t m, int64_t lane_block,
+                             const int64_t **io, int64_t *first) {
+    *io = job->io + 3 * ((row - job->table) / 4);
+    *first = job->per_block * (lane_block - row[1]);
+    int64_t count = job->per_block * m;
+    return *first + count > (*io)[2] ? (*io)[2] - *first : count;
+}
+
+static void words_work(const job_t *job, const int64_t *row, const uint32_t *c0, const uint32_t *c1,
+                       const uint32_t *c2, int64_t m, int64_t lane_block) {
+    (void)row; /* chunk outputs are indexed by lane */
     uint32_t w[4][TILE], *out = (uint32_t *)job->out + 4 * lane_block;
     philox(c0, c1, c2, job->c3, job->round_keys, m, w[0], w[1], w[2], w[3]);
     for (int64_t j = 0; j < m; j++)
         for (int v = 0; v < 4; v++) out[4 * j + v] = w[v][j];
 }
 
-static void normals_work(const job_t *job, const uint32_t *c0, const uint32_t *c1, const uint32_t *c2, int64_t m,
-                         int64_t lane_block) {
-    normals_tile(c0, c1, c2, job->c3, job->round_keys, m, (float *)job->out + 4 * lane_block);
+static void eps_work(const job_t *job, const int64_t *row, const uint32_t *c0, const uint32_t *c1,
+                     const uint32_t *c2, int64_t m, int64_t lane_block) {
+    (void)row;
+    eps_tile(job, job->round_keys, c0, c1, c2, m, (float *)job->out + job->per_block * lane_block);
 }
 
-static void signs_work(const job_t *job, const uint32_t *c0, const uint32_t *c1, const uint32_t *c2, int64_t m,
-                       int64_t lane_block) {
-    signs_tile(c0, c1, c2, job->c3, job->round_keys, m, (float *)job->out + 128 * lane_block);
+static void sum_work(const job_t *job, const int64_t *row, const uint32_t *c0, const uint32_t *c1,
+                     const uint32_t *c2, int64_t m, int64_t lane_block) {
+    (void)row;
+    tile_sum(job, c0, c1, c2, m, (float *)job->out + job->per_block * lane_block);
 }
 
-/* out += sum_d weights[d] * eps_d in direction order (fp32, one rounding per product and per sum).
-
-   Normals: each direction's Box-Muller output is added into four lane-major sums (lane k of block j at
-   sum[k][j]: contiguous, no interleaving per direction), interleaved into out once per tile. Signs:
-   each direction's tile of signs, then its weighted add. Either way the tile's sum stays in L1. */
-static void normals_sum_work(const job_t *job, const uint32_t *c0, const uint32_t *c1, const uint32_t *c2,
-                             int64_t m, int64_t lane_block) {
-    uint32_t x[4][TILE];
-    float sum[4][TILE], *out = (float *)job->out + 4 * lane_block;
-    for (int64_t j = 0; j < m; j++)
-        for (int k = 0; k < 4; k++) sum[k][j] = out[4 * j + k];
-    for (int64_t d = 0; d < job->n_directions; d++) {
-        philox(c0, c1, c2, job->c3, job->round_keys + 2 * ROUNDS * d, m, x[0], x[1], x[2], x[3]);
-        const float w = job->weights[d];
-        for (int64_t j = 0; j < m; j++) {
-            float e0, e1, e2, e3;
-            box_muller(x[0][j], x[1][j], &e0, &e1);
-            box_muller(x[2][j], x[3][j], &e2, &e3);
-            sum[0][j] = sum[0][j] + w * e0;
-            sum[1][j] = sum[1][j] + w * e1;
-            sum[2][j] = sum[2][j] + w * e2;
-            sum[3][j] = sum[3][j] + w * e3;
-        }
-    }
-    for (int64_t j = 0; j < m; j++)
-        for (int k = 0; k < 4; k++) out[4 * j + k] = sum[k][j];
+/* fp32 in place: dst = src + scale * eps (perturb). */
+static void perturb_work(const job_t *job, const int64_t *row, const uint32_t *c0, const uint32_t *c1,
+                         const uint32_t *c2, int64_t m, int64_t lane_block) {
+    float eps[4 * TILE];
+    eps_tile(job, job->round_keys, c0, c1, c2, m, eps);
+    const int64_t *io;
+    int64_t first, count = part_elements(job, row, m, lane_block, &io, &first);
+    const float *src = (const float *)(intptr_t)io[0] + first;
+    float *dst = (float *)(intptr_t)io[1] + first;
+    for (int64_t i = 0; i < count; i++) dst[i] = src[i] + job->scale * eps[i];
 }
 
-static void signs_sum_work(const job_t *job, const uint32_t *c0, const uint32_t *c1, const uint32_t *c2,
-                           int64_t m, int64_t lane_block) {
-    float eps[4 * TILE], *out = (float *)job->out + 128 * lane_block;
-    for (int64_t d = 0; d < job->n_directions; d++) {
-        signs_tile(c0, c1, c2, job->c3, job->round_keys + 2 * ROUNDS * d, m, eps);
-        const float w = job->weights[d];
-        for (int64_t i = 0; i < 128 * m; i++) out[i] = out[i] + w * eps[i];
-    }
+/* fp32 in place: theta = theta * decay + coef * sum_d w_d eps_d (the update's apply, rounded as the
+   torch consumer rounds it: each product, then the sum). */
+static void update_work(const job_t *job, const int64_t *row, const uint32_t *c0, const uint32_t *c1,
+                        const uint32_t *c2, int64_t m, int64_t lane_block) {
+    float sum[4 * TILE];
+    tile_sum(job, c0, c1, c2, m, sum);
+    const int64_t *io;
+    int64_t first, count = part_elements(job, row, m, lane_block, &io, &first);
+    float *theta = (float *)(intptr_t)io[1] + first;
+    for (int64_t i = 0; i < count; i++) theta[i] = theta[i] * job->decay + sum[i] * job->coef;
 }
 
 /* ------------------------------------------------------------------------------------------- */
-/* Exported                                                                                     */
+/* Exported. The table has one row per part; lo and hi are lane blocks; per_block is 4 or 128.  */
 /* ------------------------------------------------------------------------------------------- */
 
 void fastes_words(const int64_t *table, int64_t n_parts, int64_t lo, int64_t hi, uint32_t c3, const uint32_t *rk,
                   uint32_t *out) {
-    job_t job = {c3, rk, 0, 1, out};
+    job_t job = {.c3 = c3, .round_keys = rk, .per_block = 4, .out = out};
     for_each_tile(table, n_parts, lo, hi, TILE, words_work, &job);
 }
 
-void fastes_normals(const int64_t *table, int64_t n_parts, int64_t lo, int64_t hi, uint32_t c3,
-                    const uint32_t *rk, float *out) {
-    job_t job = {c3, rk, 0, 1, out};
-    for_each_tile(table, n_parts, lo, hi, TILE, normals_work, &job);
+/* out[lanes] = eps (normals, or signs with per_block 128). */
+void fastes_eps(const int64_t *table, int64_t n_parts, int64_t lo, int64_t hi, uint32_t c3, const uint32_t *rk,
+                int64_t per_block, float *out) {
+    job_t job = {.c3 = c3, .round_keys = rk, .per_block = (int)per_block, .out = out};
+    for_each_tile(table, n_parts, lo, hi, tile_blocks(job.per_block), eps_work, &job);
 }
 
-void fastes_signs(const int64_t *table, int64_t n_parts, int64_t lo, int64_t hi, uint32_t c3, const uint32_t *rk,
-                  float *out) {
-    job_t job = {c3, rk, 0, 1, out};
-    for_each_tile(table, n_parts, lo, hi, TILE, signs_work, &job);
+/* out[lanes] = sum_d weights[d] * eps_d. */
+void fastes_eps_sum(const int64_t *table, int64_t n_parts, int64_t lo, int64_t hi, uint32_t c3,
+                    const uint32_t *round_keys, const float *weights, int64_t n_directions, int64_t per_block,
+                    float *out) {
+    job_t job = {.c3 = c3, .round_keys = round_keys, .weights = weights, .n_directions = n_directions,
+                 .per_block = (int)per_block, .out = out};
+    for_each_tile(table, n_parts, lo, hi, tile_blocks(job.per_block), sum_work, &job);
 }
 
-void fastes_normals_sum(const int64_t *table, int64_t n_parts, int64_t lo, int64_t hi, uint32_t c3,
-                        const uint32_t *round_keys, const float *weights, int64_t n_directions, float *out) {
-    job_t job = {c3, round_keys, weights, n_directions, out};
-    for_each_tile(table, n_parts, lo, hi, TILE, normals_sum_work, &job);
+/* fp32 tensors in place, io = per part (source address, destination address, elements):
+   dst = src + scale * eps. */
+void fastes_perturb_f32(const int64_t *table, const int64_t *io, int64_t n_parts, int64_t lo, int64_t hi,
+                        uint32_t c3, const uint32_t *rk, int64_t per_block, float scale) {
+    job_t job = {.c3 = c3, .round_keys = rk, .per_block = (int)per_block, .table = table, .io = io,
+                 .scale = scale};
+    for_each_tile(table, n_parts, lo, hi, tile_blocks(job.per_block), perturb_work, &job);
 }
 
-void fastes_signs_sum(const int64_t *table, int64_t n_parts, int64_t lo, int64_t hi, uint32_t c3,
-                      const uint32_t *round_keys, const float *weights, int64_t n_directions, float *out) {
-    job_t job = {c3, round_keys, weights, n_directions, out};
-    for_each_tile(table, n_parts, lo, hi, TILE / 32, signs_sum_work, &job); /* 4 * TILE signs: the eps buffer */
+/* fp32 tensors in place (the destination addresses of io): theta = theta * decay + coef * sum. */
+void fastes_update_f32(const int64_t *table, const int64_t *io, int64_t n_parts, int64_t lo, int64_t hi,
+                       uint32_t c3, const uint32_t *round_keys, const float *weights, int64_t n_directions,
+                       int64_t per_block, float coef, float decay) {
+    job_t job = {.c3 = c3, .round_keys = round_keys, .weights = weights, .n_directions = n_directions,
+                 .per_block = (int)per_block, .table = table, .io = io, .coef = coef, .decay = decay};
+    for_each_tile(table, n_parts, lo, hi, tile_blocks(job.per_block), update_work, &job);
 }
