@@ -47,7 +47,6 @@ import torch
 from . import noise
 
 CHUNK = 1 << 18  # elements per library call (1 MB of fp32): Python overhead per call stays small
-BLOCKS = CHUNK // 4  # Philox blocks per chunk
 
 Key = tuple[int, int]
 
@@ -223,9 +222,6 @@ def _scratch(kind: str, lanes: int) -> torch.Tensor:
     return buffers[kind][:lanes]
 
 
-_STREAM_OF = {"gaussian": noise.STREAM_NOISE, "rademacher": noise.STREAM_SIGN}
-
-
 def _run(
     kind: str,
     table: torch.Tensor,
@@ -266,7 +262,9 @@ def _run_sum(
     args = (keys.data_ptr(), weights.data_ptr(), len(weights), per_block, total.data_ptr())
 
     def call(lo: int, hi: int) -> None:
-        library.fastes_eps_sum(table.data_ptr(), len(table), lo, hi, _STREAM_OF[noise_kind], *args)
+        library.fastes_eps_sum(
+            table.data_ptr(), len(table), lo, hi, noise.perturbation_stream(noise_kind), *args
+        )
 
     _parallel(call, n_blocks)
 
@@ -383,9 +381,9 @@ def plan(numels: Sequence[int], tensor_ids: Sequence[int], per_block: int = 4) -
 
 def _noise_chunk(noise_kind: str, piece: _Piece, keys: torch.Tensor) -> torch.Tensor:
     """eps of distribution `noise_kind` for the lanes of a chunk planned with its block size."""
-    if noise_kind == "rademacher":
-        return _run("sign", piece.table, noise.STREAM_SIGN, keys, piece.lanes // noise.SIGN_BLOCK)
-    return _run("normal", piece.table, noise.STREAM_NOISE, keys, piece.lanes // 4)
+    kind = "sign" if noise_kind == "rademacher" else "normal"
+    stream, per_block = noise.perturbation_stream(noise_kind), noise.elements_per_block(noise_kind)
+    return _run(kind, piece.table, stream, keys, piece.lanes // per_block)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -454,7 +452,7 @@ def perturb(
     if all(t.dtype == torch.float32 for t in sources):
         library = _load()
         table, io, n_blocks = _in_place_layout(sources, destinations, tensor_ids, per_block)
-        args = (_STREAM_OF[noise_kind], keys.data_ptr(), per_block, scale)
+        args = (noise.perturbation_stream(noise_kind), keys.data_ptr(), per_block, scale)
 
         def call(lo: int, hi: int) -> None:
             library.fastes_perturb_f32(table.data_ptr(), io.data_ptr(), len(table), lo, hi, *args)
@@ -499,7 +497,12 @@ def es_update(
     if grads is None and all(p.dtype == torch.float32 for p in params):
         library = _load()
         table, io, n_blocks = _in_place_layout(params, params, tensor_ids, per_block)
-        args = (_STREAM_OF[noise_kind], schedules.data_ptr(), weight_column.data_ptr(), len(weights))
+        args = (
+            noise.perturbation_stream(noise_kind),
+            schedules.data_ptr(),
+            weight_column.data_ptr(),
+            len(weights),
+        )
 
         def call(lo: int, hi: int) -> None:
             library.fastes_update_f32(

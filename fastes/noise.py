@@ -245,8 +245,13 @@ def noise_from_counters(
 ) -> torch.Tensor:
     """eps of distribution `kind` for the blocks (c0, c1) on its perturbation stream (4 or 128 per block)."""
     if kind == "rademacher":
-        return sign_from_counters(key, c0, c1, tensor, STREAM_SIGN)
-    return normal_from_counters(key, c0, c1, tensor, STREAM_NOISE)
+        return sign_from_counters(key, c0, c1, tensor, perturbation_stream(kind))
+    return normal_from_counters(key, c0, c1, tensor, perturbation_stream(kind))
+
+
+def perturbation_stream(kind: str) -> int:
+    """The stream word of eps of distribution `kind`: STREAM_NOISE (normals) or STREAM_SIGN (signs)."""
+    return STREAM_SIGN if kind == "rademacher" else STREAM_NOISE
 
 
 def elements_per_block(kind: str) -> int:
