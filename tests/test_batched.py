@@ -6,16 +6,8 @@ import torch
 import fastes
 from fastes.batched import PopulationLinear, member_groups, population_batched
 from fastes.generation import generate
-from fastes.models import build_tiny_model, build_tokenizer
 
 PROMPTS = ["cd 2 4 8 > 24:", "12+34=", "rev 123:", "cmp 5 7:"]
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    torch.manual_seed(0)
-    tokenizer = build_tokenizer()
-    return build_tiny_model("tiny", tokenizer).eval(), tokenizer
 
 
 def make_es(model, population=4, seed=0):

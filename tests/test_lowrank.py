@@ -8,7 +8,6 @@ import torch
 import fastes
 from fastes import lowrank, noise
 from fastes.batched import LowRankLinear, population_batched
-from fastes.models import build_tiny_model, build_tokenizer
 
 
 def test_noise_matrix_is_the_scaled_product_of_contract_factors():
@@ -34,13 +33,6 @@ def test_update_equals_the_plain_formula():
         a, b = lowrank.factors(key, 7, w.shape, 2, "cpu")
         expected += 0.1 * weight * (a.double() @ b.double().T) / math.sqrt(2)
     torch.testing.assert_close(w.double(), expected, rtol=0, atol=1e-5)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    torch.manual_seed(0)
-    tokenizer = build_tokenizer()
-    return build_tiny_model("tiny", tokenizer).eval(), tokenizer
 
 
 @torch.no_grad()

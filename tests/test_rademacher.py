@@ -15,7 +15,6 @@ from fastes.batched import population_batched
 from fastes.cli import main
 from fastes.config import ConfigError, load_config
 from fastes.kernels import launch_virtual_linear
-from fastes.models import build_tiny_model, build_tokenizer
 
 MASK32 = 0xFFFFFFFF
 UP_PROJ = noise.tensor_id("model.layers.0.mlp.up_proj.weight")
@@ -342,13 +341,6 @@ def test_low_rank_sign_factors():
     assert set(
         lowrank.noise_matrix(key, tid, shape, 1, "cpu", noise_kind="rademacher").unique().tolist()
     ) == {-1.0, 1.0}
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    torch.manual_seed(0)
-    tokenizer = build_tokenizer()
-    return build_tiny_model("tiny", tokenizer).eval(), tokenizer
 
 
 @torch.no_grad()
