@@ -184,6 +184,6 @@ def launch_virtual_linear(
         NOISE=NOISE_CODES[noise],
         ROWS_WORD_ALIGNED=rows_word_aligned,
         # The per-element and transposed noise paths hold more per element: more warps keep them in
-        # registers (no spills for sm_80 / sm_90 in kernels/aot.py).
+        # registers (no spills for sm_80 / sm_90 in fastes/kernels/aot.py).
         num_warps=4 if whole_blocks else 8,
     )
