@@ -81,7 +81,8 @@ def evaluate(run: Run, examples: list[Example]) -> dict[str, Any]:
     and which examples it solves (1.0 / 0.0 each, in order)."""
     rank, world = distributed.rank_and_world()
     mine = examples[rank::world]
-    correct, fmt = [], 0.0
+    correct, fmt, lenient = [], 0.0, 0.0
+    lenient_score = getattr(run.task, "lenient_score", None)  # instruct forms read answers leniently too
     batch_size = run.cfg.eval_batch_size
     for start in range(0, len(mine), batch_size):
         chunk = mine[start : start + batch_size]
@@ -89,9 +90,22 @@ def evaluate(run: Run, examples: list[Example]) -> dict[str, Any]:
         scores = run.task.scores(chunk, gen.texts)
         correct += [s.answer for s in scores]
         fmt += sum(s.format for s in scores)
+        if lenient_score is not None:
+            lenient += sum(lenient_score(ex, text).answer for ex, text in zip(chunk, gen.texts))
     every = distributed.gather_strided(torch.tensor(correct, dtype=torch.float64), len(examples)).tolist()
-    answer, fmt = distributed.all_sum([sum(correct), fmt]).tolist()
-    return {"accuracy": answer / len(examples), "format": fmt / len(examples), "correct": every}
+    answer, fmt, lenient = distributed.all_sum([sum(correct), fmt, lenient]).tolist()
+    result = {"accuracy": answer / len(examples), "format": fmt / len(examples), "correct": every}
+    if lenient_score is not None:
+        result["lenient_accuracy"] = lenient / len(examples)
+    return result
+
+
+def eval_record(result: dict[str, Any]) -> dict[str, float]:
+    """An evaluation's metrics as metrics.jsonl names them."""
+    record = {"test_accuracy": result["accuracy"], "test_format": result["format"]}
+    if "lenient_accuracy" in result:
+        record["test_lenient_accuracy"] = result["lenient_accuracy"]
+    return record
 
 
 def paired_gain(before: list[float], after: list[float]) -> tuple[float, float]:
@@ -462,9 +476,15 @@ def _checkpoint(run: Run, global_step: int, phase_index: int, step: int, es: ES 
     save_checkpoint(run.out_dir, global_step, tensors, state)
 
 
-def _check_task(task: Task, cfg: TrainConfig) -> None:
+def check_task(task: Task, cfg: TrainConfig) -> None:
     for split in ("train", "test"):
-        if not task.split(split):
+        try:
+            examples = task.split(split)  # a generated task draws its problems now
+        except ValueError as error:
+            if isinstance(error, FastesError):
+                raise
+            raise ConfigError(f"task: {error}") from None
+        if not examples:
             raise ConfigError(f"task: {cfg.task!r} has no {split} problems; add some, or choose another task")
 
 
@@ -580,7 +600,7 @@ def _train(cfg: TrainConfig, *, resume: bool, overwrite: bool, device: str) -> d
         saved_config = saved_run["config"] if saved_run else None
     cfg = validate(defaults.resolve(cfg, model, tokenizer, saved_config))
     task = make_task(cfg, strict_alphabet=is_character_tokenizer(tokenizer))
-    _check_task(task, cfg)
+    check_task(task, cfg)
     check_world_size(cfg, task)
     identity = rundir.run_identity(cfg, model_dir)
     distributed.require_same(identity["run_id"], "settings or starting model")
@@ -626,15 +646,7 @@ def _train(cfg: TrainConfig, *, resume: bool, overwrite: bool, device: str) -> d
         base = evaluate(run, test)
         if writer:  # the base's per-problem results, for the paired gain at the end
             write_atomic(out_dir / "base_test.json", json.dumps(base["correct"]))
-        run.log(
-            {
-                "global_step": 0,
-                "phase": "base",
-                "step": 0,
-                "test_accuracy": base["accuracy"],
-                "test_format": base["format"],
-            }
-        )
+        run.log({"global_step": 0, "phase": "base", "step": 0, **eval_record(base)})
 
     global_step = sum(lengths[:first_phase]) + first_step
     last_eval = None
@@ -660,10 +672,10 @@ def _train(cfg: TrainConfig, *, resume: bool, overwrite: bool, device: str) -> d
             record = {"global_step": global_step, "phase": phase, "step": step + 1, **record}
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 or step + 1 == lengths[phase_index]:
                 result = last_eval = evaluate(run, test)
-                record.update(test_accuracy=result["accuracy"], test_format=result["format"])
+                record.update(eval_record(result))
             run.log(record)
             bar.update(1)
-            if no_signal.update(record) and not quiet:
+            if no_signal.update(record) and distributed.is_writer():
                 tqdm.write(no_signal.warning(phase), file=sys.stderr)
             bar.set_postfix(progress_fields(record, no_signal.streak >= NO_SIGNAL_STEPS), refresh=False)
             if phase == "grpo" and (step + 1) % GRPO_CHECKSUM_EVERY == 0:
@@ -686,6 +698,11 @@ def _train(cfg: TrainConfig, *, resume: bool, overwrite: bool, device: str) -> d
         "test_gain": gain,
         "test_gain_se": gain_se,
         "test_problems": len(test),
+        # What the gain is made of: answers in the verifiable format, and answers right when read leniently
+        "base_test_format": run.metrics[0]["test_format"],
+        "final_test_format": final["format"],
+        "base_test_lenient_accuracy": run.metrics[0].get("test_lenient_accuracy"),
+        "final_test_lenient_accuracy": final.get("lenient_accuracy"),
         "steps": global_step,
         "out_dir": str(out_dir),
         "model_dir": str(out_dir / "final"),

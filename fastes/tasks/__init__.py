@@ -90,7 +90,7 @@ def get_task(
         return RewardTask(rest, reward, seed=seed, **options)
     if kind in _BUILT_IN:
         try:
-            task = _BUILT_IN[kind](seed=seed, **{**parse_task_options(rest), **options})
+            task = _BUILT_IN[kind](seed=seed, **{**options, **parse_task_options(rest)})  # the name's win
         except TypeError as error:  # an option in the name that the constructor does not take
             if not rest:
                 raise
