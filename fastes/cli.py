@@ -97,6 +97,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
             f"--{key}",
             dest=f"cfg:{key}",
             type=_parse_bool if kind is bool else kind,
+            nargs="+" if key == "reward" else None,  # --reward a.py:f b.py:g: several, for a dataset
             default=None,
             metavar=kind.__name__.upper(),
             help=flag_help(key),
@@ -107,7 +108,9 @@ def _overrides(args: argparse.Namespace, defaults: dict[str, Any] | None = None)
     values = dict(defaults or {})
     for name, value in vars(args).items():
         if name.startswith("cfg:") and value is not None:
-            values[name[4:]] = value
+            values[name[4:]] = ",".join(value) if isinstance(value, list) else value
+    if "dataset" in values:  # a data file replaces the task
+        values.setdefault("task", "dataset")
     return values
 
 
@@ -157,6 +160,9 @@ def cmd_train(args: argparse.Namespace, defaults: dict[str, Any] | None = None) 
     metrics = [json.loads(line) for line in (Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()]
     summary["plot"] = str(_curve_plot(metrics, Path(cfg.out_dir) / "curve.png"))
     base, final = summary["base_test_accuracy"], summary["final_test_accuracy"]
+    if base is None:
+        print(f"\nno held-out rows, so no evaluation. trained model: {summary['model_dir']}")
+        return summary
     gain, se, n = summary["test_gain"], summary["test_gain_se"], summary["test_problems"]
     print(f"\nbase model test accuracy:    {base:.1%}")
     print(f"trained model test accuracy: {final:.1%}")

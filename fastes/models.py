@@ -241,13 +241,13 @@ def tiny_model_path() -> Path:
     return Path(__file__).parent / "assets" / "tiny"
 
 
-def format_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> str:
-    """The text to feed the model: `prompt` in the chat template if the tokenizer has one, else as is."""
+def format_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict]) -> str:
+    """The text to feed the model: `prompt` (text, or a list of {"role", "content"} chat messages) in the
+    chat template if the tokenizer has one; else text as is, and messages' contents one per line."""
+    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-        )
-    return prompt
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in messages)
 
 
 def num_params(model: torch.nn.Module) -> int:

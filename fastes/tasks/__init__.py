@@ -10,6 +10,8 @@ Names:
   jsonl:<path>                user tasks from a JSONL file (see jsonl.py); with reward="file.py:function",
                               prompts and columns scored by your own function (see reward_file.py)
   reasoning_gym:<dataset>     a reasoning-gym dataset; needs `pip install reasoning-gym`
+Rows and reward functions as TRL takes them (a datasets.Dataset or list of dicts, several weighted
+functions) make a DatasetTask (dataset.py); task_dataset(name) gives a built-in task in that form.
 Options are passed to the task's constructor (n_train, n_test and task-specific ones).
 """
 
@@ -20,6 +22,7 @@ from typing import Any
 from .arithmetic import ArithmeticTask
 from .base import ALPHABET, Example, GeneratedTask, Score, Task
 from .countdown import CountdownTask, solve_countdown
+from .dataset import DatasetError, DatasetTask, task_dataset
 from .heldout import CompareTask, ReverseTask
 from .jsonl import JsonlTask, JsonlTaskError
 from .reasoning_gym import ReasoningGymTask  # imports the package only when a task is created
@@ -78,6 +81,8 @@ __all__ = [
     "ArithmeticTask",
     "CompareTask",
     "CountdownTask",
+    "DatasetError",
+    "DatasetTask",
     "Example",
     "GeneratedTask",
     "JsonlTask",
@@ -99,4 +104,5 @@ __all__ = [
     "score_exact",
     "score_numeric",
     "solve_countdown",
+    "task_dataset",
 ]
