@@ -556,10 +556,12 @@ def _train(
     model, tokenizer = given
     if model is not None and tokenizer is None:
         raise ConfigError("model: a loaded model needs its tokenizer too (processing_class)")
-    model_dir = Path(cfg.model) if cfg.model or model is None else None
-    if model_dir is None and model is not None:  # nothing on disk to fingerprint: its weights are
+    if cfg.model:
+        model_dir = Path(cfg.model)
+    elif model is not None:  # no files to fingerprint: the identity takes its weights' hash instead
         model_dir = Path(f"<in-memory {type(model).__name__}>")
-    model_dir = model_dir or tiny_model_path()
+    else:
+        model_dir = tiny_model_path()
     phases = PHASES[cfg.algorithm]
     lengths = [cfg.grpo.steps if p == "grpo" else cfg.es.iterations for p in phases]
     task = task or make_task(cfg)
