@@ -432,3 +432,133 @@ def test_a_datasets_dataset_is_taken_as_is(tmp_path):
         ESTrainer(
             MODEL, CORRECT, train_dataset=datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS)})
         )
+
+
+# --- the same from the command line: --dataset FILE, several --reward, --reward_weights, --report_to ---
+
+REWARDS = """
+def correct(completions, answer, **kwargs):
+    return [float(c.strip().startswith(a)) for c, a in zip(completions, answer)]
+
+def length(completions, **kwargs):
+    return [len(c) / 10 for c in completions]
+"""
+
+
+@pytest.fixture()
+def files(tmp_path):
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    return tmp_path
+
+
+def cli_args(root, *extra):
+    return [
+        "train", "--dataset", str(root / "data.jsonl"), "--out_dir", str(root / "run"), "--progress", "false",
+        "--es.iterations", "1", "--es.population", "4", "--batch_size", "4", "--max_new_tokens", "3",
+        *extra,
+    ]  # fmt: skip
+
+
+def test_cli_trains_on_a_data_file_with_weighted_reward_functions(files, capsys):
+    from fastes import cli
+
+    rewards = files / "rewards.py"
+    args = cli_args(files, "--reward", f"{rewards}:correct", f"{rewards}:length", "--reward_weights", "1,0.5")
+    assert cli.main([*args, "--report_to", "tensorboard"]) == 0
+    records = [json.loads(line) for line in (files / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["test_reward"] == pytest.approx(
+        records[0]["test_rewards/correct/mean"] + 0.5 * records[0]["test_rewards/length/mean"]
+    )
+    assert {"rewards/correct/mean", "rewards/length/mean", "rewards/length/std"} <= set(records[1])
+    config = json.loads((files / "run" / "config.json").read_text())
+    assert config["task"] == "dataset" and config["reward_weights"] == "1,0.5"
+    assert [s for s, _ in scalars(files / "run" / "tensorboard", "train/reward")] == [1]
+    # 8 rows: a seeded 20% (2) held out for evaluation
+    run = json.loads((files / "run" / "summary.json").read_text())
+    assert run["test_problems"] == 2
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--report_to", "wandb"], "report_to: 'wandb' is not supported; use 'tensorboard' or 'none'"),
+        (["--reward_weights", "1,2"], "reward_weights has 2 values for 1 reward functions"),
+        (["--reward_weights", "one"], "reward_weights: 'one' is not a comma-separated list of numbers"),
+        (["--reward", "{r}:nope"], "has no function 'nope'"),
+        (["--logging_steps", "0"], "logging_steps: must be at least 1"),
+        ([], "dataset: needs reward functions"),
+    ],
+)
+def test_cli_mistakes_are_one_line_before_any_work(files, extra, message, capsys):
+    from fastes import cli
+
+    rewards = files / "rewards.py"
+    given = [e.replace("{r}", str(rewards)) for e in extra]
+    if "--reward" not in given and message != "dataset: needs reward functions":
+        given += ["--reward", f"{rewards}:correct"]
+    assert cli.main(cli_args(files, *given)) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not (files / "run").exists()
+
+
+def test_config_keys_of_a_dataset_run(files):
+    from fastes.config import load_config
+    from fastes.train import train
+
+    base = {"out_dir": str(files / "run"), "reward": f"{files / 'rewards.py'}:correct"}
+    data = str(files / "data.jsonl")
+    cases = [
+        ({"dataset": data}, "dataset: replaces the task: set task = 'dataset' too"),
+        ({"eval_dataset": data}, "eval_dataset: holds the held-out rows of `dataset`"),
+        ({"reward_weights": "1", "task": "countdown", "reward": ""}, "reward_weights: weighs the reward"),
+        (
+            {"task": f"jsonl:{data}", "reward": base["reward"] + "," + base["reward"]},
+            "several reward functions",
+        ),
+        (
+            {"task": "dataset", "dataset": str(files / "data.txt")},
+            "unknown data file type; use one of .jsonl",
+        ),
+        ({"task": "dataset", "dataset": str(files / "none.csv")}, "data file .* does not exist"),
+    ]
+    for options, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, {**base, **options})
+    cfg = load_config(None, {"out_dir": str(files / "run"), "task": "dataset"})
+    with pytest.raises(ConfigError, match="task: 'dataset' takes its rows from `dataset`"):
+        train(cfg)
+    assert not (files / "run").exists()
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".csv", ".parquet"])
+def test_data_files_are_read_through_datasets(suffix, tmp_path):
+    datasets = pytest.importorskip("datasets", reason="the hf extra is not installed")
+    from fastes.tasks.dataset import read_data_file
+
+    rows = [{"prompt": r["prompt"], "answer": f"= {r['answer']}"} for r in ROWS]  # CSV infers numbers
+    path = tmp_path / f"data{suffix}"
+    if suffix == ".json":  # one JSON array of objects
+        path.write_text(json.dumps(rows))
+    elif suffix == ".jsonl":
+        datasets.Dataset.from_list(rows).to_json(path)
+    else:
+        getattr(datasets.Dataset.from_list(rows), f"to_{suffix[1:]}")(path)
+    assert read_data_file(path) == rows
+
+
+def test_trl_and_fastes_take_the_same_script(tmp_path):
+    """examples/side_by_side.py runs as written with TRL's GRPOTrainer and with fastes' ESTrainer."""
+    pytest.importorskip("trl", reason="TRL is not installed (pip install 'fastes[trl]')")
+    import runpy
+    from pathlib import Path
+
+    script = runpy.run_path(str(Path(__file__).resolve().parents[1] / "examples" / "side_by_side.py"))
+    for which in ("trl", "es"):
+        history = script["main"](which, str(tmp_path / which), max_steps=2)
+        steps = [r for r in history if "rewards/countdown/mean" in r]  # task_dataset names it
+        assert len(steps) == 2, which
+        for record in steps:  # the same metric names, from the same reward functions
+            assert {"reward", "reward_std", "rewards/short/mean"} <= set(record), which
+            assert 0 <= record["rewards/short/mean"] <= 1
