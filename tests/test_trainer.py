@@ -562,3 +562,26 @@ def test_trl_and_fastes_take_the_same_script(tmp_path):
         for record in steps:  # the same metric names, from the same reward functions
             assert {"reward", "reward_std", "rewards/short/mean"} <= set(record), which
             assert 0 <= record["rewards/short/mean"] <= 1
+
+
+def test_reward_file_tokenizer_and_overwrite_arguments(tmp_path):
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    _, tokenizer = load_model(MODEL)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # marks it as given
+    args = small(tmp_path, max_steps=1, overwrite_output_dir=True)
+    funcs = [f"{tmp_path / 'rewards.py'}:length", short]  # a FILE.py:FUNCTION string loads from a file
+    trainer = ESTrainer(MODEL, funcs, args=args, train_dataset=ROWS, processing_class=tokenizer)
+    trainer.train()
+    assert "rewards/length/mean" in trainer.state.log_history[-1]
+    assert trainer.processing_class.chat_template == tokenizer.chat_template  # saved with final/, reloaded
+    trainer.train()  # overwrite_output_dir: the previous run in output_dir is replaced
+    with pytest.raises(ConfigError, match="temperature: sampling for Pass@K needs temperature > 0"):
+        trainer.evaluate(HELD_OUT, num_samples=2, temperature=0.0)
+
+
+def test_task_dataset_seed_and_limit():
+    rows, _ = task_dataset("countdown", limit=5)
+    other, _ = task_dataset("countdown", seed=1, limit=5)
+    assert len(rows) == len(other) == 5 and rows != other
+    with pytest.raises(ValueError, match="unknown split 'dev'"):
+        task_dataset("countdown", "dev")
