@@ -467,9 +467,9 @@ def train(
 
     `model` and `tokenizer` (loaded objects, trained in place) replace loading cfg.model; without
     cfg.model the run's identity fingerprints the model's weights instead of its files. A tokenizer
-    alone replaces the one in cfg.model's directory. `task` replaces
-    make_task(cfg) (rows and reward functions given in code: fastes.ESTrainer). `callbacks` get the
-    run's hooks (fastes/callbacks.py), after TensorBoard's when cfg.report_to asks for it.
+    alone replaces the one in cfg.model's directory. `task` replaces make_task(cfg) (rows and reward
+    functions given in code: fastes.ESTrainer). `callbacks` get the run's hooks (fastes/callbacks.py),
+    after TensorBoard's when cfg.report_to asks for it.
 
     A new run needs a new or empty out_dir; `overwrite` lets it replace a previous run there. `resume`
     continues the run in out_dir from its newest checkpoint, exactly, with that run's own settings (only
