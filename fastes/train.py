@@ -84,7 +84,7 @@ def evaluate(run: Run, examples: list[Example], batch_size: int = 256) -> dict[s
     every = distributed.gather_strided(torch.tensor(correct, dtype=torch.float64), len(examples)).tolist()
     answer, fmt = distributed.all_sum([sum(correct), fmt]).tolist()
     result = {"accuracy": answer / len(examples), "format": fmt / len(examples), "correct": every}
-    return {**result, "record": _eval_record(result, reward_parts(scored))}
+    return {**result, "record": _eval_record(result, reward_parts(run.task, scored))}
 
 
 def _eval_record(result: dict[str, Any], parts: dict[str, float]) -> dict[str, float]:
@@ -97,24 +97,26 @@ def _eval_record(result: dict[str, Any], parts: dict[str, float]) -> dict[str, f
     return record
 
 
-def reward_parts(scores: list[Score]) -> dict[str, float]:
+def reward_parts(task: Task, scores: list[Score]) -> dict[str, float]:
     """rewards/<name>/mean and /std of each reward function over the scores of every process (TRL's
-    metrics), for tasks scored by named reward functions; a function's None (NaN) values left out."""
-    names = list(scores[0].rewards) if scores else []
+    metrics), for tasks scored by named reward functions; a function's None (NaN) values left out.
+    The names come from the task, so that every process joins the sum, also one without scores."""
+    names = [f.name for f in task.functions] if isinstance(task, DatasetTask) else []
     if not names:
         return {}
     values = torch.tensor([[s.rewards[n] for n in names] for s in scores], dtype=torch.float64)
+    values = values.reshape(len(scores), len(names))  # also when there are no scores
     finite = torch.isfinite(values)
     zeroed = torch.where(finite, values, torch.zeros_like(values))
-    sums = torch.cat([finite.sum(0).double(), zeroed.sum(0), (zeroed**2).sum(0)])
-    count, total, squares = distributed.all_sum(sums).view(3, len(names))
+    count, total = distributed.all_sum(torch.cat([finite.sum(0).double(), zeroed.sum(0)])).view(2, -1)
+    mean = total / count  # NaN for a function that scored nothing
+    # Two passes: the squared deviations from the mean, not sum(x^2) - n mean^2, which cancels badly.
+    squares = distributed.all_sum(torch.where(finite, (values - mean) ** 2, 0.0).sum(0))
+    std = (squares / (count - 1)).sqrt()
     parts = {}
     for i, name in enumerate(names):
-        n = float(count[i])
-        mean = float(total[i]) / n if n else math.nan
-        var = (float(squares[i]) - n * mean * mean) / (n - 1) if n > 1 else math.nan
-        parts[f"rewards/{name}/mean"] = mean
-        parts[f"rewards/{name}/std"] = math.sqrt(max(var, 0.0)) if n > 1 else math.nan
+        parts[f"rewards/{name}/mean"] = float(mean[i])
+        parts[f"rewards/{name}/std"] = float(std[i]) if count[i] > 1 else math.nan
     return parts
 
 
@@ -208,7 +210,7 @@ def es_iteration(run: Run, es: ES, step: int) -> dict[str, float]:
     if bool(((answers >= 0) & (answers <= 1)).all()):
         diversity = js_diversity(answers)
         record.update(js_diversity=float(diversity.normalized), members_agree=float(diversity.agreement))
-    record.update(reward_parts(flat))
+    record.update(reward_parts(run.task, flat))
     return {**record, "seconds": seconds, "tokens_per_second": tokens / seconds}
 
 
@@ -363,7 +365,7 @@ def grpo_step(run: Run, optimizer: torch.optim.Optimizer, reference, step: int) 
         "clip_ratio/high_mean": high_share,
         "completion_length": lengths / rows,
         "completions/clipped_ratio": n_truncated / rows,
-        **reward_parts(scores),
+        **reward_parts(run.task, scores),
         "seconds": seconds,
         "tokens_per_second": lengths / seconds,
     }
