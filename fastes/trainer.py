@@ -83,6 +83,8 @@ class _TrainerConfig:
         "threads": "threads",
         "reward_timeout": "reward_timeout",
     }
+    # TrainConfig keys set in overrides() from a field of another meaning, named in error messages.
+    SPECIAL: ClassVar[dict[str, str]] = {"progress": "disable_tqdm", "device": "use_cpu"}
     ALGORITHM: ClassVar[str] = ""
 
     def overrides(self) -> dict[str, Any]:
@@ -104,8 +106,6 @@ class _TrainerConfig:
         names = {v: k for k, v in cls.KEYS.items()}
         names.update(cls.SPECIAL)
         return names.get(key, key)
-
-    SPECIAL: ClassVar[dict[str, str]] = {"progress": "disable_tqdm", "device": "use_cpu"}
 
 
 def _report_to(value: str | list[str]) -> str:
