@@ -51,9 +51,10 @@ def dataset_rows(data: Any, what: str) -> list[dict[str, Any]]:
     elif isinstance(data, (list, tuple)):
         rows = list(data)
     else:
+        streamed = type(data).__name__ == "IterableDataset"
+        fix = "; make it one with Dataset.from_list(list(dataset))" if streamed else ""
         raise DatasetError(
-            f"{what} must be a datasets.Dataset or a list of dicts, got {type(data).__name__}; an "
-            "IterableDataset can be made one with Dataset.from_list(list(dataset))"
+            f"{what} must be a datasets.Dataset or a list of dicts, got {type(data).__name__}{fix}"
         )
     if not rows:
         raise DatasetError(f"{what} is empty; give it rows with a 'prompt'")
