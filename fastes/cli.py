@@ -110,6 +110,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
             f"--{key}",
             dest=f"cfg:{key}",
             type=_parse_bool if kind is bool else kind,
+            nargs="+" if key == "reward" else None,  # --reward a.py:f b.py:g: several, for a dataset
             default=None,
             metavar=kind.__name__.upper(),
             help=flag_help(key),
@@ -120,7 +121,9 @@ def _overrides(args: argparse.Namespace, defaults: dict[str, Any] | None = None)
     values = dict(defaults or {})
     for name, value in vars(args).items():
         if name.startswith("cfg:") and value is not None:
-            values[name[4:]] = value
+            values[name[4:]] = ",".join(value) if isinstance(value, list) else value
+    if "dataset" in values:  # a data file replaces the task
+        values.setdefault("task", "dataset")
     return values
 
 
@@ -170,6 +173,9 @@ def cmd_train(args: argparse.Namespace, defaults: dict[str, Any] | None = None) 
     metrics = [json.loads(line) for line in (Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()]
     summary["plot"] = str(_curve_plot(metrics, Path(cfg.out_dir) / "curve.png", cfg.task.partition(":")[0]))
     base, final = summary["base_test_accuracy"], summary["final_test_accuracy"]
+    if base is None:
+        print(f"\nno held-out rows, so no evaluation. trained model: {summary['model_dir']}")
+        return summary
     gain, se, n = summary["test_gain"], summary["test_gain_se"], summary["test_problems"]
     print(f"\nbase model test accuracy:    {base:.1%}")
     print(f"trained model test accuracy: {final:.1%}")
@@ -203,8 +209,8 @@ def cmd_eval(args: argparse.Namespace) -> dict:
     from .analysis.passk import pass_at_k_curve
     from .generation import generate
     from .model_sources import resolve_model
-    from .models import format_prompt, is_character_tokenizer, load_model
-    from .train import check_task, make_task
+    from .models import is_character_tokenizer, load_model
+    from .train import check_task, make_task, render_prompts
 
     # The run's own settings, checked and chosen as a run would: the same prompts, task and verifier.
     given = {key: getattr(args, key) for key in EVAL_SETTINGS if hasattr(args, key)}
@@ -214,10 +220,7 @@ def cmd_eval(args: argparse.Namespace) -> dict:
     task = make_task(cfg, strict_alphabet=is_character_tokenizer(tokenizer))
     check_task(task, cfg)
     examples = task.split(args.split)[: args.limit]
-    prompts = [
-        format_prompt(tokenizer, ex.prompt, chat_template=cfg.chat_template, system_prompt=cfg.system_prompt)
-        for ex in examples
-    ]
+    prompts = render_prompts(cfg, tokenizer, examples)
 
     def complete(rows: list[str], **sampling: Any) -> tuple[list[str], list[int]]:
         texts, lengths = [], []

@@ -51,8 +51,8 @@ def test_template_off_on_and_auto(chat_tokenizer):
     assert format_prompt(plain, "2+2?") == "2+2?"  # auto without a template
     with pytest.raises(ModelError, match="has no chat template"):
         format_prompt(plain, "2+2?", chat_template="on")
-    with pytest.raises(ModelError, match="need a chat template"):
-        format_prompt(plain, [{"role": "user", "content": "x"}])
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "x"}]
+    assert format_prompt(plain, messages) == "s\nx"  # no template: the contents, one per line
 
 
 def test_a_template_without_system_role_gets_no_system_turn():
