@@ -1,6 +1,7 @@
 """The `fastes` command: demo, train, eval, pretrain.
 
 fastes demo                       ES on the built-in tiny model and countdown, with a plot
+fastes demo --model smollm2-135m-instruct   the same on a real instruct model, with settings chosen for it
 fastes train --config run.toml    ES, GRPO or GRPO then ES; any key as a flag: --es.sigma 0.01
 fastes eval --model DIR           accuracy and Pass@K of a model directory on a task
 fastes pretrain --out DIR         rebuild the tiny model by supervised training
@@ -24,6 +25,25 @@ from .errors import FastesError
 from .es import CollectiveError
 
 DEMO_EVAL_SIZE = 500  # test problems the demo reports on
+# `fastes demo --model NAME`: settings chosen for a shipped model on validation problems only (the
+# first 272 train / next 100 problems of the same task), see docs/real_models.md. Flags override them.
+DEMO_PRESETS: dict[str, dict[str, Any]] = {
+    "smollm2-135m-instruct": {
+        "out_dir": "runs/demo-smollm2",
+        # One- and two-digit addition and subtraction of 0..20: 672 problems; the last 300 are the test.
+        "task": "arithmetic:max_operand=20,operations=+-,n_train=372,n_test=300",
+        "eval_size": 300,
+        "batch_size": 16,
+        "max_new_tokens": 24,
+        "format_weight": 0.5,
+        "eval_every": 5,
+        "checkpoint_every": 5,
+        "es.iterations": 15,
+        "es.population": 16,
+        "es.sigma": 0.001,
+        "es.lr": 5e-6,
+    },
+}
 # Run settings that `fastes eval` takes as flags, with the meaning they have in a run.
 EVAL_SETTINGS = (
     "model",
@@ -366,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
             if getattr(args, "cfg:out_dir") is None and args.config is None and not args.resume:
                 args.overwrite = True
             # 500 test problems: a paired standard error of ~1.5 points instead of ~2.4 with 200.
-            cmd_train(args, defaults={"out_dir": "runs/demo", "eval_size": DEMO_EVAL_SIZE})
+            preset = DEMO_PRESETS.get(getattr(args, "cfg:model") or "", {})
+            cmd_train(args, defaults={"out_dir": "runs/demo", "eval_size": DEMO_EVAL_SIZE, **preset})
         elif args.command == "train":
             cmd_train(args)
         elif args.command == "eval":
