@@ -25,3 +25,8 @@ def tiny():
     torch.manual_seed(0)
     tokenizer = build_tokenizer()
     return build_tiny_model("tiny", tokenizer).eval(), tokenizer
+
+
+def is_timing(key: str) -> bool:
+    """Metrics that measure time: different on every run, so left out when two runs are compared."""
+    return key in ("seconds", "tokens_per_second") or key.startswith("time/")

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import is_timing
 from safetensors.torch import load_file
 
 from fastes.config import load_config
 from fastes.train import train
 
-TIMING_KEYS = {"seconds", "tokens_per_second"}
 # sigma large enough that the members score differently on these easy prompts, so ES moves at all
 ES = {"es.iterations": 3, "es.population": 4, "es.sigma": 0.02, "es.lr": 5e-5}
 GRPO = {"algorithm": "grpo", "grpo.steps": 2, "grpo.num_generations": 4, "grpo.num_iterations": 2}
@@ -81,7 +81,7 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 def metrics(run_dir: Path) -> list[dict]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS} for line in lines]
+    return [{k: v for k, v in json.loads(line).items() if not is_timing(k)} for line in lines]
 
 
 def test_member_mode_es_equals_one_process_bit_for_bit_with_one_writer(two_processes, task, tmp_path):

@@ -79,7 +79,13 @@ def test_countdown_instruct_refuses_wrong_numbers() -> None:
 
 def test_instruction_replaces_the_request() -> None:
     task = get_task("arithmetic", n_train=3, n_test=1, style="instruct", instruction="and say it in french.")
-    assert all(ex.prompt.endswith("and say it in french.") for ex in task.split("train"))
+    example = task.split("train")[0]
+    assert (
+        example.prompt
+        == f"Calculate {example.meta['a']} {example.meta['op']} {example.meta['b']} and say it in french."
+    )
+    task = get_task("arithmetic", n_train=3, n_test=1, style="instruct", instruction="Be brief.")
+    assert task.split("train")[0].prompt.endswith(f"{example.meta['b']}. Be brief.")  # a new sentence
 
 
 def test_task_options_in_the_name() -> None:

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import is_timing
 
 import fastes
 from fastes.batched import PopulationLinear, population_batched
@@ -33,7 +34,6 @@ from fastes.tasks import JsonlTaskError, get_task
 # Forked children inherit the imported modules: a run starts in milliseconds instead of the ~10 s that
 # importing torch and transformers takes on this machine.
 FORK = multiprocessing.get_context("fork")
-TIMING_KEYS = {"seconds", "tokens_per_second"}
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -89,7 +89,7 @@ def _train_in_child(settings: dict, resume: bool) -> None:
 
 def metrics(out_dir: Path) -> list[dict]:
     lines = (out_dir / "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS} for line in lines]
+    return [{k: v for k, v in json.loads(line).items() if not is_timing(k)} for line in lines]
 
 
 def final_weights(out_dir: Path) -> dict[str, torch.Tensor]:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import is_timing
 from safetensors.torch import load_file, save_file
 
 import fastes
@@ -31,7 +32,6 @@ from fastes.tasks import get_task
 from fastes.train import make_es, train
 
 FORK = multiprocessing.get_context("fork")
-TIMING_KEYS = {"seconds", "tokens_per_second"}
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def settings(task: str, out_dir: Path, **extra) -> dict:
 
 def metrics(out_dir: Path) -> list[dict]:
     lines = (out_dir / "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS} for line in lines]
+    return [{k: v for k, v in json.loads(line).items() if not is_timing(k)} for line in lines]
 
 
 def weights(out_dir: Path) -> dict[str, torch.Tensor]:

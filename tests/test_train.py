@@ -8,14 +8,13 @@ import sys
 import time
 
 import pytest
+from conftest import is_timing
 from safetensors.torch import load_file
 
 from fastes.config import load_config
 from fastes.models import load_model
 from fastes.tasks import get_task
 from fastes.train import make_task, paired_gain, train
-
-TIMING_KEYS = {"seconds", "tokens_per_second"}
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +164,7 @@ def test_killed_run_resumes_to_the_uninterrupted_result(easy_task, tmp_path, alg
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
 
     def comparable(records):
-        return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
+        return [{k: v for k, v in r.items() if not is_timing(k)} for r in records]
 
     assert comparable(metrics(crashed)) == comparable(metrics(straight))
 
@@ -186,7 +185,7 @@ def test_resume_cuts_metrics_back_to_the_checkpoint(easy_task, tmp_path):
     assert all((a[k] == b[k]).all() for k in a)
 
     def comparable(records):
-        return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
+        return [{k: v for k, v in r.items() if not is_timing(k)} for r in records]
 
     assert comparable(metrics(crashed)) == comparable(metrics(straight))
 

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from conftest import is_timing
 
 from fastes import ESConfig, ESTrainer, GRPOConfig, GRPOTrainer
 from fastes.config import ConfigError
@@ -16,7 +17,6 @@ from fastes.rundir import RunDirError
 from fastes.tasks import DatasetError, RewardFunctionError, task_dataset
 
 MODEL = str(tiny_model_path())
-TIMING_KEYS = {"seconds", "tokens_per_second"}
 ROWS, CORRECT = task_dataset("countdown", limit=8)
 HELD_OUT, _ = task_dataset("countdown", "test", limit=4)
 
@@ -340,7 +340,7 @@ def test_resume_continues_exactly_and_tensorboard_has_no_duplicates(tmp_path):
         args = small(tmp_path, max_steps=steps, save_steps=2, report_to="tensorboard")
         trainer = ESTrainer(MODEL, [CORRECT, short], args=args, train_dataset=rows)
         trainer.train(resume_from_checkpoint=resume)
-        return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in trainer.state.log_history]
+        return [{k: v for k, v in r.items() if not is_timing(k)} for r in trainer.state.log_history]
 
     first = run(3)  # checkpoint at step 2; step 3 is written, then redone by the resume
     with pytest.raises(RunDirError, match="already holds a run"):

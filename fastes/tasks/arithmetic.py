@@ -69,7 +69,7 @@ class ArithmeticTask(GeneratedTask):
         )
 
     def question(self, example: Example) -> str:
-        return f"Calculate {example.meta['a']} {example.meta['op']} {example.meta['b']}"
+        return f"Calculate {example.meta['a']} {example.meta['op']} {example.meta['b']}."
 
     def score(self, example: Example, completion: str) -> Score:
         return score_numeric(example.meta["result"], completion)

@@ -66,7 +66,8 @@ def normalise(stated: str, kind: str) -> str:
 class InstructTask(Task):
     """A built-in task asked in words (see the module docstring): same problems, same splits.
 
-    `instruction` replaces the task's own request for the answer format (e.g. to try another wording).
+    `instruction` replaces the task's own request for the answer format (e.g. to try another wording);
+    one that starts in lower case continues the question's sentence ("Calculate 12 + 34 and write ...").
     """
 
     def __init__(self, task: GeneratedTask, instruction: str | None = None) -> None:
@@ -80,7 +81,10 @@ class InstructTask(Task):
         return [self._ask(example) for example in self.task.split(which)]
 
     def _ask(self, example: Example) -> Example:
-        prompt = f"{self.task.question(example)} {self.instruction}"
+        question = self.task.question(example)
+        if self.instruction[:1].islower():  # "and write ...": it continues the question's sentence
+            question = question.removesuffix(".")
+        prompt = f"{question} {self.instruction}"
         return Example(
             prompt, example.answer, example.solution, {**example.meta, "plain_prompt": example.prompt}
         )
