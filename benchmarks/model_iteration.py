@@ -14,8 +14,12 @@ Each mode runs its members in the largest groups that fit in 90% of the GPU's me
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
+import sys
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -63,12 +67,18 @@ def model_shape(name: str) -> ModelShape:
     """Count a real model's parameters from its transformers config, built on the meta device."""
     from transformers import AutoModelForCausalLM
 
-    import fastes
     from fastes.kernels import aot
 
-    config = aot.model_config(name)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(aot.model_config(name), dtype=torch.bfloat16)
+    return shape_of(model, name)
+
+
+def shape_of(model: torch.nn.Module, name: str) -> ModelShape:
+    """The ModelShape of a transformers causal LM (any device, meta included)."""
+    import fastes
+
+    config = model.config
     evolved = [p for _, p in fastes.linear_weights(model, warn=False)]
     matmul = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -120,11 +130,48 @@ def _generation(model: ModelShape, device, group: int, evolved_copies: int) -> f
     return calls * (prefill + NEW_TOKENS * step)
 
 
+def perturb_seconds(model: ModelShape, rates: NoiseRates, members: int) -> float:
+    """Perturb every evolved weight for `members` members (restore swaps pointers back: free)."""
+    return members * model.evolved * rates.perturb
+
+
+def update_seconds(model: ModelShape, rates: NoiseRates) -> float:
+    """The fused full-rank update (all directions in one pass)."""
+    return model.evolved * rates.update
+
+
+def virtual_noise_seconds(
+    model: ModelShape, device, rates: NoiseRates, members: int, rows_per_member: int
+) -> float:
+    """What regenerating the noise inside virtual_linear adds to one forward pass of `members` x
+    `rows_per_member` rows: its noise work beyond the time of the same matmuls without noise (one weight
+    copy read per member). Up to 64 rows one tile per member (the 64-row rate), else 128-row tiles."""
+    rows = members * rows_per_member
+    clean = _seconds(members * 2 * model.evolved, 2 * model.evolved * rows, device)
+    if rows_per_member <= 64:
+        noise = members * model.evolved * rates.virtual_decode
+    else:
+        noise = members * model.evolved * math.ceil(rows_per_member / 128) * rates.virtual_prefill
+    return max(clean, noise) - clean
+
+
+def lowrank_noise_seconds(model: ModelShape, device, rates: NoiseRates, members: int, tokens: int) -> float:
+    """Low-rank evaluation: the members' factors (normals) and the (x B) A^T GEMMs over `tokens` rows."""
+    factors = members * RANK * model.factor_rows * rates.fill
+    return factors + 2 * RANK * model.factor_rows * tokens / (device.bf16_tflops * 1e12)
+
+
+def lowrank_update_seconds(model: ModelShape, device, rates: NoiseRates, directions: int) -> float:
+    """The low-rank update: the directions' factors again and one fp32 GEMM per matrix on the CUDA cores,
+    reading and writing theta and the fp32 step."""
+    factors = directions * RANK * model.factor_rows * rates.fill
+    gemm = 2 * model.evolved * directions * RANK / (device.fp32_tflops * 1e12)
+    return factors + gemm + (2 + 2 + 4 + 4) * model.evolved / (device.copy_tb_s * 1e12)
+
+
 def iteration(model: ModelShape, device, rates: NoiseRates) -> dict:
     """Predicted seconds of one ES iteration per evaluation mode: generation, noise work, their sum."""
     directions = POPULATION // 2
-    update = model.evolved * rates.update
-    perturb = POPULATION * model.evolved * rates.perturb
     buffer = 2 * model.evolved
     plain_group = _group(model, device, 0)
     floor = _generation(model, device, plain_group, 1) if plain_group else math.inf
@@ -137,30 +184,20 @@ def iteration(model: ModelShape, device, rates: NoiseRates) -> dict:
         if group == 0:
             modes[mode] = {"fits": False}
             continue
-        if mode == "member":
-            generation, noise = _generation(model, device, 1, 1), perturb + update
-        elif mode == "materialised":
-            generation, noise = _generation(model, device, group, group), perturb + update
+        calls = math.ceil(POPULATION / group)
+        if mode in ("member", "materialised"):
+            generation = _generation(model, device, group, group)
+            noise = perturb_seconds(model, rates, POPULATION) + update_seconds(model, rates)
         elif mode == "virtual":
             generation = _generation(model, device, group, group)
-            calls = math.ceil(POPULATION / group)
-            rows = group * PROMPTS
-            clean_step = _seconds(group * 2 * model.evolved, 2 * model.evolved * rows, device)
-            noisy_step = max(clean_step, group * model.evolved * rates.virtual_decode)
-            prefill_tiles = math.ceil(PROMPTS * PROMPT_TOKENS / 128)
-            clean_prefill = _seconds(
-                group * 2 * model.evolved, 2 * model.evolved * rows * PROMPT_TOKENS, device
-            )
-            noisy_prefill = max(clean_prefill, group * model.evolved * prefill_tiles * rates.virtual_prefill)
-            noise = calls * (NEW_TOKENS * (noisy_step - clean_step) + noisy_prefill - clean_prefill) + update
-        else:  # lowrank
+            decode = virtual_noise_seconds(model, device, rates, group, PROMPTS)
+            prefill = virtual_noise_seconds(model, device, rates, group, PROMPTS * PROMPT_TOKENS)
+            noise = calls * (NEW_TOKENS * decode + prefill) + update_seconds(model, rates)
+        else:  # lowrank: shared weights
             generation = _generation(model, device, group, 1)
             tokens = POPULATION * PROMPTS * (PROMPT_TOKENS + NEW_TOKENS)
-            extra_gemms = 2 * RANK * model.factor_rows * tokens / (device.bf16_tflops * 1e12)
-            factors = (POPULATION + directions) * RANK * model.factor_rows * rates.fill
-            gemm = 2 * model.evolved * directions * RANK / (device.fp32_tflops * 1e12)
-            gemm_bytes = (2 + 2 + 4 + 4) * model.evolved  # read and write theta, fp32 step out and in
-            noise = extra_gemms + factors + gemm + gemm_bytes / (device.copy_tb_s * 1e12)
+            noise = lowrank_noise_seconds(model, device, rates, POPULATION, tokens)
+            noise += lowrank_update_seconds(model, device, rates, directions)
         total = generation + noise
         modes[mode] = {
             "fits": True,
@@ -185,34 +222,36 @@ def choose(modes: dict) -> dict:
 
 
 def reason(model: str, device: str, result: dict) -> str:
-    """One sentence on why the chosen full-rank mode wins (the figures it beats)."""
+    """Which mode the figures choose, and the figures that decide it."""
     modes = result["modes"]
     chosen = result["choice"]["full_rank_mode"]
     if chosen is None:
         return f"{model} on {device}: no full-rank mode fits"
-    others = [
-        f"{m} {v['total_s']:.1f} s" for m, v in modes.items() if v["fits"] and m not in (chosen, "lowrank")
-    ]
     v = modes[chosen]
-    why = {
-        "member": "each member reads one weight copy per step at 64 rows, like materialised, without "
-        "holding copies",
-        "materialised": f"{v['group']} members per batch share each step's KV cache reads and launches, "
-        "and the noise is made once per generation",
-        "virtual": "no weight copies to read, and the noise regenerated per step costs less than them",
-    }[chosen]
-    missing = [m for m, v in modes.items() if not v["fits"]]
-    lowrank = modes["lowrank"]
-    text = (
-        f"{model} on {device}: full-rank noise -> {chosen} ({v['total_s']:.1f} s; "
-        f"{', '.join(others) or 'no other mode fits'}): {why}."
+    others = ", ".join(
+        f"{m} {o['total_s']:.1f} s" for m, o in modes.items() if o["fits"] and m not in (chosen, "lowrank")
     )
-    if missing:
-        text += f" Does not fit: {', '.join(missing)}."
+    text = (
+        f"{model} on {device}: full-rank noise -> {chosen}, {v['total_s']:.1f} s "
+        f"({others or 'nothing else fits'}): its generation reads one weight copy per member and step, "
+        f"{v['x_floor']:.1f}x plain inference, and "
+        f"fastes' own noise work is {100 * v['fastes_share']:.1f}% of the iteration."
+    )
+    materialised, virtual = modes["materialised"], modes["virtual"]
+    if chosen == "materialised":
+        text += f" A batch of {materialised['group']} members shares the reads of the unevolved weights."
+    elif materialised["fits"]:
+        text += f" Materialised fits only {materialised['group']} members per batch."
+    if virtual["fits"] and chosen != "virtual":
+        text += (
+            f" Virtual reads the same copies and regenerates every member's noise at every step: "
+            f"+{virtual['noise_s']:.1f} s."
+        )
+    lowrank = modes["lowrank"]
     if lowrank["fits"]:
         text += (
-            f" Low-rank noise (rank {RANK}) -> lowrank, {lowrank['total_s']:.1f} s, "
-            f"{lowrank['x_floor']:.2f}x the floor: the noise never touches the weights."
+            f" With low-rank noise (rank {RANK}; another search distribution): lowrank, "
+            f"{lowrank['total_s']:.1f} s, {lowrank['x_floor']:.2f}x the floor."
         )
     return text
 
@@ -261,3 +300,19 @@ def markdown(iterations: dict) -> list[str]:
     lines += [f"- {r}" for m in iterations.values() for r in m["reasons"]]
     lines += ["", "Assumptions of this section:", ""] + [f"- {n}" for n in NOTES]
     return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write the noise kernels' predicted rates per device as JSON (for benchmarks.gpu_check's model step,
+    which runs under the interpreter in the tests, where nothing can be compiled for a GPU)."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.model_iteration", description=main.__doc__)
+    parser.add_argument("--rates", type=Path, required=True, help="JSON file to write")
+    args = parser.parse_args(argv)
+    from .static import predicted_rates
+
+    args.rates.write_text(json.dumps({name: asdict(r) for name, r in predicted_rates().items()}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

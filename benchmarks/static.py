@@ -332,25 +332,47 @@ def noise_rates(reports: dict[str, KernelReport], device: Device) -> NoiseRates:
     )
 
 
-def run_static(out: Path | None) -> dict:
-    """Compile the report's variants for sm_90, analyse them, write the report files into `out`."""
+def compile_reports(labels: list[str]) -> dict[str, KernelReport]:
+    """Compile the launches of these labels for sm_90 and analyse their SASS, in the order given."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("python -m benchmarks --static compiles for a GPU target: unset TRITON_INTERPRET")
-    import triton
-
     target = aot.gpu_target("sm_90")
     chosen = {}
     for launch in aot.runtime_launches() + real_virtual_launches():
-        if launch.label in REPORT_LABELS + list(REAL_VIRTUAL) and launch.label not in chosen:
+        if launch.label in labels and launch.label not in chosen:
             chosen[launch.label] = launch
-    reports = []
-    for label in REPORT_LABELS + list(REAL_VIRTUAL):
+    reports = {}
+    for label in labels:
         variant, source, options = aot.specialise(chosen[label], target)
         result = aot.compile_variant(source, options, "sm_90", label)
         if not result.ok:
             raise RuntimeError(f"{label} failed to compile for sm_90: {result.error}")
-        reports.append(analyse(result, label))
-    by_label = {r.label: r for r in reports}
+        reports[label] = analyse(result, label)
+    return reports
+
+
+# What the real-model iteration needs of the kernels (bf16).
+RATE_LABELS = [
+    "perturb bf16",
+    "update bf16 apply",
+    "fill normal stream=0",
+    "virtual_linear bf16 K=896 N=4864 rows=64",
+    "virtual_linear bf16 K=896 N=4864 rows=4096",
+]
+
+
+def predicted_rates() -> dict[str, NoiseRates]:
+    """The noise kernels' predicted rates per device (compiles the five variants they need)."""
+    reports = compile_reports(RATE_LABELS)
+    return {d.name: noise_rates(reports, d) for d in DEVICES}
+
+
+def run_static(out: Path | None) -> dict:
+    """Compile the report's variants for sm_90, analyse them, write the report files into `out`."""
+    import triton
+
+    by_label = compile_reports(REPORT_LABELS + list(REAL_VIRTUAL))
+    reports = list(by_label.values())
     virtual = next(r for r in reports if r.label.startswith("virtual_linear"))
     perturb = by_label["perturb bf16"]
     data = {

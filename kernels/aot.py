@@ -393,6 +393,7 @@ class CompileResult:
     num_warps: int = 0
     constexprs: dict = field(default_factory=dict)
     sass: str = ""  # NVIDIA only
+    labels: list = field(default_factory=list)  # of every launch that compiles to this variant
 
     @property
     def spills(self) -> bool:
@@ -472,18 +473,25 @@ def check(
     per_label: dict[str, list[Specialisation]] = {}
     for target_name in targets:
         target = gpu_target(target_name)
-        variants: dict[Specialisation, tuple[Any, dict, str]] = {}
+        variants: dict[Specialisation, tuple[Any, dict, set]] = {}
         target_labels: dict[str, set] = {}
         for launch in launches:
             variant, source, options = specialise(launch, target)
-            variants.setdefault(variant, (source, options, launch.label))
+            variants.setdefault(variant, (source, options, set()))[2].add(launch.label)
             target_labels.setdefault(launch.label, set()).add(_without_pointer_range(variant))
-        for source, options, label in variants.values():
-            results.append(compile_cached(source, options, target_name, label, cache))
+        for source, options, labels in variants.values():
+            result = compile_cached(source, options, target_name, min(labels, key=_label_order), cache)
+            result.labels = sorted(labels)
+            results.append(result)
         for label, found in target_labels.items():  # the target with the most variants per label
             if len(found) > len(per_label.get(label, [])):
                 per_label[label] = sorted(found, key=repr)
     return results, per_label
+
+
+def _label_order(label: str) -> tuple[bool, str]:
+    """Name a variant after a test-shape launch (e.g. "perturb bf16") before a real model's."""
+    return label.split(" ")[0] in MODEL_CONFIGS, label
 
 
 def _without_pointer_range(variant: Specialisation) -> Specialisation:
