@@ -4,7 +4,9 @@
 
 Steps: environment (GPU, driver, CUDA, torch, triton), stream (raw Philox words exact, normals), perturb,
 update (every mode), virtual (virtual_linear vs materialised weights), es (exact restore, ES.step vs the
-CPU reference), large (a tensor past 2^31 elements), bench (a short benchmark). Keys, rounding keys and
+CPU reference), large (a tensor past 2^31 elements), bench (a short benchmark), model (one ES iteration of
+Qwen2.5-0.5B's shape with random weights: the noise time of materialised, virtual and low-rank
+evaluation and of the update against benchmarks.model_iteration's prediction). Keys, rounding keys and
 tensor ids of 1 are included: Triton used to turn an int argument equal to 1 into a constant.
 
 Each step runs on its own: a failure or crash in one is recorded and the next step still runs. After each
