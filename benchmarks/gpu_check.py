@@ -504,7 +504,8 @@ def step_model(c: Checks, device: torch.device, sizes: Sizes) -> None:
     config = aot.model_config(name)
     config.update(dict(overrides))
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to(device).eval()
+    with torch.device(device):  # random weights initialised where they live
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     shape = predicted.shape_of(model, name)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     predicted_for = "H200 SXM" if "H200" in gpu else "H100 SXM"  # the GPUs the model knows

@@ -516,8 +516,9 @@ def compile_cached(source, options: dict, target_name: str, label: str, cache: P
         return compile_variant(source, options, target_name, label)
     import triton
 
+    fields = sorted(CompileResult.__dataclass_fields__)  # what a cached file holds
     described = json.dumps(
-        [source.hash(), sorted(options.items()), target_name, triton.__version__], default=str
+        [source.hash(), sorted(options.items()), target_name, triton.__version__, fields], default=str
     )
     path = cache / f"{hashlib.sha256(described.encode()).hexdigest()}.json"
     if path.exists():
