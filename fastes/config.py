@@ -23,7 +23,10 @@ from .errors import FastesError
 ALGORITHMS = ("es", "grpo", "grpo_es")
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
-EVAL_MODES = ("materialised", "virtual", "lowrank", "member")
+EVAL_MODES = ("auto", "materialised", "virtual", "lowrank", "member")
+NOISE_TYPES = ("auto", "full", "lowrank")
+PROMPT_STYLES = ("auto", "instruct", "plain")
+CHAT_TEMPLATE_MODES = ("auto", "on", "off")
 MAX_SEED = 2**32  # seeds are in [0, 2^32): ES takes up to 2^64, GRPO samples with seed * 1_000_003 + step
 
 
@@ -41,11 +44,14 @@ class ESConfig:
     antithetic: bool = True
     weight_decay: float = 0.0
     stochastic_rounding: bool = False
-    # materialised / virtual: the whole population in one generate call (fastes.batched); member: one by one
-    eval_mode: str = "materialised"
-    # materialised: members whose perturbed weights fit in this many MiB share a generate call (at least one)
-    materialise_mb: float = 128.0
-    noise_type: str = "full"  # "lowrank": matrices get eps = A B^T / sqrt(rank) (EGGROLL-style)
+    # materialised / virtual / lowrank: the population in one generate call (fastes.batched); member: one
+    # by one; auto: chosen from the model's size and the device (fastes.defaults)
+    eval_mode: str = "auto"
+    # materialised: members whose perturbed weights fit in this many MiB share a generate call (at least
+    # one); 0: a quarter of the memory available at the start
+    materialise_mb: float = 0.0
+    # "lowrank": matrices get eps = A B^T / sqrt(rank) (EGGROLL-style); auto: lowrank for real models on CPU
+    noise_type: str = "auto"
     rank: int = 1
     noise: str = "gaussian"  # distribution of eps: "gaussian" or "rademacher" (+-1, docs/noise.md)
     # What to evolve (fastes.linear_weights): every projection matrix (nn.Linear, Conv1D) whose name
@@ -62,7 +68,7 @@ class GRPOConfig:
     num_generations: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
-    lr: float = 3e-4
+    lr: float = 0.0  # 0: 3e-4 for the tiny models, TRL's 1e-6 for real ones
     beta: float = 0.0  # KL (k3) weight to the frozen starting model; 0 = no reference model
     epsilon: float = 0.2
     loss_type: str = "dapo"
@@ -79,7 +85,7 @@ class GRPOConfig:
 @dataclass
 class TrainConfig:
     algorithm: str = "es"
-    model: str = ""  # a Hugging Face model directory; empty = the built-in tiny model
+    model: str = ""  # a HF model directory, a .gguf file or a shipped model's name; empty = the tiny model
     task: str = "countdown"
     reward: str = ""  # "file.py:function": your reward function for a jsonl:<path> task of prompts
     reward_timeout: float = 60.0  # seconds one call of that function may take
@@ -87,7 +93,12 @@ class TrainConfig:
     seed: int = 0
     out_dir: str = "runs/es"
     batch_size: int = 64  # training prompts per iteration
-    max_new_tokens: int = 12
+    max_new_tokens: int = 0  # 0: 12 for the plain form, 48 for the instruct form
+    eval_batch_size: int = 0  # rows per evaluation generate call; 0: from the machine's memory
+    prompt_style: str = "auto"  # instruct: built-in tasks asked in words; auto: instruct with a chat template
+    chat_template: str = "auto"  # on, off, or auto (on when the tokenizer has one)
+    system_prompt: str = ""  # empty: none (not the template's default; "<default>" keeps that)
+    instruction: str = ""  # replaces a built-in task's request for the answer format (instruct form)
     format_weight: float = 0.1  # reward = format_weight * format + answer
     eval_every: int = 10
     eval_size: int = 200
@@ -150,7 +161,8 @@ def _task_exists(name: str) -> bool:
 
     kind, colon, rest = name.partition(":")
     prefixed = {t.partition(":")[0] for t in available_tasks() if ":" in t}
-    return (not colon and name in available_tasks()) or (kind in prefixed and rest != "")
+    built_in = {t for t in available_tasks() if ":" not in t}
+    return kind in built_in or (kind in prefixed and rest != "")
 
 
 def _check_out_dir(cfg: TrainConfig) -> None:
@@ -166,6 +178,8 @@ def _check_out_dir(cfg: TrainConfig) -> None:
     _require(not path.exists() or path.is_dir(), "out_dir", f"{out!r} exists and is not a directory")
     from .models import tiny_model_path
 
+    if cfg.model and not Path(cfg.model).is_dir():  # a .gguf file or a shipped name: converted into the cache
+        return
     model = (Path(cfg.model) if cfg.model else tiny_model_path()).resolve()
     resolved = path.resolve()
     _require(
@@ -236,11 +250,39 @@ def _check_evolve(es: ESConfig) -> None:
         raise ConfigError(f"es.evolve: {es.evolve!r} is not a regular expression ({error})") from None
     extra = [k for k in ("include_embeddings", "include_norms", "include_biases") if getattr(es, k)]
     _require(
-        not extra or es.eval_mode == "member",
+        not extra or es.eval_mode in ("member", "auto"),
         f"es.{extra[0] if extra else ''}",
         f"batched evaluation ({es.eval_mode}) evolves projection matrices only; set es.eval_mode = "
         "'member' to evolve embeddings, norms or biases",
     )
+
+
+def _check_prompting(cfg: TrainConfig) -> None:
+    _require(
+        cfg.prompt_style in PROMPT_STYLES,
+        "prompt_style",
+        f"{cfg.prompt_style!r} is not one of {PROMPT_STYLES}",
+    )
+    _require(
+        cfg.chat_template in CHAT_TEMPLATE_MODES,
+        "chat_template",
+        f"{cfg.chat_template!r} is not one of {CHAT_TEMPLATE_MODES}",
+    )
+    _require(
+        not cfg.system_prompt or cfg.chat_template != "off",
+        "system_prompt",
+        "a system prompt goes through the chat template, but chat_template = 'off'; set it to auto or on",
+    )
+    if cfg.instruction:
+        from .tasks import available_tasks
+
+        built_in = cfg.task.partition(":")[0] in available_tasks()
+        _require(
+            built_in and cfg.prompt_style != "plain",
+            "instruction",
+            "rewords the request for the answer format of a built-in task's instruct form; "
+            "use it with a built-in task and prompt_style auto or instruct",
+        )
 
 
 def validate(cfg: TrainConfig) -> TrainConfig:
@@ -257,17 +299,25 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     )
     _check_reward(cfg)
     if cfg.model:
-        _require(Path(cfg.model).is_dir(), "model", f"model directory {cfg.model!r} does not exist")
+        from .model_sources import check_model_spec
+
+        try:
+            check_model_spec(cfg.model)
+        except FastesError as error:  # a missing directory, file or package: the message names the fix
+            raise ConfigError(f"model: {error}") from None
     _require(0 <= cfg.seed < MAX_SEED, "seed", f"must be in [0, 2^32), got {cfg.seed}")
     _check_out_dir(cfg)
     _check_device(cfg.device)
     _check_triton(cfg)
     timeout = cfg.collective_timeout
     _require(timeout > 0, "collective_timeout", f"must be > 0 seconds, got {timeout}")
-    for key in ("batch_size", "max_new_tokens", "eval_size"):
+    for key in ("batch_size", "eval_size"):
         _require(getattr(cfg, key) >= 1, key, f"must be at least 1, got {getattr(cfg, key)}")
     for key in ("eval_every", "checkpoint_every", "threads"):
         _require(getattr(cfg, key) >= 0, key, f"must be >= 0 (0 = never), got {getattr(cfg, key)}")
+    for key in ("max_new_tokens", "eval_batch_size"):
+        _require(getattr(cfg, key) >= 0, key, f"must be >= 1 (or 0 = auto), got {getattr(cfg, key)}")
+    _check_prompting(cfg)
     _require(cfg.dtype in ("float32", "bfloat16", "float16"), "dtype", "choose float32, bfloat16 or float16")
     _require(
         cfg.backend in ("auto", "triton", "cpu", "torch"),
@@ -296,24 +346,26 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _require(es.shaping in SHAPINGS, "es.shaping", f"{es.shaping!r} is not one of {SHAPINGS}")
     _require(es.eval_mode in EVAL_MODES, "es.eval_mode", f"{es.eval_mode!r} is not one of {EVAL_MODES}")
     _require(
-        es.materialise_mb > 0 and math.isfinite(es.materialise_mb),
+        es.materialise_mb >= 0 and math.isfinite(es.materialise_mb),
         "es.materialise_mb",
-        f"must be a positive number of MiB, got {es.materialise_mb}",
+        f"must be a positive number of MiB (or 0 = auto), got {es.materialise_mb}",
     )
     _require(
-        es.noise_type in ("full", "lowrank"), "es.noise_type", f"{es.noise_type!r}: choose full or lowrank"
+        es.noise_type in NOISE_TYPES,
+        "es.noise_type",
+        f"{es.noise_type!r}: choose {', '.join(NOISE_TYPES)}",
     )
     _require(es.rank >= 1, "es.rank", f"must be at least 1, got {es.rank}")
     from .noise import NOISES
 
     _require(es.noise in NOISES, "es.noise", f"{es.noise!r} is not one of {NOISES}")
     _require(
-        es.eval_mode != "lowrank" or es.noise_type == "lowrank",
+        es.eval_mode != "lowrank" or es.noise_type in ("lowrank", "auto"),
         "es.eval_mode",
         "'lowrank' evaluation needs es.noise_type = 'lowrank'",
     )
     _require(
-        es.eval_mode != "virtual" or es.noise_type == "full",
+        es.eval_mode != "virtual" or es.noise_type in ("full", "auto"),
         "es.eval_mode",
         "'virtual' evaluation generates full-rank noise; set es.noise_type = 'full'",
     )
@@ -323,7 +375,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _require(g.num_generations >= 2, "grpo.num_generations", f"must be at least 2, got {g.num_generations}")
     _require(g.temperature > 0, "grpo.temperature", f"GRPO samples, so it must be > 0, got {g.temperature}")
     _require(0 < g.top_p <= 1, "grpo.top_p", f"must be in (0, 1], got {g.top_p}")
-    _require(g.lr > 0, "grpo.lr", f"must be > 0, got {g.lr}")
+    _require(g.lr >= 0, "grpo.lr", f"must be > 0 (or 0 = auto), got {g.lr}")
     _require(g.beta >= 0, "grpo.beta", f"must be >= 0, got {g.beta}")
     _require(0 <= g.epsilon < 1, "grpo.epsilon", f"must be in [0, 1), got {g.epsilon}")
     _require(g.loss_type in LOSS_TYPES, "grpo.loss_type", f"{g.loss_type!r} is not one of {LOSS_TYPES}")
@@ -395,7 +447,8 @@ def flag_specs() -> list[tuple[str, type]]:
 # One line per key, for `fastes train --help` (the default is appended there).
 HELP: dict[str, str] = {
     "algorithm": f"one of {', '.join(ALGORITHMS)} (grpo_es: a GRPO phase, then ES from its result)",
-    "model": "a local Hugging Face model directory; empty: the built-in tiny model",
+    "model": "a Hugging Face model directory, a .gguf file, or a shipped model (smollm2-135m-instruct); "
+    "empty: the built-in tiny model",
     "task": "countdown, arithmetic, reverse, compare, jsonl:<path> or reasoning_gym:<name>",
     "task_seed": "seed of the task's train/test problems",
     "reward": "FILE.py:FUNCTION, your reward function (TRL's signature) for a jsonl:<path> task of prompts",
@@ -403,7 +456,12 @@ HELP: dict[str, str] = {
     "seed": "run seed in [0, 2^32): noise, prompt batches and sampling",
     "out_dir": "run directory (config.json, metrics.jsonl, checkpoints/, final/)",
     "batch_size": "training prompts per ES iteration / GRPO step",
-    "max_new_tokens": "tokens generated per completion",
+    "max_new_tokens": "tokens generated per completion (0: 12 plain, 48 instruct)",
+    "eval_batch_size": "rows per evaluation generate call (0: up to 256, from the free memory)",
+    "prompt_style": "instruct (built-in tasks asked in words), plain (the character model's form) or auto",
+    "chat_template": "on, off, or auto (on when the tokenizer has one)",
+    "system_prompt": "system prompt text; empty: none (not the template's default); <default>: keep that",
+    "instruction": "replaces a built-in task's request for the answer format in its instruct form",
     "format_weight": "reward = format_weight * well-formed + correct answer",
     "eval_every": "test accuracy every this many steps (0: only at the end of each phase)",
     "eval_size": "test problems per evaluation",
@@ -423,8 +481,10 @@ HELP: dict[str, str] = {
     "es.weight_decay": "decoupled weight decay",
     "es.stochastic_rounding": "round bf16/fp16 updates stochastically (reproducibly)",
     "es.eval_mode": f"one of {', '.join(EVAL_MODES)}: how a generation is evaluated (virtual needs CUDA)",
-    "es.materialise_mb": "materialised mode: MiB of members' perturbed weights per generate call (>= 1)",
-    "es.noise_type": "full, or lowrank (eps = A B^T / sqrt(rank) for matrices)",
+    "es.materialise_mb": "materialised mode: MiB of members' perturbed weights per generate call "
+    "(0: a quarter of the free memory)",
+    "es.noise_type": "full, lowrank (eps = A B^T / sqrt(rank) for matrices), or auto (lowrank for real "
+    "models on CPU)",
     "es.rank": "rank of low-rank noise",
     "es.noise": "distribution of eps: gaussian, or rademacher (+-1 signs, cheaper; docs/noise.md 6a)",
     "es.evolve": "regular expression: evolve only the parameters whose name it matches (empty: all)",
@@ -435,7 +495,7 @@ HELP: dict[str, str] = {
     "grpo.num_generations": "completions sampled per prompt (the group)",
     "grpo.temperature": "sampling temperature",
     "grpo.top_p": "nucleus sampling threshold",
-    "grpo.lr": "AdamW learning rate",
+    "grpo.lr": "AdamW learning rate (0: 3e-4 for the tiny models, 1e-6 for real ones)",
     "grpo.beta": "weight of the KL (k3) to the starting model; 0: no reference model",
     "grpo.epsilon": "clipping range of the probability ratio",
     "grpo.loss_type": f"one of {', '.join(LOSS_TYPES)}",

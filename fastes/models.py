@@ -241,13 +241,63 @@ def tiny_model_path() -> Path:
     return Path(__file__).parent / "assets" / "tiny"
 
 
-def format_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> str:
-    """The text to feed the model: `prompt` in the chat template if the tokenizer has one, else as is."""
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+TEMPLATE_SYSTEM_PROMPT = "<default>"  # system_prompt value that keeps the chat template's own default
+
+
+def uses_chat_template(tokenizer: PreTrainedTokenizerBase, mode: str = "auto") -> bool:
+    """Whether prompts go through the tokenizer's chat template: mode "on", "off", or "auto" (if it has one).
+
+    "on" without a template is an error that names the fix.
+    """
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if mode == "on" and not has_template:
+        raise ModelError(
+            "chat_template = 'on', but the tokenizer has no chat template; set it to auto or off"
         )
-    return prompt
+    return mode == "on" or (mode == "auto" and has_template)
+
+
+def format_prompt(
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: str | list[dict[str, str]],
+    *,
+    chat_template: str = "auto",
+    system_prompt: str = "",
+) -> str:
+    """The text to feed the model: `prompt` (text, or a list of {"role", "content"} chat messages) in the
+    chat template when it is used (see uses_chat_template), else as is.
+
+    `system_prompt` "" means none: a template that inserts a default system prompt when the messages have
+    none (SmolLM2's, ~20 tokens of every prompt) gets an empty system turn instead, whichever is shorter.
+    TEMPLATE_SYSTEM_PROMPT keeps the template's default; any other text becomes the system turn.
+    """
+    if not uses_chat_template(tokenizer, chat_template):
+        if not isinstance(prompt, str):
+            raise ModelError("chat messages need a chat template, but prompts are used without one")
+        return prompt
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    has_system = messages and messages[0].get("role") == "system"
+
+    def render(turns: list[dict[str, str]]) -> str:
+        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+
+    if has_system or system_prompt == TEMPLATE_SYSTEM_PROMPT:
+        return render(messages)
+    if system_prompt:
+        return render([{"role": "system", "content": system_prompt}, *messages])
+    plain = render(messages)
+    try:
+        empty_system = render([{"role": "system", "content": ""}, *messages])
+    except Exception:  # a template without a system role (it raises its own error types)
+        return plain
+    return empty_system if len(empty_system) < len(plain) else plain
+
+
+def is_character_tokenizer(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether `tokenizer` is the built-in character tokenizer (or one like it): every token a special
+    token or a character of ALPHABET, so prompts must be written in that alphabet."""
+    allowed = set(SPECIAL_TOKENS) | set(ALPHABET)
+    return set(tokenizer.get_vocab()) <= allowed
 
 
 def num_params(model: torch.nn.Module) -> int:

@@ -12,7 +12,10 @@ import copy
 import json
 import math
 import random
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,15 +23,17 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from . import ES, distributed, linear_weights, rundir
+from . import ES, defaults, distributed, linear_weights, rundir
 from .analysis.diversity import js_diversity
 from .analysis.entropy import token_entropy
 from .batched import member_groups, population_batched
 from .checkpoint import latest_checkpoint, save_checkpoint, write_atomic
-from .config import ConfigError, ESConfig, TrainConfig
+from .config import ConfigError, ESConfig, TrainConfig, validate
+from .errors import FastesError
 from .es import CollectiveError
 from .generation import eos_token_ids, generate
-from .models import ModelError, format_prompt, load_model, save_model, tiny_model_path
+from .model_sources import resolve_model
+from .models import ModelError, format_prompt, is_character_tokenizer, load_model, save_model
 from .tasks import Example, Task, available_tasks, get_task
 from .tasks.base import DEFAULT_TEST_PROBLEMS
 
@@ -54,7 +59,13 @@ class Run:
             rundir.append_metrics(self.out_dir, record)
 
     def prompts(self, examples: list[Example]) -> list[str]:
-        return [format_prompt(self.tokenizer, ex.prompt) for ex in examples]
+        c = self.cfg
+        return [
+            format_prompt(
+                self.tokenizer, ex.prompt, chat_template=c.chat_template, system_prompt=c.system_prompt
+            )
+            for ex in examples
+        ]
 
 
 def batch_for(run: Run, phase: str, step: int) -> list[Example]:
@@ -65,12 +76,13 @@ def batch_for(run: Run, phase: str, step: int) -> list[Example]:
 
 
 @torch.no_grad()
-def evaluate(run: Run, examples: list[Example], batch_size: int = 256) -> dict[str, Any]:
+def evaluate(run: Run, examples: list[Example]) -> dict[str, Any]:
     """Greedy accuracy and format rate of the current weights on `examples` (shared by the processes),
     and which examples it solves (1.0 / 0.0 each, in order)."""
     rank, world = distributed.rank_and_world()
     mine = examples[rank::world]
     correct, fmt = [], 0.0
+    batch_size = run.cfg.eval_batch_size
     for start in range(0, len(mine), batch_size):
         chunk = mine[start : start + batch_size]
         gen = generate(run.model, run.tokenizer, run.prompts(chunk), max_new_tokens=run.cfg.max_new_tokens)
@@ -139,26 +151,37 @@ def es_iteration(run: Run, es: ES, step: int) -> dict[str, float]:
     prompts = run.prompts(examples)
     max_new = run.cfg.max_new_tokens
     start = time.perf_counter()
+    timer = PartTimer()
     texts, tokens = [], 0
     mode = run.cfg.es.eval_mode
     if mode != "member":
         for group in member_groups(es, mode, run.cfg.es.materialise_mb * 2**20):
-            with population_batched(es, run.model, mode=mode, members=group) as members:
-                gen = generate(run.model, run.tokenizer, prompts * len(members), max_new_tokens=max_new)
+            with ExitStack() as stack:
+                with timer("noise"):  # the members' weights (materialised) or noise factors (lowrank)
+                    members = stack.enter_context(population_batched(es, run.model, mode=mode, members=group))
+                with timer("generation"):
+                    gen = generate(run.model, run.tokenizer, prompts * len(members), max_new_tokens=max_new)
             texts += [gen.texts[i * len(prompts) : (i + 1) * len(prompts)] for i in range(len(members))]
             tokens += gen.num_tokens
     else:
         for member in es.members():
-            with member:
-                gen = generate(run.model, run.tokenizer, prompts, max_new_tokens=max_new)
+            with ExitStack() as stack:
+                with timer("noise"):  # perturb in place
+                    stack.enter_context(member)
+                with timer("generation"):
+                    gen = generate(run.model, run.tokenizer, prompts, max_new_tokens=max_new)
+                with timer("noise"):  # restore, exactly
+                    stack.close()
             texts.append(gen.texts)
             tokens += gen.num_tokens
-    flat = run.task.scores(examples * len(texts), [t for member_texts in texts for t in member_texts])
+    with timer("scoring"):
+        flat = run.task.scores(examples * len(texts), [t for member_texts in texts for t in member_texts])
     scores = [flat[i * len(examples) : (i + 1) * len(examples)] for i in range(len(texts))]
-    rewards = es.step(
-        torch.tensor([[s.reward(run.cfg.format_weight) for s in row] for row in scores], dtype=torch.float64)
-    )
+    weights = [[s.reward(run.cfg.format_weight) for s in row] for row in scores]
+    with timer("update"):
+        rewards = es.step(torch.tensor(weights, dtype=torch.float64))
     answers = torch.tensor([[s.answer for s in row] for row in scores], dtype=torch.float64)
+    well_formed = distributed.all_sum([sum(s.format for s in flat), len(flat)]).tolist()
     answers = distributed.gather_strided(answers, es.population)
     tokens = int(distributed.all_sum([tokens])[0])
     seconds = time.perf_counter() - start
@@ -167,12 +190,34 @@ def es_iteration(run: Run, es: ES, step: int) -> dict[str, float]:
         "reward": float(per_member.mean()),
         "reward_std": float(per_member.std(correction=0)),
         "reward_max": float(per_member.max()),
+        "format": well_formed[0] / well_formed[1],
     }
     # JS diversity is defined on acceptance rates in [0, 1]: verifier outcomes, not any user reward.
     if bool(((answers >= 0) & (answers <= 1)).all()):
         diversity = js_diversity(answers)
         record.update(js_diversity=float(diversity.normalized), members_agree=float(diversity.agreement))
-    return {**record, "seconds": seconds, "tokens_per_second": tokens / seconds}
+    return {**record, "seconds": seconds, "tokens_per_second": tokens / seconds, **timer.record()}
+
+
+class PartTimer:
+    """Seconds spent in each named part of an iteration: `with timer("noise"): ...`, then record()."""
+
+    PARTS = ("generation", "noise", "scoring", "update")
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(self.PARTS, 0.0)
+
+    @contextmanager
+    def __call__(self, part: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[part] += time.perf_counter() - start
+
+    def record(self) -> dict[str, float]:
+        """{"time/generation": s, ...}: the metric names of metrics.jsonl."""
+        return {f"time/{part}": seconds for part, seconds in self.seconds.items()}
 
 
 # --- GRPO -------------------------------------------------------------------------------------------
@@ -331,6 +376,48 @@ def grpo_step(run: Run, optimizer: torch.optim.Optimizer, reference, step: int) 
     }
 
 
+NO_SIGNAL_STEPS = 3  # steps in a row where every member (ES) or every group (GRPO) scored alike
+
+
+class NoSignal:
+    """Counts the steps in a row that had nothing to learn from: every ES member scored the same
+    (reward_std 0), or every GRPO group's completions did (frac_reward_zero_std 1)."""
+
+    def __init__(self) -> None:
+        self.streak = 0
+
+    def update(self, record: dict[str, Any]) -> bool:
+        """Count `record`'s step; True when the streak has just reached NO_SIGNAL_STEPS (warn once)."""
+        flat = record.get("frac_reward_zero_std", 0.0) == 1.0 or record.get("reward_std", 1.0) == 0.0
+        self.streak = self.streak + 1 if flat else 0
+        return self.streak == NO_SIGNAL_STEPS
+
+    def warning(self, phase: str) -> str:
+        who = "every member" if phase == "es" else "every group of completions"
+        return (
+            f"fastes: warning: {who} scored the same for {NO_SIGNAL_STEPS} {phase.upper()} steps in a row "
+            "(reward_std 0), so nothing can be learned. Usual causes: the task is too hard or too easy for "
+            "the model (look at its answers: fastes eval --show 5), answers cut short by max_new_tokens, a "
+            "prompt form the verifier does not read (prompt_style, chat_template), or a sigma too small to "
+            "change any answer"
+        )
+
+
+def progress_fields(record: dict[str, Any], no_signal: bool) -> dict[str, str]:
+    """The progress bar's postfix: phase, reward, test accuracy, and where the step's time went."""
+    fields = {
+        "phase": record["phase"],
+        "reward": f"{record['reward']:.3f}",
+        "test": f"{record.get('test_accuracy', float('nan')):.3f}",
+    }
+    if no_signal:
+        fields["signal"] = "NONE"
+    parts = {part: record.get(f"time/{part}") for part in PartTimer.PARTS}
+    if all(seconds is not None for seconds in parts.values()):
+        fields["time"] = " ".join(f"{part} {seconds:.1f}s" for part, seconds in parts.items())
+    return fields
+
+
 def make_grpo_optimizer(run: Run) -> torch.optim.Optimizer:
     g = run.cfg.grpo
     return torch.optim.AdamW(run.model.parameters(), lr=g.lr, weight_decay=g.weight_decay)
@@ -434,17 +521,33 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) ->
     return result
 
 
-def make_task(cfg: TrainConfig) -> Task:
+def make_task(cfg: TrainConfig, strict_alphabet: bool = True) -> Task:
     """The configured task; with `reward`, a JSONL file of prompts scored by the user's function.
 
     A built-in task draws at least `eval_size` test problems. Its test problems are drawn after the
-    train ones, so the first 200 (the default) are the same whatever the count.
+    train ones, so the first 200 (the default) are the same whatever the count. `cfg.prompt_style` must
+    be resolved (fastes.defaults); JSONL prompts are held to the character model's alphabet only when
+    `strict_alphabet` (the model has the character tokenizer).
     """
     if cfg.reward:
         return get_task(cfg.task, seed=cfg.task_seed, reward=cfg.reward, timeout=cfg.reward_timeout)
-    if cfg.task in available_tasks():
-        return get_task(cfg.task, seed=cfg.task_seed, n_test=max(DEFAULT_TEST_PROBLEMS, cfg.eval_size))
-    return get_task(cfg.task, seed=cfg.task_seed)
+    kind = cfg.task.partition(":")[0]
+    try:
+        if kind in available_tasks():
+            return get_task(
+                cfg.task,
+                seed=cfg.task_seed,
+                style=cfg.prompt_style,
+                instruction=cfg.instruction,
+                n_test=max(DEFAULT_TEST_PROBLEMS, cfg.eval_size),
+            )
+        if kind == "jsonl":
+            return get_task(cfg.task, seed=cfg.task_seed, strict_alphabet=strict_alphabet)
+        return get_task(cfg.task, seed=cfg.task_seed)
+    except ValueError as error:
+        if isinstance(error, FastesError):
+            raise
+        raise ConfigError(f"task: {error}") from None
 
 
 def check_world_size(cfg: TrainConfig, task: Task) -> None:
@@ -465,10 +568,18 @@ def _train(cfg: TrainConfig, *, resume: bool, overwrite: bool, device: str) -> d
     if resume and overwrite:
         raise rundir.RunDirError("--resume continues the run in out_dir, --overwrite deletes it: choose one")
     out_dir = Path(cfg.out_dir)
-    model_dir = Path(cfg.model) if cfg.model else tiny_model_path()
+    model_dir = resolve_model(cfg.model)
     phases = PHASES[cfg.algorithm]
     lengths = [cfg.grpo.steps if p == "grpo" else cfg.es.iterations for p in phases]
-    task = make_task(cfg)
+    torch.manual_seed(cfg.seed)
+    model, tokenizer = load_model(model_dir, dtype=cfg.dtype, device=device)
+    # Settings left on auto are chosen now, once, and saved with the run (a resume takes them from there).
+    saved_config = None
+    if resume:
+        saved_run = distributed.from_writer(lambda: rundir.saved_identity(out_dir))
+        saved_config = saved_run["config"] if saved_run else None
+    cfg = validate(defaults.resolve(cfg, model, tokenizer, saved_config))
+    task = make_task(cfg, strict_alphabet=is_character_tokenizer(tokenizer))
     _check_task(task, cfg)
     check_world_size(cfg, task)
     identity = rundir.run_identity(cfg, model_dir)
@@ -479,8 +590,6 @@ def _train(cfg: TrainConfig, *, resume: bool, overwrite: bool, device: str) -> d
     else:
         found, previous = None, distributed.from_writer(lambda: rundir.check_fresh(out_dir, overwrite))
     writer = distributed.is_writer()
-    torch.manual_seed(cfg.seed)
-    model, tokenizer = load_model(model_dir, dtype=cfg.dtype, device=device)
     if "es" in phases:
         _check_evolvable(model, model_dir, cfg.es)
     # A tiny model's matmuls are too small to share: extra threads only add synchronisation.
@@ -529,6 +638,7 @@ def _train(cfg: TrainConfig, *, resume: bool, overwrite: bool, device: str) -> d
 
     global_step = sum(lengths[:first_phase]) + first_step
     last_eval = None
+    no_signal = NoSignal()
     quiet = not cfg.progress or not distributed.is_writer()
     bar = tqdm(total=sum(lengths), initial=global_step, disable=quiet, desc=cfg.algorithm)
     for phase_index in range(first_phase, len(phases)):
@@ -553,11 +663,9 @@ def _train(cfg: TrainConfig, *, resume: bool, overwrite: bool, device: str) -> d
                 record.update(test_accuracy=result["accuracy"], test_format=result["format"])
             run.log(record)
             bar.update(1)
-            bar.set_postfix(
-                phase=phase,
-                reward=f"{record['reward']:.3f}",
-                test=f"{record.get('test_accuracy', float('nan')):.3f}",
-            )
+            if no_signal.update(record) and not quiet:
+                tqdm.write(no_signal.warning(phase), file=sys.stderr)
+            bar.set_postfix(progress_fields(record, no_signal.streak >= NO_SIGNAL_STEPS), refresh=False)
             if phase == "grpo" and (step + 1) % GRPO_CHECKSUM_EVERY == 0:
                 distributed.check_same_weights(model.parameters(), f"GRPO step {step + 1}")
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:

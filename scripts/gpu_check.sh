@@ -88,7 +88,7 @@ PY
 }
 
 install() {
-  # fastes.kernels is the kernels/ folder mapped by the package config: it needs an (editable) install.
+  # fastes (with fastes.kernels) must be installed (editable) for the steps to import it.
   if "$py" -c "import fastes.kernels" 2>/dev/null; then
     echo "fastes is installed: $("$py" -c 'import fastes, os; print(os.path.dirname(fastes.__file__))')"
   else

@@ -28,7 +28,7 @@ def test_defaults_are_valid_and_overrides_apply(tmp_path):
         ({"es.antithetic": 1}, "es.antithetic must be bool"),
         ({"batch_size": True}, "batch_size must be int"),
         ({"task": "sudoku"}, "task: 'sudoku' does not exist"),
-        ({"model": "/nonexistent/model"}, "model directory '/nonexistent/model' does not exist"),
+        ({"model": "/nonexistent/model"}, "model '/nonexistent/model' is neither a model directory"),
         ({"algorithm": "ppo"}, "algorithm: 'ppo' is not one of"),
         ({"grpo.loss_type": "ppo"}, "grpo.loss_type"),
         ({"grpo.temperature": 0.0}, "grpo.temperature"),

@@ -7,10 +7,12 @@
 Names:
   countdown, arithmetic       trained on by ES / GRPO (TRAINABLE_TASKS)
   reverse, compare            pretraining only, for held-out / forgetting evaluation (HELD_OUT_TASKS)
+  <built-in>:key=value,...    a built-in task with constructor options, e.g. arithmetic:max_digits=1
   jsonl:<path>                user tasks from a JSONL file (see jsonl.py); with reward="file.py:function",
                               prompts and columns scored by your own function (see reward_file.py)
   reasoning_gym:<dataset>     a reasoning-gym dataset; needs `pip install reasoning-gym`
 Options are passed to the task's constructor (n_train, n_test and task-specific ones).
+style="instruct" asks a built-in task's problems in words for instruct models (see instruct.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from .arithmetic import ArithmeticTask
 from .base import ALPHABET, Example, GeneratedTask, Score, Task
 from .countdown import CountdownTask, solve_countdown
 from .heldout import CompareTask, ReverseTask
+from .instruct import InstructTask, stated_answer
 from .jsonl import JsonlTask, JsonlTaskError
 from .reasoning_gym import ReasoningGymTask  # imports the package only when a task is created
 from .reward_file import RewardFunction, RewardFunctionError, RewardTask
@@ -44,6 +47,19 @@ _BUILT_IN: dict[str, type[GeneratedTask]] = {
     "compare": CompareTask,
 }
 _PREFIXES = ("jsonl:<path>", "reasoning_gym:<dataset>")
+STYLES = ("plain", "instruct")
+
+
+def parse_task_options(text: str) -> dict[str, Any]:
+    """ "max_digits=1,operations=+-" -> {"max_digits": 1, "operations": "+-"} (integers become ints)."""
+    options: dict[str, Any] = {}
+    for item in filter(None, text.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip().isidentifier():
+            raise ValueError(f"task option {item!r} is not key=value (e.g. arithmetic:max_digits=1)")
+        value = value.strip()
+        options[key.strip()] = int(value) if value.lstrip("-").isdigit() else value
+    return options
 
 
 def available_tasks() -> tuple[str, ...]:
@@ -51,19 +67,39 @@ def available_tasks() -> tuple[str, ...]:
     return (*_BUILT_IN, *_PREFIXES)
 
 
-def get_task(name: str, seed: int = 0, reward: str | None = None, **options: Any) -> Task:
+def get_task(
+    name: str,
+    seed: int = 0,
+    reward: str | None = None,
+    style: str = "plain",
+    instruction: str = "",
+    **options: Any,
+) -> Task:
     """Build the task called `name` with the given seed; options go to the task's constructor.
 
     `reward` ("file.py:function") scores a "jsonl:<path>" task's prompts with your own function.
+    `style` "instruct" asks a built-in task in words, with `instruction` (default: the task's own)
+    asking for the answer format; prompts of other tasks are used as written.
     """
+    if style not in STYLES:
+        raise ValueError(f"unknown prompt style {style!r}; use one of {', '.join(STYLES)}")
+    kind, _, rest = name.partition(":")
     if reward:
-        kind, _, rest = name.partition(":")
         if kind != "jsonl" or not rest:
             raise ValueError(f"a reward function scores a 'jsonl:<path>' task of prompts, not {name!r}")
         return RewardTask(rest, reward, seed=seed, **options)
-    if name in _BUILT_IN:
-        return _BUILT_IN[name](seed=seed, **options)
-    kind, _, rest = name.partition(":")
+    if kind in _BUILT_IN:
+        try:
+            task = _BUILT_IN[kind](seed=seed, **{**parse_task_options(rest), **options})
+        except TypeError as error:  # an option in the name that the constructor does not take
+            if not rest:
+                raise
+            raise ValueError(f"task {name!r}: {error}") from None
+        return InstructTask(task, instruction) if style == "instruct" else task
+    if instruction:
+        raise ValueError(
+            f"an instruction rewords a built-in task's instruct form; write it into the prompts of {name!r}"
+        )
     if kind == "jsonl" and rest:
         return JsonlTask(rest, seed=seed, **options)
     if kind == "reasoning_gym" and rest:
@@ -80,6 +116,7 @@ __all__ = [
     "CountdownTask",
     "Example",
     "GeneratedTask",
+    "InstructTask",
     "JsonlTask",
     "JsonlTaskError",
     "ParsedExpr",
@@ -88,6 +125,7 @@ __all__ = [
     "RewardFunction",
     "RewardFunctionError",
     "RewardTask",
+    "STYLES",
     "Score",
     "Task",
     "available_tasks",
@@ -99,4 +137,5 @@ __all__ = [
     "score_exact",
     "score_numeric",
     "solve_countdown",
+    "stated_answer",
 ]

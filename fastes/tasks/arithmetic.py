@@ -20,6 +20,8 @@ class ArithmeticTask(GeneratedTask):
     """Addition, subtraction and multiplication of min_digits..max_digits digit integers."""
 
     name = "arithmetic"
+    answer_kind = "number"
+    instruction = 'Write the result after "Answer:".'
 
     def __init__(
         self,
@@ -56,6 +58,9 @@ class ArithmeticTask(GeneratedTask):
             solution=f"{result}{ANSWER_END}",
             meta={"a": a, "b": b, "op": op, "result": result},
         )
+
+    def question(self, example: Example) -> str:
+        return f"Calculate {example.meta['a']} {example.meta['op']} {example.meta['b']}."
 
     def score(self, example: Example, completion: str) -> Score:
         return score_numeric(example.meta["result"], completion)

@@ -81,7 +81,13 @@ class GeneratedTask(Task):
     Subclasses set `name` and implement `generate`. The splits are drawn once, on first use, from a
     random.Random seeded with the task name and the seed, so they are the same on every run and machine.
     Examples are deduplicated by prompt before splitting, which makes train and test disjoint.
+
+    For the natural-language form that instruct models get (fastes.tasks.instruct), a subclass also
+    sets `answer_kind` and `instruction` and implements `question`.
     """
+
+    answer_kind = ""  # "number", "expression", "relation" or "digits": how a stated answer is read
+    instruction = ""  # the request for the answer format, after the question in the instruct form
 
     def __init__(self, seed: int = 0, n_train: int = 1000, n_test: int = DEFAULT_TEST_PROBLEMS) -> None:
         if n_train < 0 or n_test < 0:
@@ -94,6 +100,10 @@ class GeneratedTask(Task):
     @abstractmethod
     def generate(self, rng: random.Random) -> Example | None:
         """Draw one example using only `rng`, or return None to reject the draw and try again."""
+
+    def question(self, example: Example) -> str:
+        """The problem of `example` asked in words (the instruct form)."""
+        raise NotImplementedError(f"task {self.name!r} has no instruct form")
 
     def split(self, which: str) -> list[Example]:
         """The examples of split `which`; a fresh copy of the same list on every call."""

@@ -124,6 +124,8 @@ class CountdownTask(GeneratedTask):
     """Countdown with `n_numbers` numbers drawn from 1..max_number and a target in 1..max_target."""
 
     name = "countdown"
+    answer_kind = "expression"
+    instruction = 'Write the expression after "Answer:".'
 
     def __init__(
         self,
@@ -154,6 +156,14 @@ class CountdownTask(GeneratedTask):
             answer=str(target),
             solution=expression + ANSWER_END,
             meta={"numbers": tuple(numbers), "target": target},
+        )
+
+    def question(self, example: Example) -> str:
+        *first, last = example.meta["numbers"]
+        numbers = f"{', '.join(map(str, first))} and {last}"
+        return (
+            f"Use the numbers {numbers}, each exactly once, with + - * / and parentheses, to make "
+            f"{example.meta['target']}."
         )
 
     def score(self, example: Example, completion: str) -> Score:

@@ -24,6 +24,8 @@ class ReverseTask(GeneratedTask):
     """Reverse a string of min_digits..max_digits digits."""
 
     name = "reverse"
+    answer_kind = "digits"
+    instruction = 'Write the reversed digits after "Answer:".'
 
     def __init__(
         self,
@@ -50,6 +52,9 @@ class ReverseTask(GeneratedTask):
             meta={"digits": digits},
         )
 
+    def question(self, example: Example) -> str:
+        return f"Write the digits {example.meta['digits']} in reverse order."
+
     def score(self, example: Example, completion: str) -> Score:
         answer = extract_answer(completion)
         well_formed = answer != "" and all(ch in "0123456789" for ch in answer)
@@ -60,6 +65,8 @@ class CompareTask(GeneratedTask):
     """Compare two numbers below 10**max_digits; the three relations are equally likely."""
 
     name = "compare"
+    answer_kind = "relation"
+    instruction = 'Write <, > or = after "Answer:".'
 
     def __init__(
         self, seed: int = 0, n_train: int = 1000, n_test: int = DEFAULT_TEST_PROBLEMS, max_digits: int = 4
@@ -87,6 +94,10 @@ class CompareTask(GeneratedTask):
             solution=relation + ANSWER_END,
             meta={"a": a, "b": b},
         )
+
+    def question(self, example: Example) -> str:
+        a, b = example.meta["a"], example.meta["b"]
+        return f"Is {a} less than (<), greater than (>) or equal to (=) {b}?"
 
     def score(self, example: Example, completion: str) -> Score:
         answer = extract_answer(completion)

@@ -163,7 +163,7 @@ def launch_virtual_linear(
     grid = (triton.cdiv(rows_per_member, block_m), triton.cdiv(n_out, block_n), members)
     dot_in_fp32 = dtype == tl.float32 or os.environ.get("TRITON_INTERPRET") == "1"
     # The per-element and transposed noise paths hold more per element: more warps keep them in
-    # registers (no spills for sm_90 / sm_80 / gfx942 in kernels/aot.py).
+    # registers (no spills for sm_90 / sm_80 / gfx942 in fastes/kernels/aot.py).
     tuning = {"num_warps": 4 if whole_blocks else 8}
     if dot_in_fp32:
         # The fp32 dot runs on FMAs: prefetching the next K tiles into registers (software pipelining,

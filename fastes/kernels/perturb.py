@@ -21,7 +21,7 @@ from .rounding import round_to
 from .table import NUM_WARPS, TileTable, blocks_per_row, read_tile, tile_pointer
 
 
-@triton.jit(do_not_specialize=["k0", "k1"])  # see kernels/__init__.py: typed, never specialised
+@triton.jit(do_not_specialize=["k0", "k1"])  # see fastes/kernels/__init__.py: typed, never specialised
 def perturb_kernel(
     src_addresses,
     dst_addresses,

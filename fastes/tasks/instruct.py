@@ -1,0 +1,89 @@
+"""The natural-language form of a built-in task, for instruct (chat) models.
+
+The plain form of a task is made for the built-in character model ("12+34=" -> "46;"). An instruct model
+asked that way chats, and the plain verifier, which reads the text before the first ';' or newline,
+never finds an answer. The instruct form asks a question in words and for the answer after "Answer:":
+
+    Calculate 12 + 34. Write the result after "Answer:".
+
+and reads the answer that the completion states anywhere in ordinary text:
+
+    12 + 34 = 46.\n\nThe answer is 46.      -> "46"
+    **Answer:** 46                          -> "46"
+
+`stated_answer` finds the last "answer:" or "answer is" (any case), takes the rest of that line, strips
+markdown emphasis and a final full stop, and `normalise` cuts it to the shape of the task's answer. The
+result is then scored by the task's own plain verifier, so the whitelist parser and every invariant of
+scripts/fuzz_verifiers.py hold for the instruct form too. Format reward 1 means an answer was stated in a
+shape the verifier accepts.
+"""
+
+from __future__ import annotations
+
+from .base import Example, GeneratedTask, Score, Task
+from .verify import ANSWER_END
+
+MARKERS = ("answer:", "answer is")  # the phrases that introduce a stated answer
+MAX_STATED_CHARS = 200  # a stated answer is short; longer text after a marker is cut
+_WRAPPERS = "*_`$ \t"  # markdown emphasis, code and maths delimiters around an answer
+ANSWER_KINDS = ("number", "expression", "relation", "digits")
+
+
+def stated_answer(completion: str) -> str | None:
+    """The text after the last answer marker, up to the end of its line, unwrapped; None when there is
+    no marker. Linear in the length of the completion (str.rfind), whatever the text."""
+    if not isinstance(completion, str):
+        return None
+    lowered = completion.lower()
+    found = max((lowered.rfind(marker) + len(marker) if marker in lowered else -1) for marker in MARKERS)
+    if found < 0:
+        return None
+    rest = completion[found : found + MAX_STATED_CHARS].lstrip(_WRAPPERS + ":")
+    line = rest.partition("\n")[0]
+    return line.strip(_WRAPPERS).removesuffix(".").strip(_WRAPPERS)
+
+
+def normalise(stated: str, kind: str) -> str:
+    """Cut a stated answer to the shape the plain verifier reads.
+
+    number:     the first word ("46 apples" -> "46"), without a trailing '.', ',' or '!'
+    expression: the part before '=' ("3*5+7 = 22" -> "3*5+7")
+    relation:   the one relation symbol it holds ("45 < 123" -> "<"); '' when it holds none or several
+    digits:     the first word, as for number
+    """
+    if kind == "expression":
+        return stated.partition("=")[0].strip()
+    if kind == "relation":
+        symbols = [ch for ch in stated if ch in "<>="]
+        return symbols[0] if len(symbols) == 1 else ""
+    words = stated.split()
+    return words[0].rstrip(".,!").strip(_WRAPPERS) if words else ""
+
+
+class InstructTask(Task):
+    """A built-in task asked in words (see the module docstring): same problems, same splits.
+
+    `instruction` replaces the task's own request for the answer format (e.g. to try another wording).
+    """
+
+    def __init__(self, task: GeneratedTask, instruction: str | None = None) -> None:
+        if task.answer_kind not in ANSWER_KINDS:
+            raise ValueError(f"task {task.name!r} has no instruct form (answer_kind {task.answer_kind!r})")
+        self.task = task
+        self.name = task.name
+        self.instruction = instruction or task.instruction
+
+    def split(self, which: str) -> list[Example]:
+        return [self._ask(example) for example in self.task.split(which)]
+
+    def _ask(self, example: Example) -> Example:
+        prompt = f"{self.task.question(example)} {self.instruction}"
+        return Example(
+            prompt, example.answer, example.solution, {**example.meta, "plain_prompt": example.prompt}
+        )
+
+    def score(self, example: Example, completion: str) -> Score:
+        stated = stated_answer(completion)
+        if stated is None:
+            return Score(format=0.0, answer=0.0)
+        return self.task.score(example, normalise(stated, self.task.answer_kind) + ANSWER_END)
