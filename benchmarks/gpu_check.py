@@ -609,14 +609,16 @@ def _predicted_rates() -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "rates.json"
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        subprocess.run(
+        done = subprocess.run(
             [sys.executable, "-m", "benchmarks.model_iteration", "--rates", str(path)],
             cwd=Path(__file__).resolve().parents[1],
             env=env,
-            check=True,
             capture_output=True,
+            text=True,
             timeout=300,
         )
+        if done.returncode != 0:
+            raise RuntimeError(f"python -m benchmarks.model_iteration failed:\n{done.stderr[-2000:]}")
         return {name: NoiseRates(**r) for name, r in json.loads(path.read_text()).items()}
 
 

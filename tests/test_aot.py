@@ -251,3 +251,37 @@ def test_unknown_model_is_a_clear_error():
         aot.model_config("GPT-5")
     config = aot.model_config("Qwen2.5-0.5B", layers=1)
     assert (config.hidden_size, config.intermediate_size, config.num_hidden_layers) == (896, 4864, 1)
+
+
+def test_real_model_shapes_match_the_published_parameter_counts():
+    from benchmarks.model_iteration import model_shape
+
+    qwen = model_shape("Qwen2.5-0.5B")  # 0.49B parameters, 0.36B without the (tied) embedding
+    assert qwen.evolved == 24 * (2 * 896 * 896 + 2 * 128 * 896 + 3 * 4864 * 896) == 357_826_560
+    assert round(qwen.total / 1e6) == 494 and qwen.matmul == qwen.evolved + 151936 * 896
+    llama = model_shape("Llama-3-8B")  # 8.03B parameters; its lm_head is not tied, so it evolves
+    assert round(llama.total / 1e7) == 803 and llama.evolved == llama.total - 128256 * 4096 - 65 * 4096
+    assert llama.kv_bytes_per_token == 32 * 2 * 8 * 128 * 2
+
+
+def test_predicted_iteration_chooses_the_fastest_mode_that_fits():
+    from benchmarks.model_iteration import NoiseRates, iteration, model_shape
+    from benchmarks.static import DEVICES
+
+    h100, h200 = DEVICES
+    rates = NoiseRates(
+        perturb=1.5e-12, update=2e-11, fill=1.5e-12, virtual_decode=2e-12, virtual_prefill=2e-12
+    )
+    llama = iteration(model_shape("Llama-3-8B"), h100, rates)
+    modes = llama["modes"]
+    assert modes["materialised"]["group"] < 32 and modes["member"]["group"] == 1  # 15 GB per copy
+    fitting = {m: v["total_s"] for m, v in modes.items() if v["fits"]}
+    assert llama["choice"]["mode"] == min(fitting, key=fitting.get)
+    assert llama["choice"]["full_rank_mode"] != "lowrank"
+    for v in fitting.values():  # nothing beats plain inference of the same tokens
+        assert v >= llama["floor_s"]
+    # Free noise in the matmul: virtual then costs what materialised does, less the perturb.
+    free = iteration(model_shape("Qwen2.5-0.5B"), h200, NoiseRates(1.5e-12, 2e-11, 1.5e-12, 0.0, 0.0))[
+        "modes"
+    ]
+    assert free["virtual"]["total_s"] < free["materialised"]["total_s"] < free["virtual"]["total_s"] * 1.05

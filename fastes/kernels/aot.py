@@ -1,13 +1,17 @@
 """Compile the kernels for GPUs on a machine without one: every specialisation the runtime launches.
 
-    python -m fastes.kernels.aot [--targets sm_90,sm_80,gfx942] [--json FILE]
+    python -m fastes.kernels.aot [--targets sm_90,sm_80,gfx942] [--models ...] [--json FILE] [--no-cache]
 
 The launch functions (`launch_perturb`, `launch_update`, `launch_fill`, `launch_virtual_linear`) are
-called on CPU tensors with Triton's `JITFunction.run` replaced by a recorder (`capture`). Each recorded
+called on CPU tensors with Triton's `JITFunction.run` replaced by a recorder (`capture`), and so is one
+ES iteration of each real model of MODEL_CONFIGS, on the meta device, through fastes.ES and
+population_batched in every dtype, noise and mode (`model_launches`). Each recorded
 launch is specialised by Triton's own binder, exactly as `run` would on a GPU (signature, constexprs,
 divisibility attributes), and compiled with `triton.compile` for a `GPUTarget`: PTX and a cubin via the
 ptxas shipped in the Triton wheel (AMD: an hsaco). `cuobjdump` from the same wheel gives registers,
-local memory and the SASS. Exit status 1 when a launch fails to compile or spills registers.
+local memory and the SASS. Launches that specialise alike are compiled once per target, and each result
+is cached (`compile_cached`). Exit status 1 when a launch fails to compile or spills registers, or when
+launches of one label compile to more than one variant. docs/gpu.md has the counts and timings.
 
 This needs compiled kernels, so it refuses to run under TRITON_INTERPRET=1 (the test suite starts it in
 a subprocess without it). Nothing is launched and no GPU is needed.
@@ -330,7 +334,7 @@ def _one_iteration(model, params, options: dict) -> None:
                 with population_batched(es, model, mode, members):
                     for layer in model.modules():
                         if isinstance(layer, VirtualLinear):
-                            features = layer.base.weight.shape[1]
+                            features = layer.base.weight.shape[0 if layer.transposed else 1]
                             for rows in MEMBER_ROWS:
                                 layer(torch.empty(len(members) * rows, features, device="meta"))
         es.step(torch.linspace(-1, 1, len(members)))
