@@ -335,10 +335,10 @@ def eval_modes(bench: BenchModel, backend: str) -> tuple[list[str], dict[str, st
     cache_key = (str(bench.tensors[0].device), str(bench.dtype), backend)
     if cache_key in _probed:
         return _probed[cache_key]
-    default_mode = TrainConfig().es.eval_mode
+    default_mode = make_run(bench.clone(), IterationSetting(2, 1, 1), backend)[0].cfg.es.eval_mode
     modes, skipped = [default_mode], {}
     for mode in getattr(config, "EVAL_MODES", ()):
-        if mode == default_mode:
+        if mode in (default_mode, "auto"):
             continue
         try:
             es_iteration(*make_run(bench.clone(), IterationSetting(2, 1, 1), backend, mode), 0)
@@ -352,6 +352,7 @@ def eval_modes(bench: BenchModel, backend: str) -> tuple[list[str], dict[str, st
 
 def make_run(bench: BenchModel, setting: IterationSetting, backend: str, eval_mode: str | None = None):
     """A fastes.train.Run on `bench` for the countdown task, with the ES it iterates."""
+    from fastes import defaults
     from fastes.train import Run, make_es
 
     cfg = TrainConfig()
@@ -367,6 +368,7 @@ def make_run(bench: BenchModel, setting: IterationSetting, backend: str, eval_mo
             cfg.es.noise_type = (
                 "lowrank"  # the low-rank eval mode evaluates low-rank noise (rank cfg.es.rank)
             )
+    cfg = defaults.resolve(cfg, bench.model, bench.tokenizer)  # what a run chooses for this model
     task = get_task(cfg.task, seed=cfg.task_seed)
     run = Run(cfg, bench.model, bench.tokenizer, task, Path(tempfile.gettempdir()) / "fastes-bench")
     return run, make_es(run)

@@ -6,4 +6,28 @@ from .shaping import SHAPINGS, shape_rewards
 
 __version__ = "0.1.0"
 
-__all__ = ["ES", "Member", "SHAPINGS", "linear_weights", "replay", "shape_rewards", "__version__"]
+# The TRL-shaped trainers import transformers: loaded on first use, so `import fastes` stays light.
+_TRAINER_NAMES = ("ESConfig", "ESTrainer", "GRPOConfig", "GRPOTrainer")
+
+
+def __getattr__(name: str) -> object:
+    if name in _TRAINER_NAMES:
+        from . import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module 'fastes' has no attribute {name!r}")
+
+
+__all__ = [
+    "ES",
+    "ESConfig",
+    "ESTrainer",
+    "GRPOConfig",
+    "GRPOTrainer",
+    "Member",
+    "SHAPINGS",
+    "linear_weights",
+    "replay",
+    "shape_rewards",
+    "__version__",
+]

@@ -1,6 +1,7 @@
 """The `fastes` command: demo, train, eval, pretrain.
 
 fastes demo                       ES on the built-in tiny model and countdown, with a plot
+fastes demo --model smollm2-135m-instruct   the same on a real instruct model, with settings chosen for it
 fastes train --config run.toml    ES, GRPO or GRPO then ES; any key as a flag: --es.sigma 0.01
 fastes eval --model DIR           accuracy and Pass@K of a model directory on a task
 fastes pretrain --out DIR         rebuild the tiny model by supervised training
@@ -19,11 +20,43 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__, distributed
-from .config import ConfigError, flag_help, flag_specs, load_config
+from .config import ConfigError, TrainConfig, flag_help, flag_specs, load_config
 from .errors import FastesError
 from .es import CollectiveError
 
 DEMO_EVAL_SIZE = 500  # test problems the demo reports on
+# `fastes demo --model NAME`: settings chosen for a shipped model on validation problems only (the
+# first 272 train / next 100 problems of the same task), see docs/real_models.md. Flags override them.
+DEMO_PRESETS: dict[str, dict[str, Any]] = {
+    "smollm2-135m-instruct": {
+        "out_dir": "runs/demo-smollm2",
+        # One- and two-digit addition and subtraction of 0..20: 672 problems; the last 300 are the test.
+        "task": "arithmetic:max_operand=20,operations=+-,n_train=372,n_test=300",
+        "eval_size": 300,
+        "batch_size": 16,
+        "max_new_tokens": 24,
+        "format_weight": 0.5,
+        "eval_every": 5,
+        "checkpoint_every": 5,
+        "es.iterations": 15,
+        "es.population": 16,
+        "es.sigma": 0.001,
+        "es.lr": 5e-6,
+    },
+}
+# Run settings that `fastes eval` takes as flags, with the meaning they have in a run.
+EVAL_SETTINGS = (
+    "model",
+    "task",
+    "task_seed",
+    "reward",
+    "prompt_style",
+    "chat_template",
+    "system_prompt",
+    "instruction",
+    "max_new_tokens",
+    "eval_batch_size",
+)
 
 
 class Parser(argparse.ArgumentParser):
@@ -97,6 +130,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
             f"--{key}",
             dest=f"cfg:{key}",
             type=_parse_bool if kind is bool else kind,
+            nargs="+" if key == "reward" else None,  # --reward a.py:f b.py:g: several, for a dataset
             default=None,
             metavar=kind.__name__.upper(),
             help=flag_help(key),
@@ -107,11 +141,13 @@ def _overrides(args: argparse.Namespace, defaults: dict[str, Any] | None = None)
     values = dict(defaults or {})
     for name, value in vars(args).items():
         if name.startswith("cfg:") and value is not None:
-            values[name[4:]] = value
+            values[name[4:]] = ",".join(value) if isinstance(value, list) else value
+    if "dataset" in values:  # a data file replaces the task
+        values.setdefault("task", "dataset")
     return values
 
 
-def _curve_plot(metrics: list[dict], path: Path) -> Path:
+def _curve_plot(metrics: list[dict], path: Path, task: str) -> Path:
     from .analysis.plots import plot_metric_over_steps
 
     steps = [m for m in metrics if "reward" in m]
@@ -122,7 +158,7 @@ def _curve_plot(metrics: list[dict], path: Path) -> Path:
             "test accuracy": ([m["global_step"] for m in evals], [m["test_accuracy"] for m in evals]),
         },
         path,
-        title="fastes: post-training on countdown",
+        title=f"fastes: post-training on {task}",
         metric="reward / accuracy",
         xlabel="iteration",
     )
@@ -155,11 +191,23 @@ def cmd_train(args: argparse.Namespace, defaults: dict[str, Any] | None = None) 
     if not distributed.is_writer():  # under torchrun, rank 0 reports and plots
         return summary
     metrics = [json.loads(line) for line in (Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()]
-    summary["plot"] = str(_curve_plot(metrics, Path(cfg.out_dir) / "curve.png"))
+    summary["plot"] = str(_curve_plot(metrics, Path(cfg.out_dir) / "curve.png", cfg.task.partition(":")[0]))
     base, final = summary["base_test_accuracy"], summary["final_test_accuracy"]
+    if base is None:
+        print(f"\nno held-out rows, so no evaluation. trained model: {summary['model_dir']}")
+        return summary
     gain, se, n = summary["test_gain"], summary["test_gain_se"], summary["test_problems"]
     print(f"\nbase model test accuracy:    {base:.1%}")
     print(f"trained model test accuracy: {final:.1%}")
+    print(
+        f"answers in the verifiable format: {summary['base_test_format']:.1%} -> "
+        f"{summary['final_test_format']:.1%}"
+    )
+    if summary["base_test_lenient_accuracy"] is not None:  # instruct forms: is the gain format or solving?
+        print(
+            f"accuracy, answers read leniently (last number): {summary['base_test_lenient_accuracy']:.1%} "
+            f"-> {summary['final_test_lenient_accuracy']:.1%}"
+        )
     # The paired standard error (same problems before and after) says how large a gain must be to be real.
     if math.isfinite(se) and se > 0:
         verdict = "above noise" if gain > 3 * se else "within noise (under 3 standard errors)"
@@ -177,38 +225,62 @@ def cmd_train(args: argparse.Namespace, defaults: dict[str, Any] | None = None) 
 
 
 def cmd_eval(args: argparse.Namespace) -> dict:
+    from . import defaults
     from .analysis.passk import pass_at_k_curve
     from .generation import generate
-    from .models import format_prompt, load_model, tiny_model_path
-    from .tasks import get_task
+    from .model_sources import resolve_model
+    from .models import is_character_tokenizer, load_model
+    from .train import check_task, make_task, render_prompts
 
-    try:
-        task = get_task(args.task, seed=args.task_seed)
-    except ValueError as error:
-        if isinstance(error, FastesError):
-            raise
-        raise ConfigError(f"--task: {error}") from None
-    model, tokenizer = load_model(args.model or tiny_model_path(), dtype=args.dtype)
+    # The run's own settings, checked and chosen as a run would: the same prompts, task and verifier.
+    given = {key: getattr(args, key) for key in EVAL_SETTINGS if hasattr(args, key)}
+    cfg = load_config(None, given)
+    model, tokenizer = load_model(resolve_model(cfg.model), dtype=args.dtype)
+    cfg = defaults.resolve(cfg, model, tokenizer)
+    task = make_task(cfg, strict_alphabet=is_character_tokenizer(tokenizer))
+    check_task(task, cfg)
     examples = task.split(args.split)[: args.limit]
-    prompts = [format_prompt(tokenizer, ex.prompt) for ex in examples]
-    greedy = generate(model, tokenizer, prompts, max_new_tokens=args.max_new_tokens)
-    accuracy = sum(task.score(ex, t).answer for ex, t in zip(examples, greedy.texts)) / len(examples)
-    result: dict[str, Any] = {"task": args.task, "examples": len(examples), "greedy_accuracy": accuracy}
+    prompts = render_prompts(cfg, tokenizer, examples)
+
+    def complete(rows: list[str], **sampling: Any) -> tuple[list[str], list[int]]:
+        texts, lengths = [], []
+        per_call = max(1, cfg.eval_batch_size // sampling.get("num_return_sequences", 1))
+        for start in range(0, len(rows), per_call):
+            gen = generate(
+                model,
+                tokenizer,
+                rows[start : start + per_call],
+                max_new_tokens=cfg.max_new_tokens,
+                **sampling,
+            )
+            texts += gen.texts
+            lengths += gen.lengths
+        return texts, lengths
+
+    texts, lengths = complete(prompts)
+    scores = task.scores(examples, texts)
+    result: dict[str, Any] = {
+        "task": cfg.task,
+        "prompt_style": cfg.prompt_style,
+        "examples": len(examples),
+        "greedy_accuracy": sum(s.answer for s in scores) / len(examples),
+        "format_rate": sum(s.format for s in scores) / len(examples),
+        "mean_completion_tokens": sum(lengths) / len(examples),
+        "max_new_tokens": cfg.max_new_tokens,
+    }
+    for example, prompt, text, score in list(zip(examples, prompts, texts, scores))[: args.show]:
+        verdict = f"format {score.format:g}, answer {score.answer:g}"
+        print(f"--- prompt:\n{prompt}\n--- completion:\n{text}\n--- expected {example.answer!r}: {verdict}\n")
     if args.samples > 1:
-        sampled = generate(
-            model,
-            tokenizer,
-            prompts,
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            seed=args.seed,
-            num_return_sequences=args.samples,
+        sampled, _ = complete(
+            prompts, temperature=args.temperature, seed=args.seed, num_return_sequences=args.samples
         )
+        k = args.samples
         correct = [
-            sum(task.score(ex, sampled.texts[i * args.samples + j]).answer for j in range(args.samples))
+            sum(s.answer for s in task.scores([ex] * k, sampled[i * k : (i + 1) * k]))
             for i, ex in enumerate(examples)
         ]
-        result["pass_at_k"] = {str(k): v for k, v in pass_at_k_curve(correct, args.samples).items()}
+        result["pass_at_k"] = {str(n): v for n, v in pass_at_k_curve(correct, k).items()}
     print(json.dumps(result, indent=2))
     return result
 
@@ -259,16 +331,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="greedy accuracy and Pass@K of a model directory on a task",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    ev.add_argument("--model", default="", help="model directory (empty: the built-in tiny model)")
-    ev.add_argument("--task", default="countdown", help="a task name, jsonl:<path> or reasoning_gym:<name>")
-    ev.add_argument("--task_seed", type=int, default=0, help="seed of the task's problems")
+    for key in EVAL_SETTINGS:  # the run's own flags, with the run's defaults and help
+        kind = type(getattr(TrainConfig(), key))
+        # SUPPRESS: absent unless given (the run's default applies), and flag_help already names it
+        ev.add_argument(
+            f"--{key}",
+            type=kind,
+            default=argparse.SUPPRESS,
+            metavar=kind.__name__.upper(),
+            help=flag_help(key),
+        )
     ev.add_argument("--split", default="test", choices=["train", "test"], help="which problems")
     ev.add_argument("--limit", type=_positive(int), default=200, help="number of problems")
     ev.add_argument(
         "--samples", type=_positive(int), default=16, help="samples per problem for Pass@K (1: greedy only)"
     )
     ev.add_argument("--temperature", type=_positive(float), default=1.0, help="sampling temperature")
-    ev.add_argument("--max_new_tokens", type=_positive(int), default=12, help="tokens per completion")
+    ev.add_argument("--show", type=int, default=0, help="print this many prompt / completion / score triples")
     ev.add_argument("--dtype", default=None, help="float32, bfloat16 or float16; None: the model's own")
     ev.add_argument("--seed", type=int, default=0, help="sampling seed")
 
@@ -307,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
             if getattr(args, "cfg:out_dir") is None and args.config is None and not args.resume:
                 args.overwrite = True
             # 500 test problems: a paired standard error of ~1.5 points instead of ~2.4 with 200.
-            cmd_train(args, defaults={"out_dir": "runs/demo", "eval_size": DEMO_EVAL_SIZE})
+            preset = DEMO_PRESETS.get(getattr(args, "cfg:model") or "", {})
+            cmd_train(args, defaults={"out_dir": "runs/demo", "eval_size": DEMO_EVAL_SIZE, **preset})
         elif args.command == "train":
             cmd_train(args)
         elif args.command == "eval":

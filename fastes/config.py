@@ -27,6 +27,7 @@ EVAL_MODES = ("auto", "materialised", "virtual", "lowrank", "member")
 NOISE_TYPES = ("auto", "full", "lowrank")
 PROMPT_STYLES = ("auto", "instruct", "plain")
 CHAT_TEMPLATE_MODES = ("auto", "on", "off")
+REPORT_TO = ("none", "tensorboard")
 MAX_SEED = 2**32  # seeds are in [0, 2^32): ES takes up to 2^64, GRPO samples with seed * 1_000_003 + step
 
 
@@ -109,6 +110,12 @@ class TrainConfig:
     threads: int = 0  # CPU threads for torch; 0 = auto (1 for models under 5M parameters, else torch's)
     progress: bool = True
     collective_timeout: float = 1800.0  # seconds a multi-process collective may wait for the other ranks
+    # Data and reward functions as TRL takes them (fastes/tasks/dataset.py), and live metrics:
+    dataset: str = ""  # a local .jsonl/.json/.csv/.parquet file of prompts and columns (task = "dataset")
+    eval_dataset: str = ""  # its held-out rows; empty = a seeded 20% of `dataset`
+    reward_weights: str = ""  # "1,0.5": one weight per `reward` entry; empty = 1 each
+    report_to: str = "none"  # "tensorboard": metrics also under out_dir/tensorboard, as train/<name>
+    logging_steps: int = 1  # TensorBoard gets the metrics of every this many steps
     es: ESConfig = field(default_factory=ESConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
 
@@ -225,11 +232,80 @@ def _check_triton(cfg: TrainConfig) -> None:
     )
 
 
+def reward_specs(reward: str) -> list[str]:
+    """The FILE.py:FUNCTION entries of `reward` (comma-separated)."""
+    return [entry.strip() for entry in reward.split(",") if entry.strip()]
+
+
+def parse_weights(text: str) -> list[float] | None:
+    """The numbers of `reward_weights` ("1,0.5"); None when empty (every function weighs 1)."""
+    if not text.strip():
+        return None
+    try:
+        return [float(part) for part in text.split(",")]
+    except ValueError:
+        raise ConfigError(
+            f"reward_weights: {text!r} is not a comma-separated list of numbers, e.g. 1,0.5"
+        ) from None
+
+
+def _check_dataset(cfg: TrainConfig) -> None:
+    """Read the data files and load and try the reward functions now: a mistake fails before any work."""
+    _require(
+        cfg.task == "dataset",
+        "dataset",
+        f"replaces the task: set task = 'dataset' too (it is {cfg.task!r}); `--dataset` on the command "
+        "line does that",
+    )
+    _require(cfg.reward != "", "dataset", "needs reward functions: reward = 'rewards.py:score[,more.py:f]'")
+    _require(cfg.reward_timeout > 0, "reward_timeout", f"must be > 0 seconds, got {cfg.reward_timeout}")
+    from .tasks import DatasetTask
+
+    try:
+        DatasetTask.from_files(
+            cfg.dataset,
+            reward_specs(cfg.reward),
+            eval_path=cfg.eval_dataset or None,
+            reward_weights=parse_weights(cfg.reward_weights),
+            seed=cfg.task_seed,
+            timeout=cfg.reward_timeout,
+        )
+    except (ValueError, OSError, ImportError) as error:
+        raise ConfigError(f"dataset: {error}") from None
+
+
+def _check_report_to(cfg: TrainConfig) -> None:
+    _require(
+        cfg.report_to in REPORT_TO,
+        "report_to",
+        f"{cfg.report_to!r} is not supported; use 'tensorboard' or 'none' (callbacks= logs anywhere else)",
+    )
+    if cfg.report_to == "tensorboard":
+        import importlib.util
+
+        _require(
+            importlib.util.find_spec("tensorboard") is not None,
+            "report_to",
+            "'tensorboard' needs the tensorboard package: pip install 'fastes[hf]'",
+        )
+    _require(cfg.logging_steps >= 1, "logging_steps", f"must be at least 1, got {cfg.logging_steps}")
+
+
 def _check_reward(cfg: TrainConfig) -> None:
     """Load the reward function and read the task file now, so that a mistake fails before any work."""
+    if cfg.dataset:
+        _check_dataset(cfg)
+        return
+    _require(not cfg.eval_dataset, "eval_dataset", "holds the held-out rows of `dataset`; set dataset too")
+    _require(not cfg.reward_weights, "reward_weights", "weighs the reward functions of `dataset`; set it too")
     if not cfg.reward:
         return
     _require(cfg.reward_timeout > 0, "reward_timeout", f"must be > 0 seconds, got {cfg.reward_timeout}")
+    _require(
+        len(reward_specs(cfg.reward)) == 1,
+        "reward",
+        "several reward functions need a dataset: give it as dataset = 'data.jsonl'",
+    )
     _require(
         cfg.task.startswith("jsonl:"), "reward", f"scores a jsonl:<path> task of prompts, not {cfg.task!r}"
     )
@@ -292,12 +368,14 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for key, value in _floats(cfg):  # TOML has nan and inf literals; no key means anything by them
         _require(math.isfinite(value), key, f"must be a finite number, got {value}")
     _require(cfg.algorithm in ALGORITHMS, "algorithm", f"{cfg.algorithm!r} is not one of {ALGORITHMS}")
+    # "dataset": rows from the `dataset` file, or given in code to fastes.train.train (fastes.ESTrainer).
     _require(
-        _task_exists(cfg.task),
+        _task_exists(cfg.task) or cfg.task == "dataset",
         "task",
-        f"{cfg.task!r} does not exist; available: {', '.join(available_tasks())}",
+        f"{cfg.task!r} does not exist; available: {', '.join(available_tasks())}, dataset",
     )
     _check_reward(cfg)
+    _check_report_to(cfg)
     if cfg.model:
         from .model_sources import check_model_spec
 
@@ -449,9 +527,11 @@ HELP: dict[str, str] = {
     "algorithm": f"one of {', '.join(ALGORITHMS)} (grpo_es: a GRPO phase, then ES from its result)",
     "model": "a Hugging Face model directory, a .gguf file, or a shipped model (smollm2-135m-instruct); "
     "empty: the built-in tiny model",
-    "task": "countdown, arithmetic, reverse, compare, jsonl:<path> or reasoning_gym:<name>",
+    "task": "countdown, arithmetic, reverse, compare (name:key=value,... for options), jsonl:<path>, "
+    "reasoning_gym:<name> or dataset (with --dataset)",
     "task_seed": "seed of the task's train/test problems",
-    "reward": "FILE.py:FUNCTION, your reward function (TRL's signature) for a jsonl:<path> task of prompts",
+    "reward": "FILE.py:FUNCTION, your reward function (TRL's signature) for a jsonl:<path> task of prompts; "
+    "with dataset, one or more (comma-separated, or several after --reward)",
     "reward_timeout": "seconds one call of the reward function may take",
     "seed": "run seed in [0, 2^32): noise, prompt batches and sampling",
     "out_dir": "run directory (config.json, metrics.jsonl, checkpoints/, final/)",
@@ -472,6 +552,12 @@ HELP: dict[str, str] = {
     "threads": "torch CPU threads (0: 1 for models under 5M parameters, else torch's default)",
     "progress": "show a progress bar",
     "collective_timeout": "seconds a multi-process collective waits for the other ranks before failing",
+    "dataset": "a local .jsonl/.json/.csv/.parquet file: a 'prompt' column (text or chat messages) and "
+    "columns passed to the reward functions (TRL's way; docs/trainer.md)",
+    "eval_dataset": "a file of held-out rows for `dataset` (empty: a seeded 20%% of it)",
+    "reward_weights": "comma-separated weights of the reward functions, e.g. 1,0.5 (empty: 1 each)",
+    "report_to": "none, or tensorboard (metrics under out_dir/tensorboard as train/<name>, eval/<name>)",
+    "logging_steps": "TensorBoard gets the metrics of every this many steps (metrics.jsonl: every step)",
     "es.iterations": "ES iterations (may be raised when resuming)",
     "es.population": "members per iteration (even when antithetic)",
     "es.sigma": "noise scale",

@@ -265,16 +265,14 @@ def format_prompt(
     system_prompt: str = "",
 ) -> str:
     """The text to feed the model: `prompt` (text, or a list of {"role", "content"} chat messages) in the
-    chat template when it is used (see uses_chat_template), else as is.
+    chat template when it is used (see uses_chat_template); else text as is.
 
     `system_prompt` "" means none: a template that inserts a default system prompt when the messages have
     none (SmolLM2's, ~20 tokens of every prompt) gets an empty system turn instead, whichever is shorter.
     TEMPLATE_SYSTEM_PROMPT keeps the template's default; any other text becomes the system turn.
     """
-    if not uses_chat_template(tokenizer, chat_template):
-        if not isinstance(prompt, str):
-            raise ModelError("chat messages need a chat template, but prompts are used without one")
-        return prompt
+    if not uses_chat_template(tokenizer, chat_template):  # messages: their contents, one per line
+        return prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     has_system = messages and messages[0].get("role") == "system"
 

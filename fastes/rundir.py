@@ -17,6 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from . import __version__
 from .checkpoint import CheckpointError, fsync_dir, remove_leftovers, write_atomic
 from .config import TrainConfig, config_dict, config_from_dict
@@ -33,13 +35,14 @@ RUN_NAMES = (
     "checkpoints",
     "final",
     "curve.png",
+    "tensorboard",
     *(f"{name}.tmp" for name in (RUN_FILE, "config.json", "metrics.jsonl", "summary.json", "base_test.json")),
     ".tmp-final",
     ".trash-final",
 )
 LENGTH_KEYS = ("es.iterations", "grpo.steps")  # may be raised on resume: the run continues further
 # Keys that change neither the weights nor the metrics: a resume may change them freely.
-FREE_KEYS = ("out_dir", "progress", "checkpoint_every")
+FREE_KEYS = ("out_dir", "progress", "checkpoint_every", "report_to", "logging_steps")
 
 
 class RunDirError(FastesError, ValueError):
@@ -59,19 +62,40 @@ def model_fingerprint(model_dir: str | Path) -> str:
     return digest.hexdigest()
 
 
-def run_identity(cfg: TrainConfig, model_dir: Path) -> dict[str, Any]:
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """SHA-256 of a loaded model's tensors (names, dtypes, shapes and bytes): the starting model of a
+    run given a model object, which has no files to fingerprint."""
+    digest = hashlib.sha256(type(model).__name__.encode())
+    for name, tensor in model.state_dict().items():
+        tensor = tensor.detach().cpu().contiguous()
+        digest.update(f"\0{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
+        digest.update(tensor.view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def run_identity(
+    cfg: TrainConfig, model_dir: Path, *, model_sha: str | None = None, task_sha: str | None = None
+) -> dict[str, Any]:
     """What makes a run this run: config, seed and starting model; run_id is a short hash of them (the
-    run's length left out, since a run may be extended)."""
+    run's length left out, since a run may be extended). `model_sha` fingerprints a model given as an
+    object (model_dir then only describes it); `task_sha` the rows and reward functions of a task that
+    the config does not name (a dataset given in code, or a data file's content)."""
     config = config_dict(cfg)
-    fingerprint = model_fingerprint(model_dir)
+    fingerprint = model_sha or model_fingerprint(model_dir)
     identifying = {k: v for k, v in _flat(config).items() if k not in LENGTH_KEYS + FREE_KEYS}
-    text = json.dumps({"config": identifying, "start_model": fingerprint}, sort_keys=True)
-    return {
+    hashed = {"config": identifying, "start_model": fingerprint}
+    if task_sha:  # only then, so that the run_id of every other run stays what it was
+        hashed["task"] = task_sha
+    text = json.dumps(hashed, sort_keys=True)
+    identity = {
         "run_id": hashlib.sha256(text.encode()).hexdigest()[:12],
         "start_model": {"path": str(model_dir), "sha256": fingerprint},
         "fastes_version": __version__,
         "config": config,
     }
+    if task_sha:
+        identity["task_sha256"] = task_sha
+    return identity
 
 
 def saved_identity(out_dir: str | Path) -> dict[str, Any] | None:
@@ -156,6 +180,11 @@ def check_resume(
         raise RunDirError(
             f"--resume: the starting model {identity['start_model']['path']} has changed since the run "
             f"in {out_dir} started (its config.json or weights differ); restore it, or start a new run"
+        )
+    if saved.get("task_sha256") != identity.get("task_sha256"):
+        raise RunDirError(
+            f"--resume: the dataset or reward functions differ from those the run in {out_dir} started "
+            "with (rows, function names or weights); give the same ones, or start a new run"
         )
 
 

@@ -27,14 +27,15 @@ from . import ES, defaults, distributed, linear_weights, rundir
 from .analysis.diversity import js_diversity
 from .analysis.entropy import token_entropy
 from .batched import member_groups, population_batched
+from .callbacks import TENSORBOARD_DIR, Callbacks, TensorBoardCallback
 from .checkpoint import latest_checkpoint, save_checkpoint, write_atomic
-from .config import ConfigError, ESConfig, TrainConfig, validate
+from .config import ConfigError, ESConfig, TrainConfig, parse_weights, reward_specs, validate
 from .errors import FastesError
 from .es import CollectiveError
 from .generation import eos_token_ids, generate
 from .model_sources import resolve_model
 from .models import ModelError, format_prompt, is_character_tokenizer, load_model, save_model
-from .tasks import Example, Task, available_tasks, get_task
+from .tasks import DatasetTask, Example, Score, Task, available_tasks, get_task
 from .tasks.base import DEFAULT_TEST_PROBLEMS
 
 PHASES = {"es": ("es",), "grpo": ("grpo",), "grpo_es": ("grpo", "es")}
@@ -52,20 +53,25 @@ class Run:
     out_dir: Path
     identity: dict[str, Any] = field(default_factory=dict)  # rundir.run_identity, saved in checkpoints
     metrics: list[dict] = field(default_factory=list)
+    callbacks: Callbacks = field(default_factory=Callbacks)  # called by the writing process only
 
     def log(self, record: dict) -> None:
         self.metrics.append(record)
         if distributed.is_writer():  # every rank holds the same (all-reduced) records; one writes them
             rundir.append_metrics(self.out_dir, record)
+            self.callbacks.log(record)
 
     def prompts(self, examples: list[Example]) -> list[str]:
-        c = self.cfg
-        return [
-            format_prompt(
-                self.tokenizer, ex.prompt, chat_template=c.chat_template, system_prompt=c.system_prompt
-            )
-            for ex in examples
-        ]
+        return render_prompts(self.cfg, self.tokenizer, examples)
+
+
+def render_prompts(cfg: TrainConfig, tokenizer: Any, examples: list[Example]) -> list[str]:
+    """The model's input text for each example: its prompt with the run's chat template and system prompt."""
+    c = cfg
+    return [
+        format_prompt(tokenizer, ex.prompt, chat_template=c.chat_template, system_prompt=c.system_prompt)
+        for ex in examples
+    ]
 
 
 def batch_for(run: Run, phase: str, step: int) -> list[Example]:
@@ -81,7 +87,8 @@ def evaluate(run: Run, examples: list[Example]) -> dict[str, Any]:
     and which examples it solves (1.0 / 0.0 each, in order)."""
     rank, world = distributed.rank_and_world()
     mine = examples[rank::world]
-    correct, fmt = [], 0.0
+    correct, fmt, lenient, scored = [], 0.0, 0.0, []
+    lenient_score = getattr(run.task, "lenient_score", None)  # instruct forms read answers leniently too
     batch_size = run.cfg.eval_batch_size
     for start in range(0, len(mine), batch_size):
         chunk = mine[start : start + batch_size]
@@ -89,9 +96,50 @@ def evaluate(run: Run, examples: list[Example]) -> dict[str, Any]:
         scores = run.task.scores(chunk, gen.texts)
         correct += [s.answer for s in scores]
         fmt += sum(s.format for s in scores)
+        scored += scores
+        if lenient_score is not None:
+            lenient += sum(lenient_score(ex, text).answer for ex, text in zip(chunk, gen.texts))
     every = distributed.gather_strided(torch.tensor(correct, dtype=torch.float64), len(examples)).tolist()
-    answer, fmt = distributed.all_sum([sum(correct), fmt]).tolist()
-    return {"accuracy": answer / len(examples), "format": fmt / len(examples), "correct": every}
+    answer, fmt, lenient = distributed.all_sum([sum(correct), fmt, lenient]).tolist()
+    result = {"accuracy": answer / len(examples), "format": fmt / len(examples), "correct": every}
+    if lenient_score is not None:
+        result["lenient_accuracy"] = lenient / len(examples)
+    return {**result, "record": _eval_record(result, reward_parts(run.task, scored))}
+
+
+def _eval_record(result: dict[str, Any], parts: dict[str, float]) -> dict[str, float]:
+    """An evaluation's metrics.jsonl keys; with several reward functions also the weighted reward
+    (= test_accuracy) and each function's mean under TRL's names."""
+    record = {"test_accuracy": result["accuracy"], "test_format": result["format"]}
+    if "lenient_accuracy" in result:
+        record["test_lenient_accuracy"] = result["lenient_accuracy"]
+    if parts:
+        record["test_reward"] = result["accuracy"]
+        record.update({f"test_{k}": v for k, v in parts.items() if k.endswith("/mean")})
+    return record
+
+
+def reward_parts(task: Task, scores: list[Score]) -> dict[str, float]:
+    """rewards/<name>/mean and /std of each reward function over the scores of every process (TRL's
+    metrics), for tasks scored by named reward functions; a function's None (NaN) values left out.
+    The names come from the task, so that every process joins the sum, also one without scores."""
+    names = [f.name for f in task.functions] if isinstance(task, DatasetTask) else []
+    if not names:
+        return {}
+    values = torch.tensor([[s.rewards[n] for n in names] for s in scores], dtype=torch.float64)
+    values = values.reshape(len(scores), len(names))  # also when there are no scores
+    finite = torch.isfinite(values)
+    zeroed = torch.where(finite, values, torch.zeros_like(values))
+    count, total = distributed.all_sum(torch.cat([finite.sum(0).double(), zeroed.sum(0)])).view(2, -1)
+    mean = total / count  # NaN for a function that scored nothing
+    # Two passes: the squared deviations from the mean, not sum(x^2) - n mean^2, which cancels badly.
+    squares = distributed.all_sum(torch.where(finite, (values - mean) ** 2, 0.0).sum(0))
+    std = (squares / (count - 1)).sqrt()
+    parts = {}
+    for i, name in enumerate(names):
+        parts[f"rewards/{name}/mean"] = float(mean[i])
+        parts[f"rewards/{name}/std"] = float(std[i]) if count[i] > 1 else math.nan
+    return parts
 
 
 def paired_gain(before: list[float], after: list[float]) -> tuple[float, float]:
@@ -196,6 +244,7 @@ def es_iteration(run: Run, es: ES, step: int) -> dict[str, float]:
     if bool(((answers >= 0) & (answers <= 1)).all()):
         diversity = js_diversity(answers)
         record.update(js_diversity=float(diversity.normalized), members_agree=float(diversity.agreement))
+    record.update(reward_parts(run.task, flat))
     return {**record, "seconds": seconds, "tokens_per_second": tokens / seconds, **timer.record()}
 
 
@@ -371,6 +420,7 @@ def grpo_step(run: Run, optimizer: torch.optim.Optimizer, reference, step: int) 
         "clip_ratio/high_mean": high_share,
         "completion_length": lengths / rows,
         "completions/clipped_ratio": n_truncated / rows,
+        **reward_parts(run.task, scores),
         "seconds": seconds,
         "tokens_per_second": lengths / seconds,
     }
@@ -459,12 +509,21 @@ def _checkpoint(run: Run, global_step: int, phase_index: int, step: int, es: ES 
     if optimizer is not None:
         opt_tensors, state["optimizer"] = _optimizer_tensors(optimizer)
         tensors.update(opt_tensors)
-    save_checkpoint(run.out_dir, global_step, tensors, state)
+    path = save_checkpoint(run.out_dir, global_step, tensors, state)
+    run.callbacks.fire("on_save", global_step, path)
 
 
-def _check_task(task: Task, cfg: TrainConfig) -> None:
-    for split in ("train", "test"):
-        if not task.split(split):
+def check_task(task: Task, cfg: TrainConfig) -> None:
+    # Rows given as a dataset may come without held-out rows: such a run skips evaluation, as TRL does.
+    splits = ("train",) if isinstance(task, DatasetTask) else ("train", "test")
+    for split in splits:
+        try:
+            examples = task.split(split)  # a generated task draws its problems now
+        except ValueError as error:
+            if isinstance(error, FastesError):
+                raise
+            raise ConfigError(f"task: {error}") from None
+        if not examples:
             raise ConfigError(f"task: {cfg.task!r} has no {split} problems; add some, or choose another task")
 
 
@@ -499,8 +558,23 @@ def _resume_point(
     return found, recorded["run_id"]
 
 
-def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
+def train(
+    cfg: TrainConfig,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    model: torch.nn.Module | None = None,
+    tokenizer: Any = None,
+    task: Task | None = None,
+    callbacks: list[Any] | None = None,
+) -> dict[str, Any]:
     """Run the configured post-training; returns base and final test metrics.
+
+    `model` and `tokenizer` (loaded objects, trained in place) replace loading cfg.model; without
+    cfg.model the run's identity fingerprints the model's weights instead of its files. A tokenizer
+    alone replaces the one in cfg.model's directory. `task` replaces make_task(cfg) (rows and reward
+    functions given in code: fastes.ESTrainer). `callbacks` get the run's hooks (fastes/callbacks.py),
+    after TensorBoard's when cfg.report_to asks for it.
 
     A new run needs a new or empty out_dir; `overwrite` lets it replace a previous run there. `resume`
     continues the run in out_dir from its newest checkpoint, exactly, with that run's own settings (only
@@ -511,7 +585,15 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) ->
     """
     device, joined = distributed.setup(cfg.device)
     try:
-        result = _train(cfg, resume=resume, overwrite=overwrite, device=device)
+        result = _train(
+            cfg,
+            resume=resume,
+            overwrite=overwrite,
+            device=device,
+            given=(model, tokenizer),
+            task=task,
+            callbacks=callbacks,
+        )
     except CollectiveError:
         raise  # the group is broken: leaving it would wait for the lost peer (the CLI exits at once)
     except BaseException:
@@ -522,13 +604,28 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) ->
 
 
 def make_task(cfg: TrainConfig, strict_alphabet: bool = True) -> Task:
-    """The configured task; with `reward`, a JSONL file of prompts scored by the user's function.
+    """The configured task; with `reward`, a JSONL file of prompts scored by the user's function; with
+    `dataset`, a data file scored by one or more weighted reward functions.
 
     A built-in task draws at least `eval_size` test problems. Its test problems are drawn after the
     train ones, so the first 200 (the default) are the same whatever the count. `cfg.prompt_style` must
     be resolved (fastes.defaults); JSONL prompts are held to the character model's alphabet only when
     `strict_alphabet` (the model has the character tokenizer).
     """
+    if cfg.dataset:
+        return DatasetTask.from_files(
+            cfg.dataset,
+            reward_specs(cfg.reward),
+            eval_path=cfg.eval_dataset or None,
+            reward_weights=parse_weights(cfg.reward_weights),
+            seed=cfg.task_seed,
+            timeout=cfg.reward_timeout,
+        )
+    if cfg.task == "dataset":
+        raise ConfigError(
+            "task: 'dataset' takes its rows from `dataset` (a data file) or from code (fastes.ESTrainer); "
+            "set dataset = 'data.jsonl'"
+        )
     if cfg.reward:
         return get_task(cfg.task, seed=cfg.task_seed, reward=cfg.reward, timeout=cfg.reward_timeout)
     kind = cfg.task.partition(":")[0]
@@ -564,25 +661,50 @@ def check_world_size(cfg: TrainConfig, task: Task) -> None:
         )
 
 
-def _train(cfg: TrainConfig, *, resume: bool, overwrite: bool, device: str) -> dict[str, Any]:
+def _train(
+    cfg: TrainConfig,
+    *,
+    resume: bool,
+    overwrite: bool,
+    device: str,
+    given: tuple[torch.nn.Module | None, Any],
+    task: Task | None,
+    callbacks: list[Any] | None,
+) -> dict[str, Any]:
     if resume and overwrite:
         raise rundir.RunDirError("--resume continues the run in out_dir, --overwrite deletes it: choose one")
     out_dir = Path(cfg.out_dir)
-    model_dir = resolve_model(cfg.model)
+    model, tokenizer = given
+    if model is not None and tokenizer is None:
+        raise ConfigError("model: a loaded model needs its tokenizer too (processing_class)")
+    if cfg.model or model is None:
+        model_dir = resolve_model(cfg.model)  # a .gguf file or a shipped model: its converted directory
+    else:  # no files to fingerprint: the identity takes its weights' hash instead
+        model_dir = Path(f"<in-memory {type(model).__name__}>")
     phases = PHASES[cfg.algorithm]
     lengths = [cfg.grpo.steps if p == "grpo" else cfg.es.iterations for p in phases]
     torch.manual_seed(cfg.seed)
-    model, tokenizer = load_model(model_dir, dtype=cfg.dtype, device=device)
+    if model is None:
+        model, loaded = load_model(model_dir, dtype=cfg.dtype, device=device)
+        tokenizer = tokenizer or loaded
     # Settings left on auto are chosen now, once, and saved with the run (a resume takes them from there).
     saved_config = None
     if resume:
         saved_run = distributed.from_writer(lambda: rundir.saved_identity(out_dir))
         saved_config = saved_run["config"] if saved_run else None
     cfg = validate(defaults.resolve(cfg, model, tokenizer, saved_config))
-    task = make_task(cfg, strict_alphabet=is_character_tokenizer(tokenizer))
-    _check_task(task, cfg)
+    task = task or make_task(cfg, strict_alphabet=is_character_tokenizer(tokenizer))
+    check_task(task, cfg)
     check_world_size(cfg, task)
-    identity = rundir.run_identity(cfg, model_dir)
+    hooks = Callbacks(callbacks)  # checked before any work
+    if cfg.report_to == "tensorboard":
+        hooks.callbacks.insert(0, TensorBoardCallback(out_dir / TENSORBOARD_DIR, every=cfg.logging_steps))
+    identity = rundir.run_identity(
+        cfg,
+        model_dir,
+        model_sha=rundir.weights_fingerprint(model) if model is not None and not cfg.model else None,
+        task_sha=task.fingerprint() if isinstance(task, DatasetTask) else None,
+    )
     distributed.require_same(identity["run_id"], "settings or starting model")
     # Rank 0 reads the run directory; every rank gets what it found (or the error it raised).
     if resume:
@@ -595,7 +717,7 @@ def _train(cfg: TrainConfig, *, resume: bool, overwrite: bool, device: str) -> d
     # A tiny model's matmuls are too small to share: extra threads only add synchronisation.
     small = sum(p.numel() for p in model.parameters()) < 5_000_000
     torch.set_num_threads(cfg.threads or (1 if small else torch.get_num_threads()))
-    run = Run(cfg, model, tokenizer, task, out_dir, identity)
+    run = Run(cfg, model, tokenizer, task, out_dir, identity, callbacks=hooks)
     test = task.split("test")[: cfg.eval_size]
     # GRPO's KL reference is the starting model, also when the run resumes with trained weights.
     reference = None
@@ -623,20 +745,15 @@ def _train(cfg: TrainConfig, *, resume: bool, overwrite: bool, device: str) -> d
             print(f"Resuming run {run_id} from step 0: no checkpoint was written yet, so it starts over")
         if writer:
             rundir.write_metrics(out_dir, [])
+    global_step = sum(lengths[:first_phase]) + first_step
+    if writer:
+        hooks.fire("on_train_begin", global_step)
+    if found is None and test:
         base = evaluate(run, test)
         if writer:  # the base's per-problem results, for the paired gain at the end
             write_atomic(out_dir / "base_test.json", json.dumps(base["correct"]))
-        run.log(
-            {
-                "global_step": 0,
-                "phase": "base",
-                "step": 0,
-                "test_accuracy": base["accuracy"],
-                "test_format": base["format"],
-            }
-        )
+        run.log({"global_step": 0, "phase": "base", "step": 0, **base["record"]})
 
-    global_step = sum(lengths[:first_phase]) + first_step
     last_eval = None
     no_signal = NoSignal()
     quiet = not cfg.progress or not distributed.is_writer()
@@ -658,12 +775,13 @@ def _train(cfg: TrainConfig, *, resume: bool, overwrite: bool, device: str) -> d
             )
             global_step += 1
             record = {"global_step": global_step, "phase": phase, "step": step + 1, **record}
-            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 or step + 1 == lengths[phase_index]:
+            last = step + 1 == lengths[phase_index]
+            if test and (cfg.eval_every and (step + 1) % cfg.eval_every == 0 or last):
                 result = last_eval = evaluate(run, test)
-                record.update(test_accuracy=result["accuracy"], test_format=result["format"])
+                record.update(result["record"])
             run.log(record)
             bar.update(1)
-            if no_signal.update(record) and not quiet:
+            if no_signal.update(record) and distributed.is_writer():
                 tqdm.write(no_signal.warning(phase), file=sys.stderr)
             bar.set_postfix(progress_fields(record, no_signal.streak >= NO_SIGNAL_STEPS), refresh=False)
             if phase == "grpo" and (step + 1) % GRPO_CHECKSUM_EVERY == 0:
@@ -675,17 +793,26 @@ def _train(cfg: TrainConfig, *, resume: bool, overwrite: bool, device: str) -> d
         saved = None
     bar.close()
     if writer:
-        rundir.replace_dir(out_dir, "final", lambda path: save_model(model, tokenizer, path))
-    final = last_eval or evaluate(run, test)
+        final_dir = rundir.replace_dir(out_dir, "final", lambda path: save_model(model, tokenizer, path))
+        hooks.fire("on_save", global_step, final_dir)
+        hooks.fire("on_train_end", global_step)
+    final = last_eval or (evaluate(run, test) if test else None)
     base_file = out_dir / "base_test.json"  # absent in run directories of older fastes versions
     base_correct = json.loads(base_file.read_text()) if base_file.is_file() else None
-    gain, gain_se = paired_gain(base_correct, final["correct"]) if base_correct else (math.nan, math.nan)
-    summary = {
-        "base_test_accuracy": run.metrics[0]["test_accuracy"],
-        "final_test_accuracy": final["accuracy"],
+    gain, gain_se = math.nan, math.nan
+    if base_correct and final:
+        gain, gain_se = paired_gain(base_correct, final["correct"])
+    summary = {  # without held-out rows (a dataset without eval_dataset) there is no test accuracy
+        "base_test_accuracy": run.metrics[0]["test_accuracy"] if test else None,
+        "final_test_accuracy": final["accuracy"] if final else None,
         "test_gain": gain,
         "test_gain_se": gain_se,
         "test_problems": len(test),
+        # What the gain is made of: answers in the verifiable format, and answers right when read leniently
+        "base_test_format": run.metrics[0]["test_format"],
+        "final_test_format": final["format"],
+        "base_test_lenient_accuracy": run.metrics[0].get("test_lenient_accuracy"),
+        "final_test_lenient_accuracy": final.get("lenient_accuracy"),
         "steps": global_step,
         "out_dir": str(out_dir),
         "model_dir": str(out_dir / "final"),

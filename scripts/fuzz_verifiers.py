@@ -31,7 +31,8 @@ from collections.abc import Callable, Iterator
 from fractions import Fraction
 from typing import Any
 
-from fastes.tasks import Score, get_task
+from fastes.tasks import Score, get_task, stated_answer
+from fastes.tasks.instruct import MAX_STATED_CHARS, normalise
 from fastes.tasks.verify import (
     MAX_DEPTH,
     MAX_EXPR_CHARS,
@@ -169,6 +170,31 @@ def _check_extract(answer: Any, text: str) -> str | None:
 EntryPoint = tuple[str, Callable[[str], Any], Callable[[Any, str], str | None]]
 
 
+def _check_stated(stated: Any, text: str) -> str | None:
+    if stated is None:
+        return None if "answer" not in text.lower() else "None although the text has an answer marker"
+    if not isinstance(stated, str) or len(stated) > MAX_STATED_CHARS:
+        return f"not a short string: {type(stated).__name__} of {len(stated)} characters"
+    if "\n" in stated:
+        return "a stated answer spans lines"
+    return None
+
+
+def _instruct_countdown_check(example: Any) -> Callable[[Any, str], str | None]:
+    """A correct instruct-form countdown answer states an expression over exactly the given numbers."""
+
+    def check(score: Any, text: str) -> str | None:
+        problem = _check_score(score)
+        if problem or not score.answer:
+            return problem
+        expression = normalise(stated_answer(text) or "", "expression")
+        if sorted(int(n) for n in re.findall("[0-9]+", expression)) != sorted(example.meta["numbers"]):
+            return f"scored correct without stating an expression over {example.meta['numbers']}"
+        return None
+
+    return check
+
+
 def entry_points() -> list[EntryPoint]:
     """(name, call, check) for every verifier a completion can reach."""
     points: list[EntryPoint] = [
@@ -189,16 +215,20 @@ def entry_points() -> list[EntryPoint]:
         ("score_numeric", lambda t: score_numeric(Fraction(17, 2), t), lambda r, t: _check_score(r)),
         ("score_countdown", lambda t: score_countdown(COUNTDOWN_NUMBERS, 7, t), _check_countdown),
     ]
+    points.append(("stated_answer", stated_answer, _check_stated))
     for name in ("countdown", "arithmetic", "reverse", "compare"):
-        task = get_task(name, n_train=1, n_test=0)
-        example = task.split("train")[0]
-        points.append(
-            (
-                f"{name}.score",
-                lambda t, task=task, ex=example: task.score(ex, t),
-                lambda r, t: _check_score(r),
+        for style in ("plain", "instruct"):
+            task = get_task(name, n_train=1, n_test=0, style=style)
+            example = task.split("train")[0]
+            points.append(
+                (
+                    f"{name}.score" + ("" if style == "plain" else " (instruct)"),
+                    lambda t, task=task, ex=example: task.score(ex, t),
+                    _instruct_countdown_check(example)
+                    if (name, style) == ("countdown", "instruct")
+                    else lambda r, t: _check_score(r),
+                )
             )
-        )
     return points
 
 
@@ -354,6 +384,13 @@ def _kinds() -> dict[str, Callable[[random.Random], str]]:
             return "".join(chr(rng.randint(0, 0x10FFFF)) for _ in range(n))
         return bytes(rng.randrange(256) for _ in range(n)).decode("utf-8", errors="surrogateescape")
 
+    def stated(rng):  # answers stated in ordinary text, as instruct models write them
+        marker = rng.choice(
+            ["Answer: ", "The answer is ", "**Answer:** ", "answer:", "ANSWER IS", "Answer:\n"]
+        )
+        body = rng.choice([valid(rng), mutated(rng), rng.choice(TOWERS), rng.choice(CODE), "46.", "< 3"])
+        return rng.choice(["", "Let me see. 2+2=4.\n", marker + "1; "]) + marker + body
+
     def separators(rng):
         pieces = [valid(rng), rng.choice(TOWERS), "", " "]
         return "".join(rng.choice(pieces) + rng.choice([";", "\n", ";;", "\r\n", "\n;"]) for _ in range(4))
@@ -371,6 +408,7 @@ def _kinds() -> dict[str, Callable[[random.Random], str]]:
         "code": code,
         "random_text": random_text,
         "separators": separators,
+        "stated": stated,
     }
 
 
@@ -388,6 +426,7 @@ WEIGHTS = {
     "code": 8,
     "random_text": 8,
     "separators": 5,
+    "stated": 8,
 }
 
 

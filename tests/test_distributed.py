@@ -145,3 +145,22 @@ def test_a_world_size_that_does_not_divide_the_population_is_refused(two_process
         assert "configuration error: es.population = 3" in message, message
         assert "multiple of the world size 2" in message
     assert not (two_processes / "bad_world" / "metrics.jsonl").exists()  # refused before any work
+
+
+def test_a_dataset_with_weighted_reward_functions_matches_one_process(two_processes, tmp_path):
+    """Each function's rewards/<name>/mean is summed over both processes' members (and the evaluation's
+    over both processes' rows): the same records as one process."""
+    root = two_processes
+    options = {
+        **ES,
+        "dataset": str(root / "dataset_train.jsonl"),
+        "eval_dataset": str(root / "dataset_test.jsonl"),
+        "reward": f"{root / 'rewards.py'}:exact,{root / 'rewards.py'}:length",
+        "reward_weights": "1,0.5",
+    }
+    single, multi = metrics(one_process("dataset", tmp_path, **options)), metrics(root / "dataset")
+    for one, two in zip(single, multi, strict=True):
+        assert one.keys() == two.keys()
+        for key in [k for k in one if k.startswith(("rewards/", "test_rewards/", "test_reward"))]:
+            assert two[key] == pytest.approx(one[key], abs=1e-12), key
+    assert "rewards/length/std" in multi[1] and "test_rewards/exact/mean" in multi[-1]

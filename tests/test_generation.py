@@ -112,7 +112,13 @@ def test_samples_come_from_the_softmax_whatever_the_checkpoint_suggests(model_an
     try:
         n = 8000
         out = generate(
-            model, tok, ["cd 1 2"], max_new_tokens=1, temperature=temperature, top_p=top_p, seed=3,
+            model,
+            tok,
+            ["cd 1 2"],
+            max_new_tokens=1,
+            temperature=temperature,
+            top_p=top_p,
+            seed=3,
             num_return_sequences=n,
         )
     finally:

@@ -6,6 +6,7 @@ import copy
 import pytest
 import torch
 
+from fastes import defaults
 from fastes.config import load_config
 from fastes.models import load_model, tiny_model_path
 from fastes.tasks import get_task
@@ -44,7 +45,7 @@ def make_run(tmp_path, **grpo):
         },
     )
     model, tokenizer = load_model(tiny_model_path())
-    return Run(cfg, model, tokenizer, get_task("compare"), tmp_path)
+    return Run(defaults.resolve(cfg, model, tokenizer), model, tokenizer, get_task("compare"), tmp_path)
 
 
 def weights(run):

@@ -14,5 +14,6 @@ def test_readme_has_examples():
 
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
-def test_readme_example_runs(index, capsys):
+def test_readme_example_runs(index, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # what an example writes (a run directory) goes there
     exec(compile(BLOCKS[index], f"README.md python block {index}", "exec"), {"__name__": "readme"})

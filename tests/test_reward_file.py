@@ -100,7 +100,7 @@ def test_mistakes_fail_when_the_config_is_built(files):
         ({"reward": f"{rewards}:nope"}, "has no function 'nope'; functions defined there: broken"),
         ({"reward": f"{bad}:score"}, r"bad.py:2: syntax error"),
         ({"reward": "rewards.txt"}, "expected FILE.py:FUNCTION"),
-        ({"reward": f"{rewards}:needs_topic"}, "needs 'topic', which the task file does not have"),
+        ({"reward": f"{rewards}:needs_topic"}, "needs 'topic', which the data does not have"),
         ({"reward": f"{rewards}:score", "task": "countdown"}, "scores a jsonl:<path> task"),
         ({"reward": f"{rewards}:score", "reward_timeout": 0.0}, "reward_timeout: must be > 0"),
     ]

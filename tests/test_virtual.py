@@ -128,7 +128,14 @@ def test_kernel_with_a_transposed_conv1d_weight(dtype, members, rows, n_in, n_ou
     tid = noise.tensor_id("h.0.attn.c_attn.weight")
     y = torch.empty(members * rows, n_out, dtype=dtype)
     launch_virtual_linear(
-        x, weight, y, torch.tensor(keys), torch.tensor(scales), tid, rows, ops.triton_dtype(dtype),
+        x,
+        weight,
+        y,
+        torch.tensor(keys),
+        torch.tensor(scales),
+        tid,
+        rows,
+        ops.triton_dtype(dtype),
         transposed=True,
     )
     expected = []

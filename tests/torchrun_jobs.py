@@ -7,6 +7,7 @@ ROOT/<job>.rank<r>.stderr, exit codes to ROOT/<job>.rank<r>.exit.
 
 import contextlib
 import datetime
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -17,8 +18,6 @@ from fastes import cli, distributed
 
 root, task = Path(sys.argv[1]), sys.argv[2]
 common = [
-    "--task",
-    task,
     "--batch_size",
     "8",
     "--max_new_tokens",
@@ -44,7 +43,8 @@ rank = dist.get_rank()
 def job(name: str, *flags: str) -> None:
     with (root / f"{name}.rank{rank}.stderr").open("w") as log, contextlib.redirect_stderr(log):
         try:
-            code = cli.main(["train", "--out_dir", str(root / name), *common, *flags])
+            data = flags if "--dataset" in flags else ["--task", task, *flags]
+            code = cli.main(["train", "--out_dir", str(root / name), *common, *data])
         except Exception as error:  # the test reads what each rank raised
             print(f"{type(error).__name__}: {error}", file=log)
             code = 1
@@ -70,4 +70,19 @@ job("es_materialised", *es)
 distributed.GRADIENT_BUCKET_ELEMENTS = 5000  # many small all-reduces: the bucketing is tested too
 job("grpo", *grpo, "--checkpoint_every", "0")
 job("bad_world", *es, "--es.population", "3", "--es.antithetic", "false")
+if rank == 0:  # the same prompts as rows of a dataset, scored by two weighted reward functions
+    rows = [json.loads(line) for line in Path(task.removeprefix("jsonl:")).read_text().splitlines()]
+    for split in ("train", "test"):
+        chosen = [{"prompt": r["prompt"], "answer": r["answer"]} for r in rows if r["split"] == split]
+        (root / f"dataset_{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chosen))
+    (root / "rewards.py").write_text(
+        "def exact(completions, answer, **kwargs):\n"
+        "    return [float(c.rstrip(';') == a) for c, a in zip(completions, answer)]\n"
+        "def length(completions, **kwargs):\n"
+        "    return [len(c) / 3 for c in completions]\n"
+    )
+dist.barrier()
+rewards = [f"{root / 'rewards.py'}:exact", f"{root / 'rewards.py'}:length"]
+dataset = ["--dataset", str(root / "dataset_train.jsonl"), "--eval_dataset", str(root / "dataset_test.jsonl")]
+job("dataset", *es, *dataset, "--reward", *rewards, "--reward_weights", "1,0.5")
 dist.destroy_process_group()

@@ -11,6 +11,8 @@ Names:
   jsonl:<path>                user tasks from a JSONL file (see jsonl.py); with reward="file.py:function",
                               prompts and columns scored by your own function (see reward_file.py)
   reasoning_gym:<dataset>     a reasoning-gym dataset; needs `pip install reasoning-gym`
+Rows and reward functions as TRL takes them (a datasets.Dataset or list of dicts, several weighted
+functions) make a DatasetTask (dataset.py); task_dataset(name) gives a built-in task in that form.
 Options are passed to the task's constructor (n_train, n_test and task-specific ones).
 style="instruct" asks a built-in task's problems in words for instruct models (see instruct.py).
 """
@@ -22,6 +24,7 @@ from typing import Any
 from .arithmetic import ArithmeticTask
 from .base import ALPHABET, Example, GeneratedTask, Score, Task
 from .countdown import CountdownTask, solve_countdown
+from .dataset import DatasetError, DatasetTask, task_dataset
 from .heldout import CompareTask, ReverseTask
 from .instruct import InstructTask, stated_answer
 from .jsonl import JsonlTask, JsonlTaskError
@@ -90,7 +93,7 @@ def get_task(
         return RewardTask(rest, reward, seed=seed, **options)
     if kind in _BUILT_IN:
         try:
-            task = _BUILT_IN[kind](seed=seed, **{**parse_task_options(rest), **options})
+            task = _BUILT_IN[kind](seed=seed, **{**options, **parse_task_options(rest)})  # the name's win
         except TypeError as error:  # an option in the name that the constructor does not take
             if not rest:
                 raise
@@ -114,6 +117,8 @@ __all__ = [
     "ArithmeticTask",
     "CompareTask",
     "CountdownTask",
+    "DatasetError",
+    "DatasetTask",
     "Example",
     "GeneratedTask",
     "InstructTask",
@@ -138,4 +143,5 @@ __all__ = [
     "score_numeric",
     "solve_countdown",
     "stated_answer",
+    "task_dataset",
 ]

@@ -31,6 +31,9 @@ class Score:
 
     format: float  # 1.0 when the completion is well formed, else 0.0
     answer: float  # 1.0 when the completion is correct, else 0.0
+    # Tasks scored by several reward functions: each one's own value by name (logged as rewards/<name>/*),
+    # while `answer` holds their weighted sum.
+    rewards: dict[str, float] = field(default_factory=dict, hash=False)  # Score stays hashable
 
     def reward(self, format_weight: float = 0.1) -> float:
         """Combined reward: format_weight * format + answer (the ES-at-scale paper uses 0.1)."""

@@ -4,7 +4,7 @@ The plain form of a task is made for the built-in character model ("12+34=" -> "
 asked that way chats, and the plain verifier, which reads the text before the first ';' or newline,
 never finds an answer. The instruct form asks a question in words and for the answer after "Answer:":
 
-    Calculate 12 + 34. Write the result after "Answer:".
+    Calculate 12 + 34 and write the result after "Answer:".
 
 and reads the answer that the completion states anywhere in ordinary text:
 
@@ -20,6 +20,8 @@ shape the verifier accepts.
 
 from __future__ import annotations
 
+import re
+
 from .base import Example, GeneratedTask, Score, Task
 from .verify import ANSWER_END
 
@@ -27,6 +29,7 @@ MARKERS = ("answer:", "answer is")  # the phrases that introduce a stated answer
 MAX_STATED_CHARS = 200  # a stated answer is short; longer text after a marker is cut
 _WRAPPERS = "*_`$ \t"  # markdown emphasis, code and maths delimiters around an answer
 ANSWER_KINDS = ("number", "expression", "relation", "digits")
+_NUMBER = re.compile(r"-?[0-9]+(?:\.[0-9]+)?")
 
 
 def stated_answer(completion: str) -> str | None:
@@ -87,3 +90,12 @@ class InstructTask(Task):
         if stated is None:
             return Score(format=0.0, answer=0.0)
         return self.task.score(example, normalise(stated, self.task.answer_kind) + ANSWER_END)
+
+    def lenient_score(self, example: Example, completion: str) -> Score:
+        """The answer read leniently: as `score` when one is stated, else (numbers and digits) the last
+        number in the completion ("12 + 34 = 46" -> "46"). Not a reward: it tells whether a gain in
+        `score` is the format (stated answers) or the problems solved."""
+        if stated_answer(completion) is not None or self.task.answer_kind not in ("number", "digits"):
+            return self.score(example, completion)
+        numbers = _NUMBER.findall(completion[-MAX_STATED_CHARS:])
+        return self.task.score(example, numbers[-1] + ANSWER_END) if numbers else Score(0.0, 0.0)

@@ -41,18 +41,28 @@ class RewardFunctionError(FastesError, ValueError):
 
 
 class RewardFunction:
-    """A reward function from a Python file, `path.py:name`, called with a time limit per call."""
+    """A reward function, `path.py:name` from a Python file or a callable given in code, called with a
+    time limit per call."""
 
-    def __init__(self, spec: str, timeout: float = 60.0) -> None:
-        path_text, colon, name = spec.rpartition(":")
-        if not colon or not path_text.endswith(".py") or not name.isidentifier():
-            raise RewardFunctionError(f"reward {spec!r}: expected FILE.py:FUNCTION, e.g. rewards.py:score")
+    def __init__(self, spec: str | Callable[..., Any], timeout: float = 60.0) -> None:
         if not timeout > 0:
             raise RewardFunctionError(f"reward timeout must be a positive number of seconds, got {timeout}")
-        self.path = Path(path_text).resolve()
-        self.name = name
         self.timeout = timeout
-        self.function = self._load()
+        if callable(spec):
+            self.function = spec
+            # functools.partial and callable objects have no __name__; their type names them.
+            self.name = getattr(spec, "__name__", type(spec).__name__)
+            source = inspect.getsourcefile(spec) if inspect.isfunction(spec) else None
+            self.path = Path(source).resolve() if source else None
+        else:
+            path_text, colon, name = str(spec).rpartition(":")
+            if not colon or not path_text.endswith(".py") or not name.isidentifier():
+                raise RewardFunctionError(
+                    f"reward {spec!r}: expected FILE.py:FUNCTION, e.g. rewards.py:score"
+                )
+            self.path = Path(path_text).resolve()
+            self.name = name
+            self.function = self._load()
         self.accepted = self._accepted_names()
 
     def _load(self) -> Callable[..., Any]:
@@ -83,7 +93,10 @@ class RewardFunction:
 
     def _accepted_names(self) -> set[str] | None:
         """The keyword arguments the function takes; None when it takes **kwargs (anything)."""
-        parameters = inspect.signature(self.function).parameters.values()
+        try:
+            parameters = inspect.signature(self.function).parameters.values()
+        except (TypeError, ValueError):  # some builtins have no signature: pass them everything
+            return None
         if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
             return None
         return {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
@@ -95,7 +108,10 @@ class RewardFunction:
             raise RewardFunctionError(
                 f"{self}: the function must take a 'completions' argument (TRL's signature)"
             )
-        parameters = inspect.signature(self.function).parameters.values()
+        try:
+            parameters = inspect.signature(self.function).parameters.values()
+        except (TypeError, ValueError):
+            parameters = []
         required = {
             p.name
             for p in parameters
@@ -104,7 +120,7 @@ class RewardFunction:
         missing = sorted(required - names)
         if missing:
             raise RewardFunctionError(
-                f"{self}: the function needs {', '.join(map(repr, missing))}, which the task file does not "
+                f"{self}: the function needs {', '.join(map(repr, missing))}, which the data does not "
                 f"have as columns (it has {', '.join(map(repr, columns)) or 'none'}); add them, "
                 "or give the function **kwargs"
             )
@@ -153,10 +169,10 @@ class RewardFunction:
         frames = [
             f for f in traceback.extract_tb(error.__traceback__) if Path(f.filename).resolve() == self.path
         ]
-        return f"{self.path}:{frames[-1].lineno}" if frames else str(self.path)
+        return f"{self.path}:{frames[-1].lineno}" if frames else str(self)
 
     def __str__(self) -> str:
-        return f"{self.path}:{self.name}"
+        return f"{self.path}:{self.name}" if self.path else f"reward function {self.name!r}"
 
 
 class _Timeout(Exception):

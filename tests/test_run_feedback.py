@@ -1,0 +1,111 @@
+"""What a run tells its user: where each iteration's time went, a warning when nothing can be learned, and
+`fastes eval` for real models (a user reward, a batch size, format rate, completion length, examples)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fastes import cli
+from fastes.config import load_config
+from fastes.train import NO_SIGNAL_STEPS, NoSignal, train
+
+
+def run_config(tmp_path, **extra):
+    return load_config(
+        None,
+        {
+            "task": "countdown",
+            "out_dir": str(tmp_path / "run"),
+            "batch_size": 4,
+            "max_new_tokens": 3,
+            "eval_size": 4,
+            "eval_every": 0,
+            "checkpoint_every": 0,
+            "progress": False,
+            "es.population": 4,
+            **extra,
+        },
+    )
+
+
+def test_every_es_iteration_records_where_its_time_went(tmp_path):
+    train(run_config(tmp_path, **{"es.iterations": 2}))
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(line) for line in lines][1:]
+    for record in steps:
+        parts = [record[f"time/{p}"] for p in ("generation", "noise", "scoring", "update")]
+        assert all(seconds >= 0 for seconds in parts) and record["time/generation"] > 0
+        assert sum(parts) <= record["seconds"] * 1.01  # the parts lie inside the iteration
+        assert 0 <= record["format"] <= 1
+
+
+def test_a_run_without_signal_says_so_once(tmp_path, capsys):
+    # A sigma far below float resolution: every member answers as the base does, reward_std is 0.
+    train(run_config(tmp_path, **{"es.iterations": NO_SIGNAL_STEPS + 2, "es.sigma": 1e-30}))
+    err = capsys.readouterr().err
+    assert err.count("scored the same for 3 ES steps in a row") == 1
+    assert "fastes eval --show" in err and "max_new_tokens" in err
+
+
+def test_the_no_signal_counter():
+    counter = NoSignal()
+    flat, varied = {"reward_std": 0.0}, {"reward_std": 0.1}
+    assert [counter.update(flat) for _ in range(NO_SIGNAL_STEPS)][-1]  # reached: warn
+    assert not counter.update(flat)  # once per streak
+    assert not counter.update(varied) and counter.streak == 0
+    assert counter.update({"frac_reward_zero_std": 1.0}) is False and counter.streak == 1  # GRPO's metric
+
+
+@pytest.fixture
+def reward_files(tmp_path):
+    rows = [{"prompt": f"cmp {i} {9 - i}:", "answer": "<" if i < 5 else ">"} for i in range(10)]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "rewards.py").write_text(
+        "def starts(completions, answer, **columns):\n"
+        "    return [float(c.startswith(a)) for c, a in zip(completions, answer)]\n"
+    )
+    return tmp_path
+
+
+def test_eval_takes_a_reward_a_batch_size_and_shows_examples(reward_files, capsys):
+    code = cli.main(
+        [
+            "eval",
+            "--task",
+            f"jsonl:{reward_files / 'data.jsonl'}",
+            "--reward",
+            f"{reward_files / 'rewards.py'}:starts",
+            "--eval_batch_size",
+            "1",
+            "--samples",
+            "1",
+            "--limit",
+            "2",
+            "--show",
+            "2",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0 and out.count("--- prompt:") == 2 and out.count("--- completion:") == 2
+    result = json.loads(out[out.index("{") :])
+    assert result["examples"] == 2 and 0 <= result["greedy_accuracy"] <= 1
+    assert result["mean_completion_tokens"] > 0 and result["max_new_tokens"] == 12
+    assert "format_rate" in result
+
+
+def test_eval_of_an_instruct_form(capsys):
+    code = cli.main(
+        ["eval", "--task", "compare", "--prompt_style", "instruct", "--limit", "3", "--samples", "1"]
+    )
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0 and result["prompt_style"] == "instruct" and result["max_new_tokens"] == 48
+
+
+def test_eval_errors_are_one_line(tmp_path, capsys):
+    assert cli.main(["eval", "--task", "arithmetic:max_operand=2", "--limit", "2", "--samples", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fastes: configuration error: task:") and "\n" not in err
+    assert cli.main(["eval", "--model", str(tmp_path / "nope.gguf")]) == 2
+    assert "does not exist" in capsys.readouterr().err
