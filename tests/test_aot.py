@@ -246,9 +246,13 @@ def test_compiled_results_are_cached_by_source_options_and_target(tmp_path, monk
     assert len(compiles) == 6 and len(list(tmp_path.iterdir())) == 4
 
 
-def test_unknown_model_is_a_clear_error():
+def test_unknown_model_is_a_clear_error(capsys):
     with pytest.raises(ValueError, match="unknown model 'GPT-5'"):
         aot.model_config("GPT-5")
+    with pytest.raises(SystemExit):  # the command says it in one line, before any work
+        aot.main(["--models", "GPT-5"])
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last.endswith("error: unknown model 'GPT-5'; choose from " + str(list(aot.MODEL_CONFIGS)))
     config = aot.model_config("Qwen2.5-0.5B", layers=1)
     assert (config.hidden_size, config.intermediate_size, config.num_hidden_layers) == (896, 4864, 1)
 

@@ -565,10 +565,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     targets = [t for t in args.targets.split(",") if t]
     models = [m for m in args.models.split(",") if m]
-    for t in targets:
-        gpu_target(t)  # bad names fail before any work
-    for m in models:
-        model_config(m)
+    try:  # bad names fail before any work, in one line
+        for t in targets:
+            gpu_target(t)
+        for m in models:
+            model_config(m)
+    except ValueError as error:
+        parser.error(str(error))
     import triton
 
     start = time.perf_counter()
