@@ -4,7 +4,9 @@
 
 Steps: environment (GPU, driver, CUDA, torch, triton), stream (raw Philox words exact, normals), perturb,
 update (every mode), virtual (virtual_linear vs materialised weights), es (exact restore, ES.step vs the
-CPU reference), large (a tensor past 2^31 elements), bench (a short benchmark). Keys, rounding keys and
+CPU reference), large (a tensor past 2^31 elements), bench (a short benchmark), model (one ES iteration of
+Qwen2.5-0.5B's shape with random weights: the noise time of materialised, virtual and low-rank
+evaluation and of the update against benchmarks.model_iteration's prediction). Keys, rounding keys and
 tensor ids of 1 are included: Triton used to turn an int argument equal to 1 into a constant.
 
 Each step runs on its own: a failure or crash in one is recorded and the next step still runs. After each
@@ -23,14 +25,16 @@ import argparse
 import contextlib
 import io
 import json
+import math
 import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -39,7 +43,7 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 NAMES = ["emb", "layers.0.q.weight", "layers.0.mlp.weight", "lm_head.weight", "layers.1.o.weight"]
 NORMAL_TOL = 1e-5
 EDGE_KEYS = [(1, 1), (1, 0xFFFFFFFF), (16, 1 << 31)]  # key words Triton used to specialise
-STEP_NAMES = ("environment", "stream", "perturb", "update", "virtual", "es", "large", "bench")
+STEP_NAMES = ("environment", "stream", "perturb", "update", "virtual", "es", "large", "bench", "model")
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,8 @@ class Sizes:
     bench_elements: int
     bench_rounds: int
     thin: bool = False  # fewer keys, scales and modes (each edge case still once): the interpreter
+    # The model step: a real model's config (fields overridden for the interpreter), population, prompts.
+    model: tuple = ("Qwen2.5-0.5B", (), 32, 64)
 
 
 FULL = Sizes(
@@ -71,6 +77,19 @@ SMALL = Sizes(
     bench_elements=1 << 11,
     bench_rounds=1,
     thin=True,
+    model=(
+        "Qwen2.5-0.5B",
+        (
+            ("hidden_size", 32),
+            ("intermediate_size", 64),
+            ("num_attention_heads", 4),
+            ("num_key_value_heads", 2),
+            ("num_hidden_layers", 1),
+            ("vocab_size", 64),
+        ),
+        2,
+        2,
+    ),
 )
 
 
@@ -468,6 +487,141 @@ def _bench_dtype(
     )
 
 
+def step_model(c: Checks, device: torch.device, sizes: Sizes) -> None:
+    """One ES iteration of a real model's shape (random weights, bf16): the noise work of materialised,
+    virtual and low-rank evaluation (one decode step of every member's prompts) and the update, measured
+    against benchmarks.model_iteration's prediction; virtual logits against materialised ones."""
+    from transformers import AutoModelForCausalLM
+
+    import fastes
+    from fastes.batched import population_batched
+    from fastes.kernels import aot
+
+    from . import model_iteration as predicted
+    from .static import DEVICES
+
+    name, overrides, population, prompts = sizes.model
+    config = aot.model_config(name)
+    config.update(dict(overrides))
+    torch.manual_seed(0)
+    with torch.device(device):  # random weights initialised where they live
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    shape = predicted.shape_of(model, name)
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    predicted_for = "H200 SXM" if "H200" in gpu else "H100 SXM"  # the GPUs the model knows
+    rate = _predicted_rates()[predicted_for]
+    spec = next(d for d in DEVICES if d.name == predicted_for)
+    ids = torch.randint(0, config.vocab_size, (population * prompts, 1), device=device)
+    rewards = torch.linspace(-1, 1, population)
+
+    def forward() -> torch.Tensor:
+        with torch.no_grad():
+            return model(input_ids=ids, use_cache=False).logits
+
+    plain = _seconds(forward, device, sizes.bench_rounds)
+    logits = {"plain": forward().float().cpu()}
+    measured, optimizers = {}, {}
+    for mode, noise_type in (("materialised", "full"), ("virtual", "full"), ("lowrank", "lowrank")):
+        es = optimizers[mode] = fastes.ES(
+            fastes.linear_weights(model, warn=False),
+            sigma=0.05,  # large enough that wrong or missing noise shows in the logits
+            lr=1e-4,
+            population=population,
+            noise_type=noise_type,
+            backend="triton",
+            checksum_every=0,
+        )
+        members = list(es.members())
+        with population_batched(es, model, mode, members):  # compiles the kernels: not timed
+            pass
+        sync(device)
+        start = time.perf_counter()
+        with population_batched(es, model, mode, members):
+            sync(device)
+            build = time.perf_counter() - start
+            seconds = _seconds(forward, device, sizes.bench_rounds)
+            logits[mode] = forward().float().cpu()
+        measured[mode] = {"build_s": build, "forward_s": seconds}
+    # The updates last: they change the weights the evaluations above share.
+    for mode, es in optimizers.items():
+        es.step(rewards)  # compiles the update: not timed
+        sync(device)
+        start = time.perf_counter()
+        es.step(rewards)
+        sync(device)
+        measured[mode]["update_s"] = time.perf_counter() - start
+    m = measured
+    noise = {
+        "materialised": m["materialised"]["build_s"] + m["materialised"]["update_s"],
+        "virtual": m["virtual"]["forward_s"] - m["materialised"]["forward_s"] + m["virtual"]["update_s"],
+        "lowrank": m["lowrank"]["build_s"] + m["lowrank"]["forward_s"] - plain + m["lowrank"]["update_s"],
+    }
+    rows = population * prompts
+    expected = {
+        "materialised": predicted.perturb_seconds(shape, rate, population)
+        + predicted.update_seconds(shape, rate),
+        "virtual": predicted.virtual_noise_seconds(shape, spec, rate, population, prompts)
+        + predicted.update_seconds(shape, rate),
+        "lowrank": predicted.lowrank_noise_seconds(shape, spec, rate, population, rows)
+        + predicted.lowrank_update_seconds(shape, spec, rate, population // 2),
+    }
+    c.facts["model"] = {
+        "name": name,
+        "overrides": dict(overrides),
+        "shape": asdict(shape),
+        "population": population,
+        "prompts": prompts,
+        "plain_forward_s": plain,
+        "measured": measured,
+        "noise_s": noise,
+        "predicted_noise_s": expected,
+        "predicted_for": predicted_for,
+    }
+
+    def gap(a: str, b: str) -> float:
+        return float((logits[a] - logits[b]).abs().max() / logits[b].abs().max())
+
+    error, noise_effect = gap("virtual", "materialised"), gap("plain", "materialised")
+    c.check(
+        "model virtual logits vs materialised",
+        error <= 2e-2 and error < noise_effect / 4,
+        f"max error {error:.2e} of the largest logit (the noise itself moves them {noise_effect:.2e})",
+    )
+    for mode in noise:
+        ratio = noise[mode] / expected[mode] if expected[mode] > 0 else math.inf
+        detail = (
+            f"noise work {1e3 * noise[mode]:.2f} ms measured, {1e3 * expected[mode]:.2f} ms predicted for "
+            f"{predicted_for} ({ratio:.2f}x)"
+        )
+        if device.type != "cuda" or mode == "lowrank":
+            # The interpreter's timings say nothing of a GPU's, and low-rank noise is a few hundred small
+            # launches whose latency the model leaves out: recorded, not judged.
+            c.check(f"model {mode} noise time (recorded)", math.isfinite(noise[mode]), detail)
+        else:
+            c.check(f"model {mode} noise time within 3x of the prediction", 1 / 3 <= ratio <= 3, detail)
+
+
+def _predicted_rates() -> dict:
+    """The noise kernels' predicted rates per GPU, from a process without the interpreter (they come from
+    SASS compiled for sm_90, which the interpreter cannot do)."""
+    from .model_iteration import NoiseRates
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "rates.json"
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        done = subprocess.run(
+            [sys.executable, "-m", "benchmarks.model_iteration", "--rates", str(path)],
+            cwd=Path(__file__).resolve().parents[1],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"python -m benchmarks.model_iteration failed:\n{done.stderr[-2000:]}")
+        return {name: NoiseRates(**r) for name, r in json.loads(path.read_text()).items()}
+
+
 STEPS: dict[str, Callable[[Checks, torch.device, Sizes], None]] = {
     "environment": step_environment,
     "stream": step_stream,
@@ -477,6 +631,7 @@ STEPS: dict[str, Callable[[Checks, torch.device, Sizes], None]] = {
     "es": step_es,
     "large": step_large,
     "bench": step_bench,
+    "model": step_model,
 }
 
 

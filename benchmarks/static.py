@@ -18,7 +18,12 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+
 from fastes.kernels import aot
+
+from .model_iteration import POPULATION, NoiseRates, model_iterations
+from .model_iteration import markdown as model_markdown
 
 # Pipes of an sm_90 SM, in thread-instructions per clock (CUDA C++ Programming Guide, arithmetic
 # instruction throughput, compute capability 9.0): what each SASS opcode is charged to.
@@ -35,11 +40,14 @@ class Device:
     sms: int
     clock_ghz: float
     copy_tb_s: float  # achievable device-to-device copy, read + write bytes per second
+    memory_gb: float  # HBM
+    bf16_tflops: float  # dense tensor-core peak
+    fp32_tflops: float  # FP32 on the CUDA cores (the low-rank update's GEMM)
 
 
 DEVICES = [
-    Device("H100 SXM", 132, 1.755, 3.0),
-    Device("H200 SXM", 132, 1.755, 4.3),
+    Device("H100 SXM", 132, 1.755, 3.0, 80, 989, 67),
+    Device("H200 SXM", 132, 1.755, 4.3, 141, 989, 67),
 ]
 MODEL_NOTES = [
     "Predicted, not measured: no GPU was used. SASS from Triton's own ptxas for sm_90 (cuobjdump).",
@@ -77,6 +85,14 @@ REPORT_LABELS = [
     "virtual_linear bf16 K=64 N=48 rows=1 sign",
 ]
 UPDATE_DIRECTIONS = 15  # N = 30 members, antithetic
+# virtual_linear at a real shape (Qwen2.5-0.5B's up_proj, K=896 N=4864): 64 rows per member (a decode
+# step of 64 prompts: 64-row tiles), a 4096-row prefill (128-row tiles), and the fp32 128-row tile that
+# used to spill.
+REAL_VIRTUAL = {
+    "virtual_linear bf16 K=896 N=4864 rows=64": (torch.bfloat16, 64),
+    "virtual_linear bf16 K=896 N=4864 rows=4096": (torch.bfloat16, 4096),
+    "virtual_linear fp32 K=896 N=4864 rows=128": (torch.float32, 128),
+}
 
 
 def pipe_of(opcode: str) -> str:
@@ -270,26 +286,95 @@ def virtual_decode_figures(virtual: KernelReport, perturb: KernelReport) -> dict
     return out
 
 
-def run_static(out: Path | None) -> dict:
-    """Compile the report's variants for sm_90, analyse them, write the report files into `out`."""
+def real_virtual_launches() -> list[aot.Launch]:
+    """The launches of REAL_VIRTUAL, recorded on meta tensors (two members)."""
+    from fastes.kernels import launch_virtual_linear
+    from fastes.ops import triton_dtype
+
+    launches = []
+    for label, (dtype, rows) in REAL_VIRTUAL.items():
+        x = torch.empty(2 * rows, 896, dtype=dtype, device="meta")
+        weight = torch.empty(4864, 896, dtype=dtype, device="meta")
+        y = torch.empty(2 * rows, 4864, dtype=dtype, device="meta")
+        keys = torch.empty(2, 2, dtype=torch.int64, device="meta")
+        scales = torch.empty(2, device="meta")
+        with aot.capture() as recorded:
+            launch_virtual_linear(x, weight, y, keys, scales, 7, rows, triton_dtype(dtype))
+        recorded[0].label = label
+        launches += recorded
+    return launches
+
+
+def seconds_per_element(report: KernelReport, device: Device, directions: int = 0) -> float:
+    """Predicted seconds per element of a perturb, fill or update kernel (the update over `directions`)."""
+    pipes = Counter(report.pipes_per_element)
+    for k, v in report.loop_pipes_per_element.items():
+        pipes[k] += directions * v
+    compute = cycles_per_element(pipes) / (device.sms * device.clock_ghz * 1e9)
+    return max(compute, report.bytes_per_element / (device.copy_tb_s * 1e12))
+
+
+def noise_rates(reports: dict[str, KernelReport], device: Device) -> NoiseRates:
+    """The bf16 noise kernels' predicted rates on `device`, for the real-model iteration."""
+    clock = device.sms * device.clock_ghz * 1e9
+    return NoiseRates(
+        perturb=seconds_per_element(reports["perturb bf16"], device),
+        update=seconds_per_element(reports["update bf16 apply"], device, directions=POPULATION // 2),
+        fill=seconds_per_element(reports["fill normal stream=0"], device),
+        virtual_decode=cycles_per_element(
+            reports["virtual_linear bf16 K=896 N=4864 rows=64"].loop_pipes_per_element
+        )
+        / clock,
+        virtual_prefill=cycles_per_element(
+            reports["virtual_linear bf16 K=896 N=4864 rows=4096"].loop_pipes_per_element
+        )
+        / clock,
+    )
+
+
+def compile_reports(labels: list[str]) -> dict[str, KernelReport]:
+    """Compile the launches of these labels for sm_90 and analyse their SASS, in the order given."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("python -m benchmarks --static compiles for a GPU target: unset TRITON_INTERPRET")
-    import triton
-
     target = aot.gpu_target("sm_90")
     chosen = {}
-    for launch in aot.runtime_launches():
-        if launch.label in REPORT_LABELS and launch.label not in chosen:
+    for launch in aot.runtime_launches() + real_virtual_launches():
+        if launch.label in labels and launch.label not in chosen:
             chosen[launch.label] = launch
-    reports = []
-    for label in REPORT_LABELS:
+    reports = {}
+    for label in labels:
         variant, source, options = aot.specialise(chosen[label], target)
         result = aot.compile_variant(source, options, "sm_90", label)
         if not result.ok:
             raise RuntimeError(f"{label} failed to compile for sm_90: {result.error}")
-        reports.append(analyse(result, label))
+        reports[label] = analyse(result, label)
+    return reports
+
+
+# What the real-model iteration needs of the kernels (bf16).
+RATE_LABELS = [
+    "perturb bf16",
+    "update bf16 apply",
+    "fill normal stream=0",
+    "virtual_linear bf16 K=896 N=4864 rows=64",
+    "virtual_linear bf16 K=896 N=4864 rows=4096",
+]
+
+
+def predicted_rates() -> dict[str, NoiseRates]:
+    """The noise kernels' predicted rates per device (compiles the five variants they need)."""
+    reports = compile_reports(RATE_LABELS)
+    return {d.name: noise_rates(reports, d) for d in DEVICES}
+
+
+def run_static(out: Path | None) -> dict:
+    """Compile the report's variants for sm_90, analyse them, write the report files into `out`."""
+    import triton
+
+    by_label = compile_reports(REPORT_LABELS + list(REAL_VIRTUAL))
+    reports = list(by_label.values())
     virtual = next(r for r in reports if r.label.startswith("virtual_linear"))
-    perturb = next(r for r in reports if r.label == "perturb bf16")
+    perturb = by_label["perturb bf16"]
     data = {
         "kind": "static",
         "predicted_not_measured": True,
@@ -300,6 +385,7 @@ def run_static(out: Path | None) -> dict:
         "notes": MODEL_NOTES,
         "kernels": [asdict(r) for r in reports],
         "virtual_decode_1b_16_members": virtual_decode_figures(virtual, perturb),
+        "models": model_iterations({d.name: noise_rates(by_label, d) for d in DEVICES}),
     }
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -348,4 +434,5 @@ def markdown(data: dict) -> str:
             f"generation to build them; plain inference {v['plain_ms_per_forward']:.2f} ms"
         )
     lines += ["", "Assumptions:", ""] + [f"- {n}" for n in data["notes"]]
+    lines += [""] + model_markdown(data["models"])
     return "\n".join(lines) + "\n"

@@ -1,10 +1,12 @@
 """Ahead-of-time GPU compilation of every kernel launch the runtime makes (no GPU needed).
 
 `python -m fastes.kernels.aot` records the launches of `launch_perturb`, `launch_update`, `launch_fill`
-and `launch_virtual_linear` on CPU tensors (keys, tensor ids and offsets of 1, 16, 2^31, 2^32 - 1),
-specialises each with Triton's own binder and compiles it with `triton.compile`: every variant for
-sm_90 (H100 / H200), and the bf16 and fill variants for sm_80 (A100) and gfx942 (MI300). It needs
-compiled kernels, so it runs in subprocesses without TRITON_INTERPRET (this suite sets it).
+and `launch_virtual_linear` on CPU tensors (keys, tensor ids and offsets of 1, 16, 2^31, 2^32 - 1) and
+those one ES iteration of four real models makes in every dtype, noise, evaluation and update mode
+(meta tensors through fastes.ES and population_batched), specialises each with Triton's own binder and
+compiles each distinct variant with `triton.compile` for sm_90 (H100 / H200), sm_80 (A100) and gfx942
+(MI300). It needs compiled kernels, so it runs in subprocesses without TRITON_INTERPRET (this suite
+sets it). Compiled results are cached under $FASTES_CACHE_DIR/aot (CI starts empty).
 """
 
 import json
@@ -17,8 +19,14 @@ import pytest
 from benchmarks.static import fast_path
 from fastes.kernels import aot
 
-# (targets, label filter): the two halves of the work, run side by side (CI has 2 cores).
-RUNS = [("sm_90", ""), ("sm_80,gfx942", "perturb bf16|update bf16|virtual_linear bf16|fill normal stream=0")]
+# The targets of each subprocess, run side by side (CI has 2 cores; each records the launches, ~10 s).
+RUNS = ["sm_90", "sm_80", "gfx942"]
+DTYPES = ("fp32", "bf16", "fp16")
+# The distinct variants one real model's launches may compile to, per target (docs/gpu.md):
+# virtual_linear 3 dtypes x 2 noises x 4 tile heights (16, 32, 64, 128 rows), perturb 3 x 2, update
+# (fp32: apply, gradient; 16-bit: apply, stochastic, gradient) x 2 noises, the low-rank factors' fill on
+# 2 streams; on gfx942 also the 128-row virtual_linear tiles of an output over 2 GiB (64-bit pointers).
+VARIANT_BOUND = {"sm_90": 48, "sm_80": 48, "gfx942": 54}
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +35,7 @@ def compiled(tmp_path_factory):
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton 3.9 warns when unset; 1 is what the runtime uses
     out = tmp_path_factory.mktemp("aot")
     processes = []
-    for i, (targets, labels) in enumerate(RUNS):
+    for i, targets in enumerate(RUNS):
         args = [
             sys.executable,
             "-m",
@@ -38,13 +46,7 @@ def compiled(tmp_path_factory):
             str(out / f"{i}.json"),
         ]
         processes.append(
-            subprocess.Popen(
-                args + ["--labels", labels],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
+            subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         )
     reports = []
     for i, process in enumerate(processes):
@@ -67,18 +69,70 @@ def test_every_launched_variant_compiles_without_spills(compiled):
 
 
 @pytest.mark.slow
+def test_every_real_model_launch_is_compiled_for_every_target(compiled):
+    results = [r for report, _, _ in compiled for r in report["results"]]
+    for target in ("sm_90", "sm_80", "gfx942"):
+        labels = {label for r in results if r["target"] == target for label in r["labels"]}
+        for model in aot.MODEL_CONFIGS:
+            for dtype in DTYPES:
+                for noise in ("gaussian", "rademacher"):
+                    prefix = f"{model} {dtype} {noise} full: "
+                    kernels = {
+                        label[len(prefix) :].split()[0] for label in labels if label.startswith(prefix)
+                    }
+                    assert kernels == {"perturb_kernel", "update_kernel", "virtual_linear_kernel"}, (
+                        f"{prefix}{target}: {kernels}"
+                    )
+                    heights = {
+                        label.split("BLOCK_M=")[1].split()[0]
+                        for label in labels
+                        if label.startswith(prefix + "virtual_linear")
+                    }
+                    assert heights == {"16", "32", "64", "128"}, f"{prefix}{target}: tile heights {heights}"
+                assert any(
+                    label.startswith(f"{model} {dtype} gaussian lowrank: fill_kernel") for label in labels
+                )
+        # The variant count is bounded: launches of every shape and row count share a few variants.
+        from_models = [
+            r
+            for r in results
+            if r["target"] == target and any(" full: " in x or " lowrank: " in x for x in r["labels"])
+        ]
+        assert 0 < len(from_models) <= VARIANT_BOUND[target], f"{target}: {len(from_models)} variants"
+
+
+@pytest.mark.slow
+def test_fp32_virtual_linear_128_row_tile_does_not_spill(compiled):
+    # It used to: 255 registers and ~640 bytes of local memory on sm_90 (software pipelining of the FMA dot).
+    tiles = [
+        r
+        for report, _, _ in compiled
+        for r in report["results"]
+        if r["kernel"] == "virtual_linear_kernel"
+        and r["constexprs"]["DTYPE"] == "fp32"
+        and r["constexprs"]["BLOCK_M"] == "128"
+        and any(label.startswith("Llama-3-8B fp32") for label in r["labels"])
+    ]
+    assert {r["target"] for r in tiles} == {"sm_90", "sm_80", "gfx942"}
+    assert all(r["ok"] and r["spill_bytes"] == 0 for r in tiles), [
+        (r["target"], r["spill_bytes"]) for r in tiles
+    ]
+
+
+@pytest.mark.slow
 def test_each_kernel_is_compiled_once_whatever_its_keys_ids_and_offsets(compiled):
-    report, returncode, log = compiled[0]
-    # The labels cover every kernel, dtype and mode the runtime launches...
-    kernels = {r["kernel"] for r in report["results"]}
-    assert kernels == {"perturb_kernel", "update_kernel", "fill_kernel", "virtual_linear_kernel"}
-    assert {"perturb bf16", "update fp16 stochastic", "update fp32 gradient"} <= report[
-        "variants_per_label"
-    ].keys()
-    # ...and launches that differ only in data values (1, 16, 2^31, 2^32 - 1) share one variant.
-    for label, count in report["variants_per_label"].items():
-        assert count == 1, f"{label}: {count} compiled variants; a key, id or offset value is specialised"
-    assert returncode == 0, log[-4000:]
+    for report, returncode, log in compiled:
+        # The labels cover every kernel, dtype and mode the runtime launches...
+        kernels = {r["kernel"] for r in report["results"]}
+        assert kernels == {"perturb_kernel", "update_kernel", "fill_kernel", "virtual_linear_kernel"}
+        assert {"perturb bf16", "update fp16 stochastic", "update fp32 gradient"} <= report[
+            "variants_per_label"
+        ].keys()
+        # ...and launches that differ only in data values (1, 16, 2^31, 2^32 - 1), or a real model's
+        # launches of one kernel and constexprs at any shape and row count, share one variant.
+        for label, count in report["variants_per_label"].items():
+            assert count == 1, f"{label}: {count} compiled variants; a data value is specialised"
+        assert returncode == 0, log[-4000:]
 
 
 @pytest.mark.slow
@@ -159,3 +213,79 @@ def test_pipe_model_takes_the_most_loaded_pipe():
     assert cycles_per_element({"imad": 64.0, "fp32": 128.0}) == 1.5  # they share the FMA-heavy pipe
     assert cycles_per_element({"xu": 32.0, "alu": 1.0}) == 2.0
     assert cycles_per_element({"uniform": 256.0}) == 2.0  # issue slots only
+
+
+class _Source:
+    """Stands in for a Triton ASTSource: all compile_cached needs of it is its hash."""
+
+    def __init__(self, digest: str) -> None:
+        self.digest = digest
+
+    def hash(self) -> str:
+        return self.digest
+
+
+def test_compiled_results_are_cached_by_source_options_and_target(tmp_path, monkeypatch):
+    compiles = []
+
+    def compile_variant(source, options, target_name, label):
+        compiles.append((source.digest, target_name))
+        ok = source.digest != "broken"
+        return aot.CompileResult("k", label, target_name, ok=ok, registers=40, error="" if ok else "no")
+
+    monkeypatch.setattr(aot, "compile_variant", compile_variant)
+    first = aot.compile_cached(_Source("a"), {"num_warps": 4}, "sm_90", "one", tmp_path)
+    again = aot.compile_cached(_Source("a"), {"num_warps": 4}, "sm_90", "two", tmp_path)
+    assert compiles == [("a", "sm_90")] and again.registers == 40 and again.label == "two"
+    assert first.ok and again.ok
+    aot.compile_cached(_Source("a"), {"num_warps": 8}, "sm_90", "one", tmp_path)  # other options
+    aot.compile_cached(_Source("a"), {"num_warps": 4}, "sm_80", "one", tmp_path)  # other target
+    aot.compile_cached(_Source("b"), {"num_warps": 4}, "sm_90", "one", tmp_path)  # other source
+    for _ in range(2):  # a failure is compiled again, never remembered
+        assert not aot.compile_cached(_Source("broken"), {}, "sm_90", "x", tmp_path).ok
+    assert len(compiles) == 6 and len(list(tmp_path.iterdir())) == 4
+
+
+def test_unknown_model_is_a_clear_error(capsys):
+    with pytest.raises(ValueError, match="unknown model 'GPT-5'"):
+        aot.model_config("GPT-5")
+    with pytest.raises(SystemExit):  # the command says it in one line, before any work
+        aot.main(["--models", "GPT-5"])
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last.endswith("error: unknown model 'GPT-5'; choose from " + str(list(aot.MODEL_CONFIGS)))
+    config = aot.model_config("Qwen2.5-0.5B", layers=1)
+    assert (config.hidden_size, config.intermediate_size, config.num_hidden_layers) == (896, 4864, 1)
+
+
+def test_real_model_shapes_match_the_published_parameter_counts():
+    from benchmarks.model_iteration import model_shape
+
+    qwen = model_shape("Qwen2.5-0.5B")  # 0.49B parameters, 0.36B without the (tied) embedding
+    assert qwen.evolved == 24 * (2 * 896 * 896 + 2 * 128 * 896 + 3 * 4864 * 896) == 357_826_560
+    assert round(qwen.total / 1e6) == 494 and qwen.matmul == qwen.evolved + 151936 * 896
+    llama = model_shape("Llama-3-8B")  # 8.03B parameters; its lm_head is not tied, so it evolves
+    assert round(llama.total / 1e7) == 803 and llama.evolved == llama.total - 128256 * 4096 - 65 * 4096
+    assert llama.kv_bytes_per_token == 32 * 2 * 8 * 128 * 2
+
+
+def test_predicted_iteration_chooses_the_fastest_mode_that_fits():
+    from benchmarks.model_iteration import NoiseRates, iteration, model_shape
+    from benchmarks.static import DEVICES
+
+    h100, h200 = DEVICES
+    rates = NoiseRates(
+        perturb=1.5e-12, update=2e-11, fill=1.5e-12, virtual_decode=2e-12, virtual_prefill=2e-12
+    )
+    llama = iteration(model_shape("Llama-3-8B"), h100, rates)
+    modes = llama["modes"]
+    assert modes["materialised"]["group"] < 32 and modes["member"]["group"] == 1  # 15 GB per copy
+    fitting = {m: v["total_s"] for m, v in modes.items() if v["fits"]}
+    assert llama["choice"]["mode"] == min(fitting, key=fitting.get)
+    assert llama["choice"]["full_rank_mode"] != "lowrank"
+    for v in fitting.values():  # nothing beats plain inference of the same tokens
+        assert v >= llama["floor_s"]
+    # Free noise in the matmul: virtual then costs what materialised does, less the perturb.
+    free = iteration(model_shape("Qwen2.5-0.5B"), h200, NoiseRates(1.5e-12, 2e-11, 1.5e-12, 0.0, 0.0))[
+        "modes"
+    ]
+    assert free["virtual"]["total_s"] < free["materialised"]["total_s"] < free["virtual"]["total_s"] * 1.05

@@ -113,6 +113,37 @@ def test_script_records_every_step_and_survives_a_failing_one(tmp_path):
     assert read(tmp_path, "environment")["passed"]
 
 
+@pytest.mark.slow
+def test_script_model_step_measures_and_predicts_the_noise_of_each_mode(tmp_path):
+    result = script(tmp_path, "model")
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert [(s["step"], s["status"]) for s in read(tmp_path, "script")["steps"]] == [("model", "passed")]
+    record = read(tmp_path, "model")
+    names = [c["name"] for c in record["checks"]]
+    assert names[0] == "model virtual logits vs materialised" and len(names) == 4
+    facts = record["facts"]["model"]
+    assert facts["name"] == "Qwen2.5-0.5B" and facts["overrides"]["hidden_size"] == 32  # --small
+    for mode in ("materialised", "virtual", "lowrank"):
+        assert facts["predicted_noise_s"][mode] > 0
+        assert facts["measured"][mode]["build_s"] > 0 and facts["measured"][mode]["update_s"] > 0
+    # The tiny model's shape is what was predicted for: its evolved weights, not Qwen2.5-0.5B's.
+    assert facts["shape"]["evolved"] == 32 * 32 * 2 + 2 * 16 * 32 + 3 * 64 * 32
+
+
+@pytest.mark.slow
+def test_model_step_fails_when_virtual_members_miss_their_noise(tmp_path, monkeypatch):
+    import fastes.kernels
+
+    real = fastes.kernels.launch_virtual_linear
+
+    def without_noise(x, weight, y, keys, scales, *args, **kwargs):
+        real(x, weight, y, keys, scales * 0, *args, **kwargs)
+
+    monkeypatch.setattr(fastes.kernels, "launch_virtual_linear", without_noise)
+    assert run(tmp_path, "model") == 1
+    assert read(tmp_path, "model")["failed"] == ["model virtual logits vs materialised"]
+
+
 def test_script_skips_what_the_time_budget_does_not_allow(tmp_path):
     result = script(tmp_path, "environment es", budget=5)
     assert result.returncode == 1

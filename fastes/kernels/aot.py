@@ -1,13 +1,17 @@
 """Compile the kernels for GPUs on a machine without one: every specialisation the runtime launches.
 
-    python -m fastes.kernels.aot [--targets sm_90,sm_80,gfx942] [--json FILE]
+    python -m fastes.kernels.aot [--targets sm_90,sm_80,gfx942] [--models ...] [--json FILE] [--no-cache]
 
 The launch functions (`launch_perturb`, `launch_update`, `launch_fill`, `launch_virtual_linear`) are
-called on CPU tensors with Triton's `JITFunction.run` replaced by a recorder (`capture`). Each recorded
+called on CPU tensors with Triton's `JITFunction.run` replaced by a recorder (`capture`), and so is one
+ES iteration of each real model of MODEL_CONFIGS, on the meta device, through fastes.ES and
+population_batched in every dtype, noise and mode (`model_launches`). Each recorded
 launch is specialised by Triton's own binder, exactly as `run` would on a GPU (signature, constexprs,
 divisibility attributes), and compiled with `triton.compile` for a `GPUTarget`: PTX and a cubin via the
 ptxas shipped in the Triton wheel (AMD: an hsaco). `cuobjdump` from the same wheel gives registers,
-local memory and the SASS. Exit status 1 when a launch fails to compile or spills registers.
+local memory and the SASS. Launches that specialise alike are compiled once per target, and each result
+is cached (`compile_cached`). Exit status 1 when a launch fails to compile or spills registers, or when
+launches of one label compile to more than one variant. docs/gpu.md has the counts and timings.
 
 This needs compiled kernels, so it refuses to run under TRITON_INTERPRET=1 (the test suite starts it in
 a subprocess without it). Nothing is launched and no GPU is needed.
@@ -16,6 +20,7 @@ a subprocess without it). Nothing is launched and no GPU is needed.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -207,6 +212,140 @@ def runtime_launches() -> list[Launch]:
     return all_launches
 
 
+# The shapes of real models, from their published transformers configs. Only shapes matter: the models
+# are built on the meta device (no weights), and the launch check builds one decoder layer (every layer
+# launches the same shapes).
+MODEL_CONFIGS = {
+    "SmolLM2-135M": dict(
+        num_hidden_layers=30,
+        model_type="llama",
+        hidden_size=576,
+        intermediate_size=1536,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+    ),
+    "Qwen2.5-0.5B": dict(
+        num_hidden_layers=24,
+        model_type="qwen2",
+        hidden_size=896,
+        intermediate_size=4864,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "Qwen2.5-1.5B": dict(
+        num_hidden_layers=28,
+        model_type="qwen2",
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "Llama-3-8B": dict(
+        num_hidden_layers=32,
+        model_type="llama",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+    ),
+}
+# Rows per member of a population-batched projection: one decode step of one prompt up to a prefill of
+# 4096 tokens; the edges of each tile height (16, 32, 64, 128 rows) are among them.
+MEMBER_ROWS = (1, 16, 17, 33, 64, 65, 256, 4096)
+MODEL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def model_config(name: str, layers: int | None = None):
+    """A transformers config of a real model's shapes (with `layers` decoder layers: all by default)."""
+    from transformers import AutoConfig
+
+    if name not in MODEL_CONFIGS:
+        raise ValueError(f"unknown model {name!r}; choose from {list(MODEL_CONFIGS)}")
+    fields = dict(MODEL_CONFIGS[name])
+    if layers is not None:
+        fields["num_hidden_layers"] = layers
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+@contextmanager
+def _as_on_a_gpu() -> Iterator[None]:
+    """fastes.ops dispatches meta tensors to the Triton backend, as it would CUDA tensors."""
+    from unittest import mock
+
+    from fastes import ops
+
+    with mock.patch.object(ops, "resolve_backend", lambda tensors, backend="auto": "triton"):
+        yield
+
+
+def model_launches(models: list[str] | None = None) -> list[Launch]:
+    """The launches one ES iteration of each real model makes, through the runtime's own code.
+
+    Per model, dtype and noise distribution: member-by-member and materialised evaluation (perturb),
+    virtual evaluation (virtual_linear at every row count of MEMBER_ROWS), low-rank evaluation (the
+    factors' noise fill) and the update in each mode (apply, stochastic rounding, gradient). The model
+    is built on the meta device, so nothing is allocated and no kernel runs. Each label names the kernel
+    and its constexpr arguments: what should decide the compiled variant.
+    """
+    from transformers import AutoModelForCausalLM
+
+    import fastes
+
+    launches: list[Launch] = []
+    for name in models or list(MODEL_CONFIGS):
+        for dtype_name, dtype in MODEL_DTYPES.items():
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(model_config(name, layers=1), dtype=dtype)
+            params = fastes.linear_weights(model, warn=False)
+            for noise in ("gaussian", "rademacher"):
+                # Low-rank sign factors come from the torch reference (fastes.lowrank.factors): no
+                # launch to record, and its Philox on meta tensors would only cost time.
+                for noise_type in ("full", "lowrank") if noise == "gaussian" else ("full",):
+                    options = dict(sigma=1e-3, lr=1e-4, population=4, noise=noise, noise_type=noise_type)
+                    with capture() as recorded, _as_on_a_gpu():
+                        _one_iteration(model, params, options)
+                    for one in recorded:
+                        one.label = f"{name} {dtype_name} {noise} {noise_type}: {_describe(one)}"
+                    launches.extend(recorded)
+    return launches
+
+
+def _one_iteration(model, params, options: dict) -> None:
+    """Every evaluation mode and update mode of one ES generation (on meta tensors)."""
+    import fastes
+    from fastes.batched import VirtualLinear, population_batched
+
+    batched_modes = ("lowrank",) if options["noise_type"] == "lowrank" else ("materialised", "virtual")
+    for update_options in ({}, {"stochastic_rounding": True}, {"inner_optimizer": torch.optim.SGD}):
+        es = fastes.ES(params, **options, **update_options, backend="triton", checksum_every=0)
+        members = list(es.members())
+        if not update_options:  # evaluation does not depend on how the update is made
+            with members[0]:  # eval mode "member": perturb into the work buffer, then restore
+                pass
+            for mode in batched_modes:
+                with population_batched(es, model, mode, members):
+                    for layer in model.modules():
+                        if isinstance(layer, VirtualLinear):
+                            features = layer.base.weight.shape[0 if layer.transposed else 1]
+                            for rows in MEMBER_ROWS:
+                                layer(torch.empty(len(members) * rows, features, device="meta"))
+        es.step(torch.linspace(-1, 1, len(members)))
+
+
+def _describe(launch: Launch) -> str:
+    """What decides a recorded launch's variant, in words (its kernel and its constexpr arguments)."""
+    constants = {k: v for k, v in launch.kwargs.items() if k.isupper() or k.startswith("num_")}
+    return f"{launch.kernel.__name__} " + " ".join(f"{k}={v}" for k, v in constants.items())
+
+
 @dataclass(frozen=True)
 class Specialisation:
     """What Triton compiles for a launch: the cache key of a compiled variant."""
@@ -258,6 +397,7 @@ class CompileResult:
     num_warps: int = 0
     constexprs: dict = field(default_factory=dict)
     sass: str = ""  # NVIDIA only
+    labels: list = field(default_factory=list)  # of every launch that compiles to this variant
 
     @property
     def spills(self) -> bool:
@@ -321,25 +461,81 @@ def _amdgcn_facts(asm: str) -> tuple[int, int]:
 
 
 def check(
-    targets: list[str], labels: str = ""
+    targets: list[str], labels: str = "", models: list[str] | None = None, cache: Path | None = None
 ) -> tuple[list[CompileResult], dict[str, list[Specialisation]]]:
-    """Compile every distinct variant the runtime launches (whose label matches `labels`) per target.
+    """Compile every distinct variant launched (whose label matches `labels`) per target.
 
-    Returns the results and, per label, the distinct variants its launches produced (one is right).
+    The launches are those of `runtime_launches` and, for each of `models` (None: all of MODEL_CONFIGS,
+    []: none), those of `model_launches`; launches that specialise alike are compiled once. With
+    `cache`, each result is kept there under a hash of its source, specialisation, options, target and
+    Triton version, and taken from there next time. Returns the results and, per label, the distinct
+    variants its launches produced (one is right).
     """
-    launches = [launch for launch in runtime_launches() if re.search(labels, launch.label)]
+    launches = runtime_launches() + (model_launches(models) if models != [] else [])
+    launches = [launch for launch in launches if re.search(labels, launch.label)]
     results: list[CompileResult] = []
+    per_label: dict[str, list[Specialisation]] = {}
     for target_name in targets:
         target = gpu_target(target_name)
-        variants: dict[Specialisation, tuple[Any, dict, str]] = {}
-        per_label: dict[str, set] = {}
+        variants: dict[Specialisation, tuple[Any, dict, set]] = {}
+        target_labels: dict[str, set] = {}
         for launch in launches:
             variant, source, options = specialise(launch, target)
-            variants.setdefault(variant, (source, options, launch.label))
-            per_label.setdefault(launch.label, set()).add(variant)
-        for source, options, label in variants.values():
-            results.append(compile_variant(source, options, target_name, label))
-    return results, {label: sorted(v, key=repr) for label, v in per_label.items()}
+            variants.setdefault(variant, (source, options, set()))[2].add(launch.label)
+            target_labels.setdefault(launch.label, set()).add(_without_pointer_range(variant))
+        for source, options, labels in variants.values():
+            result = compile_cached(source, options, target_name, min(labels, key=_label_order), cache)
+            result.labels = sorted(labels)
+            results.append(result)
+        for label, found in target_labels.items():  # the target with the most variants per label
+            if len(found) > len(per_label.get(label, [])):
+                per_label[label] = sorted(found, key=repr)
+    return results, per_label
+
+
+def _label_order(label: str) -> tuple[bool, str]:
+    """Name a variant after a test-shape launch (e.g. "perturb bf16") before a real model's."""
+    return label.split(" ")[0] in MODEL_CONFIGS, label
+
+
+def _without_pointer_range(variant: Specialisation) -> Specialisation:
+    """The variant without the AMD backend's pointer ranges: it compiles 32-bit offsets for tensors under
+    2 GiB, a specialisation on a tensor's size (an lm_head's output at 4096 rows), not on a data value."""
+    attrs = tuple((k, re.sub(r", \['tt.pointer_range', \d+\]", "", v)) for k, v in variant.attrs)
+    return Specialisation(variant.kernel, variant.signature, variant.constexprs, attrs)
+
+
+def default_cache() -> Path:
+    """$FASTES_CACHE_DIR/aot, else ~/.cache/fastes/aot (where fastes keeps its compiled CPU library)."""
+    from fastes.compiled import cache_dir
+
+    return cache_dir() / "aot"
+
+
+def compile_cached(source, options: dict, target_name: str, label: str, cache: Path | None) -> CompileResult:
+    """compile_variant, its result kept in `cache` (None: no cache) under a hash of everything it depends
+    on: the kernel source with the functions it calls, the specialisation, the options, the target and the
+    Triton version."""
+    if cache is None:
+        return compile_variant(source, options, target_name, label)
+    import triton
+
+    fields = sorted(CompileResult.__dataclass_fields__)  # what a cached file holds
+    described = json.dumps(
+        [source.hash(), sorted(options.items()), target_name, triton.__version__, fields], default=str
+    )
+    path = cache / f"{hashlib.sha256(described.encode()).hexdigest()}.json"
+    if path.exists():
+        result = CompileResult(**json.loads(path.read_text()))
+        result.label = label
+        return result
+    result = compile_variant(source, options, target_name, label)
+    if result.ok:  # a failure is reported again next time, never remembered
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(asdict(result)))
+        tmp.replace(path)  # atomic: two processes may write the same entry
+    return result
 
 
 def parse_sass(sass: str) -> list[tuple[int, str, str, str]]:
@@ -353,15 +549,33 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fastes.kernels.aot", description=__doc__.split("\n")[0])
     parser.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated, of {list(TARGETS)}")
     parser.add_argument("--labels", default="", help="only launches whose label matches this regex")
+    parser.add_argument(
+        "--models",
+        default=",".join(MODEL_CONFIGS),
+        help=f"real models whose launches are added, comma-separated, of {list(MODEL_CONFIGS)} (none: '')",
+    )
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument(
+        "--cache",
+        type=Path,
+        default=default_cache(),
+        help="where compiled results are kept (default $FASTES_CACHE_DIR/aot or ~/.cache/fastes/aot)",
+    )
+    parser.add_argument("--no-cache", action="store_true", help="compile everything, keep nothing")
     args = parser.parse_args(argv)
     targets = [t for t in args.targets.split(",") if t]
-    for t in targets:
-        gpu_target(t)  # bad names fail before any work
+    models = [m for m in args.models.split(",") if m]
+    try:  # bad names fail before any work, in one line
+        for t in targets:
+            gpu_target(t)
+        for m in models:
+            model_config(m)
+    except ValueError as error:
+        parser.error(str(error))
     import triton
 
     start = time.perf_counter()
-    results, per_label = check(targets, args.labels)
+    results, per_label = check(targets, args.labels, models, None if args.no_cache else args.cache)
     failed = [r for r in results if not r.ok or r.spills]
     for r in results:
         state = "FAIL" if not r.ok else "SPILL" if r.spills else "ok"

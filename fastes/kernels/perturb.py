@@ -101,6 +101,9 @@ def launch_perturb(
         DTYPE=dtype,
         NOISE=NOISE_CODES[noise],
         BLOCK=table.block,
-        num_warps=NUM_WARPS,
+        # Sign tiles use twice the threads: with 2 warps, ptxas for sm_80 spilled 8 bytes in fp16 (72
+        # registers); at 4 warps the sign perturb is still predicted at the copy's bandwidth (17
+        # instructions per element, ~28 allowed on an H200; python -m benchmarks --static).
+        num_warps=NUM_WARPS if noise == "gaussian" else 2 * NUM_WARPS,
         BLOCKS_PER_ROW=blocks_per_row(dtype.primitive_bitwidth // 8),
     )

@@ -161,6 +161,15 @@ def launch_virtual_linear(
     rows_word_aligned = not transposed and k_in % 32 == 0 and block_k % 32 == 0  # signs: whole words
     whole_blocks = rows_word_aligned if noise == "rademacher" else runs_of_4 and not transposed
     grid = (triton.cdiv(rows_per_member, block_m), triton.cdiv(n_out, block_n), members)
+    dot_in_fp32 = dtype == tl.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+    # The per-element and transposed noise paths hold more per element: more warps keep them in
+    # registers (no spills for sm_90 / sm_80 / gfx942 in fastes/kernels/aot.py).
+    tuning = {"num_warps": 4 if whole_blocks else 8}
+    if dot_in_fp32:
+        # The fp32 dot runs on FMAs: prefetching the next K tiles into registers (software pipelining,
+        # Triton's default) made the 128-row tile spill (255 registers, ~640 bytes on sm_90). Noise
+        # generation, not the loads, bounds this loop, so nothing is prefetched.
+        tuning["num_stages"] = 1
     virtual_linear_kernel[grid](
         x,
         weight,
@@ -175,7 +184,7 @@ def launch_virtual_linear(
         weight.stride(0),
         y.stride(0),
         DTYPE=dtype,
-        DOT_IN_FP32=dtype == tl.float32 or os.environ.get("TRITON_INTERPRET") == "1",
+        DOT_IN_FP32=dot_in_fp32,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -183,7 +192,5 @@ def launch_virtual_linear(
         RUNS_OF_4=runs_of_4,
         NOISE=NOISE_CODES[noise],
         ROWS_WORD_ALIGNED=rows_word_aligned,
-        # The per-element and transposed noise paths hold more per element: more warps keep them in
-        # registers (no spills for sm_80 / sm_90 in fastes/kernels/aot.py).
-        num_warps=4 if whole_blocks else 8,
+        **tuning,
     )
