@@ -199,10 +199,11 @@ def cmd_train(args: argparse.Namespace, defaults: dict[str, Any] | None = None) 
     gain, se, n = summary["test_gain"], summary["test_gain_se"], summary["test_problems"]
     print(f"\nbase model test accuracy:    {base:.1%}")
     print(f"trained model test accuracy: {final:.1%}")
-    print(
-        f"answers in the verifiable format: {summary['base_test_format']:.1%} -> "
-        f"{summary['final_test_format']:.1%}"
-    )
+    if summary["base_test_format"] is not None:
+        print(
+            f"answers in the verifiable format: {summary['base_test_format']:.1%} -> "
+            f"{summary['final_test_format']:.1%}"
+        )
     if summary["base_test_lenient_accuracy"] is not None:  # instruct forms: is the gain format or solving?
         print(
             f"accuracy, answers read leniently (last number): {summary['base_test_lenient_accuracy']:.1%} "

@@ -333,6 +333,18 @@ def _check_evolve(es: ESConfig) -> None:
     )
 
 
+def _check_task_options(task: str) -> None:
+    """A built-in task's options in its name ("arithmetic:max_digits=1") are key=value pairs."""
+    from .tasks import available_tasks, parse_task_options
+
+    kind, _, rest = task.partition(":")
+    if kind in available_tasks() and rest:
+        try:
+            parse_task_options(rest)
+        except ValueError as error:
+            raise ConfigError(f"task: {error}") from None
+
+
 def _check_prompting(cfg: TrainConfig) -> None:
     _require(
         cfg.prompt_style in PROMPT_STYLES,
@@ -374,6 +386,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         "task",
         f"{cfg.task!r} does not exist; available: {', '.join(available_tasks())}, dataset",
     )
+    _check_task_options(cfg.task)
     _check_reward(cfg)
     _check_report_to(cfg)
     if cfg.model:

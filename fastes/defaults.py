@@ -94,12 +94,16 @@ def resolve(
     es = cfg.es
     cuda = cfg.device.startswith("cuda")
     if es.noise_type == "auto":
-        es.noise_type = "lowrank" if not toy and not cuda and es.eval_mode in ("auto", "lowrank") else "full"
+        extra_kinds = es.include_embeddings or es.include_norms or es.include_biases
+        real_cpu = not toy and not cuda and es.eval_mode == "auto" and not extra_kinds
+        es.noise_type = "lowrank" if real_cpu or es.eval_mode == "lowrank" else "full"
     if es.materialise_mb == 0:
-        es.materialise_mb = round(MEMORY_SHARE * memory / 2**20)
+        es.materialise_mb = float(round(MEMORY_SHARE * memory / 2**20))  # a float field: hashes as one
     if es.eval_mode == "auto":
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        if es.noise_type == "lowrank":
+        if es.include_embeddings or es.include_norms or es.include_biases:
+            es.eval_mode = "member"  # batched evaluation evolves projection matrices only
+        elif es.noise_type == "lowrank":
             es.eval_mode = "lowrank"
         elif cuda and not toy:
             es.eval_mode = "virtual"

@@ -677,10 +677,11 @@ def _train(
     model, tokenizer = given
     if model is not None and tokenizer is None:
         raise ConfigError("model: a loaded model needs its tokenizer too (processing_class)")
-    if cfg.model or model is None:
-        model_dir = resolve_model(cfg.model)  # a .gguf file or a shipped model: its converted directory
-    else:  # no files to fingerprint: the identity takes its weights' hash instead
+    in_memory = model is not None and not cfg.model  # no files to fingerprint: its weights' hash instead
+    if in_memory:
         model_dir = Path(f"<in-memory {type(model).__name__}>")
+    else:
+        model_dir = resolve_model(cfg.model)  # a .gguf file or a shipped model: its converted directory
     phases = PHASES[cfg.algorithm]
     lengths = [cfg.grpo.steps if p == "grpo" else cfg.es.iterations for p in phases]
     torch.manual_seed(cfg.seed)
@@ -702,7 +703,7 @@ def _train(
     identity = rundir.run_identity(
         cfg,
         model_dir,
-        model_sha=rundir.weights_fingerprint(model) if model is not None and not cfg.model else None,
+        model_sha=rundir.weights_fingerprint(model) if in_memory else None,
         task_sha=task.fingerprint() if isinstance(task, DatasetTask) else None,
     )
     distributed.require_same(identity["run_id"], "settings or starting model")
@@ -802,16 +803,18 @@ def _train(
     gain, gain_se = math.nan, math.nan
     if base_correct and final:
         gain, gain_se = paired_gain(base_correct, final["correct"])
-    summary = {  # without held-out rows (a dataset without eval_dataset) there is no test accuracy
-        "base_test_accuracy": run.metrics[0]["test_accuracy"] if test else None,
-        "final_test_accuracy": final["accuracy"] if final else None,
+    base = run.metrics[0] if test else {}  # without held-out rows (a dataset without eval_dataset): none
+    final = final or {}
+    summary = {
+        "base_test_accuracy": base.get("test_accuracy"),
+        "final_test_accuracy": final.get("accuracy"),
         "test_gain": gain,
         "test_gain_se": gain_se,
         "test_problems": len(test),
         # What the gain is made of: answers in the verifiable format, and answers right when read leniently
-        "base_test_format": run.metrics[0]["test_format"],
-        "final_test_format": final["format"],
-        "base_test_lenient_accuracy": run.metrics[0].get("test_lenient_accuracy"),
+        "base_test_format": base.get("test_format"),
+        "final_test_format": final.get("format"),
+        "base_test_lenient_accuracy": base.get("test_lenient_accuracy"),
         "final_test_lenient_accuracy": final.get("lenient_accuracy"),
         "steps": global_step,
         "out_dir": str(out_dir),

@@ -32,7 +32,7 @@ from fractions import Fraction
 from typing import Any
 
 from fastes.tasks import Score, get_task, stated_answer
-from fastes.tasks.instruct import MAX_STATED_CHARS, normalise
+from fastes.tasks.instruct import MARKERS, MAX_SEARCH_CHARS, MAX_STATED_CHARS, normalise
 from fastes.tasks.verify import (
     MAX_DEPTH,
     MAX_EXPR_CHARS,
@@ -172,7 +172,9 @@ EntryPoint = tuple[str, Callable[[str], Any], Callable[[Any, str], str | None]]
 
 def _check_stated(stated: Any, text: str) -> str | None:
     if stated is None:
-        return None if "answer" not in text.lower() else "None although the text has an answer marker"
+        searched = text[-MAX_SEARCH_CHARS:].lower()
+        marked = any(marker in searched for marker in MARKERS)
+        return "None although the text has an answer marker" if marked else None
     if not isinstance(stated, str) or len(stated) > MAX_STATED_CHARS:
         return f"not a short string: {type(stated).__name__} of {len(stated)} characters"
     if "\n" in stated:

@@ -406,7 +406,7 @@ CONFIG_CASES = [
     ("top_p above 1", "", {"grpo.top_p": 1.5}, r"grpo.top_p: must be in \(0, 1\]"),
     ("epsilon 1", "", {"grpo.epsilon": 1.0}, r"grpo.epsilon: must be in \[0, 1\)"),
     ("jsonl without a path", "", {"task": "jsonl:"}, "task: 'jsonl:' does not exist"),
-    ("built-in task with a suffix", "", {"task": "countdown:x"}, "task: 'countdown:x' does not exist"),
+    ("built-in task, bad option", "", {"task": "countdown:x"}, "task: task option 'x' is not key=value"),
     ("empty out_dir", "", {"out_dir": ""}, "out_dir: must name a run directory"),
     ("NUL in out_dir", "", {"out_dir": "runs/a\x00b"}, "out_dir: contains a NUL byte"),
     ("unknown device", "", {"device": "tpu"}, "device: 'tpu' is not a torch device"),

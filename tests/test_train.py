@@ -200,9 +200,11 @@ def test_paired_gain_and_its_standard_error():
 
 
 def test_a_built_in_task_draws_as_many_test_problems_as_eval_size_asks_for():
-    default = make_task(load_config(None, {"task": "countdown"})).split("test")
-    larger = make_task(load_config(None, {"task": "countdown", "eval_size": 500})).split("test")
+    def split(which: str, **settings) -> list:
+        cfg = load_config(None, {"task": "countdown", "prompt_style": "plain", **settings})
+        return make_task(cfg).split(which)
+
+    default, larger = split("test"), split("test", eval_size=500)
     assert len(default) == 200 and len(larger) == 500
     assert larger[:200] == default  # the same first problems: test problems are drawn after train ones
-    train = make_task(load_config(None, {"task": "countdown"})).split("train")
-    assert make_task(load_config(None, {"task": "countdown", "eval_size": 500})).split("train") == train
+    assert split("train", eval_size=500) == split("train")

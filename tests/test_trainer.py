@@ -140,7 +140,7 @@ def test_docs_list_every_field_with_its_trl_counterpart():
             lambda t: ESConfig(output_dir=t, population_size=1),
             r"^population_size: must be at least 2, got 1$",
         ),
-        (lambda t: ESConfig(output_dir=t, max_completion_length=0), r"^max_completion_length: must be at"),
+        (lambda t: ESConfig(output_dir=t, max_completion_length=-1), r"^max_completion_length: must be >= 1"),
         (lambda t: ESConfig(output_dir=t, learning_rate="fast"), r"^learning_rate must be float, got str"),
         (lambda t: ESConfig(output_dir=t, report_to="wandb"), r"^report_to: 'wandb' is not supported; use"),
         (lambda t: ESConfig(output_dir=t, report_to=["none", "mlflow"]), r"^report_to: 'mlflow' is not"),
@@ -220,7 +220,7 @@ def test_trainer_argument_mistakes(tmp_path):
         ESTrainer(model, CORRECT, args=args, train_dataset=ROWS)
     with pytest.raises(ConfigError, match="callbacks: .* has none of the hooks"):
         ESTrainer(MODEL, CORRECT, args=args, train_dataset=ROWS, callbacks=[object()])
-    with pytest.raises(ConfigError, match="model directory .* does not exist"):
+    with pytest.raises(ConfigError, match="is neither a model directory, a .gguf file nor a shipped model"):
         ESTrainer(str(tmp_path / "nowhere"), CORRECT, args=args, train_dataset=ROWS)
     with pytest.raises(ConfigError, match="resume_from_checkpoint: 'x'; .* pass True"):
         ESTrainer(MODEL, CORRECT, args=args, train_dataset=ROWS).train(resume_from_checkpoint="x")

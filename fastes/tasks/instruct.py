@@ -11,11 +11,11 @@ and reads the answer that the completion states anywhere in ordinary text:
     12 + 34 = 46.\n\nThe answer is 46.      -> "46"
     **Answer:** 46                          -> "46"
 
-`stated_answer` finds the last "answer:" or "answer is" (any case), takes the rest of that line, strips
-markdown emphasis and a final full stop, and `normalise` cuts it to the shape of the task's answer. The
-result is then scored by the task's own plain verifier, so the whitelist parser and every invariant of
-scripts/fuzz_verifiers.py hold for the instruct form too. Format reward 1 means an answer was stated in a
-shape the verifier accepts.
+`stated_answer` finds the last "answer:" or "answer is" (any case; in the last 16K characters), takes
+the rest of that line, strips markdown emphasis and a final full stop, and `normalise` cuts it to the
+shape of the task's answer. The result is then scored by the task's own plain verifier, so the whitelist
+parser and every invariant of scripts/fuzz_verifiers.py hold for the instruct form too. Format reward 1
+means an answer was stated in a shape the verifier accepts.
 """
 
 from __future__ import annotations
@@ -27,16 +27,20 @@ from .verify import ANSWER_END
 
 MARKERS = ("answer:", "answer is")  # the phrases that introduce a stated answer
 MAX_STATED_CHARS = 200  # a stated answer is short; longer text after a marker is cut
+# Only the end of a completion is searched for the last marker: a completion's final answer is near its
+# end, and megabytes of hostile text cost no more than this much.
+MAX_SEARCH_CHARS = 16_384
 _WRAPPERS = "*_`$ \t"  # markdown emphasis, code and maths delimiters around an answer
 ANSWER_KINDS = ("number", "expression", "relation", "digits")
 _NUMBER = re.compile(r"-?[0-9]+(?:\.[0-9]+)?")
 
 
 def stated_answer(completion: str) -> str | None:
-    """The text after the last answer marker, up to the end of its line, unwrapped; None when there is
-    no marker. Linear in the length of the completion (str.rfind), whatever the text."""
+    """The text after the last answer marker in the completion's last MAX_SEARCH_CHARS characters, up to
+    the end of its line, unwrapped; None when there is no marker there."""
     if not isinstance(completion, str):
         return None
+    completion = completion[-MAX_SEARCH_CHARS:]
     lowered = completion.lower()
     found = max((lowered.rfind(marker) + len(marker) if marker in lowered else -1) for marker in MARKERS)
     if found < 0:
