@@ -32,13 +32,16 @@ DEMO_PRESETS: dict[str, dict[str, Any]] = {
         "out_dir": "runs/demo-smollm2",
         # One- and two-digit addition and subtraction of 0..20: 672 problems; the last 300 are the test.
         "task": "arithmetic:max_operand=20,operations=+-,n_train=372,n_test=300",
+        # Asked in two sentences, the base states its answer in the format on ~40% of problems (~90%
+        # with the default one-sentence wording): what ES learns here is to follow the instruction.
+        "instruction": 'Write the result after "Answer:".',
         "eval_size": 300,
         "batch_size": 16,
         "max_new_tokens": 24,
         "format_weight": 0.5,
-        "eval_every": 5,
+        "eval_every": 10,
         "checkpoint_every": 5,
-        "es.iterations": 15,
+        "es.iterations": 20,
         "es.population": 16,
         "es.sigma": 0.001,
         "es.lr": 5e-6,
