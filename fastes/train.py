@@ -781,10 +781,10 @@ def _train(
                 result = last_eval = evaluate(run, test)
                 record.update(result["record"])
             run.log(record)
-            bar.update(1)
             if no_signal.update(record) and distributed.is_writer():
                 tqdm.write(no_signal.warning(phase), file=sys.stderr)
             bar.set_postfix(progress_fields(record, no_signal.streak >= NO_SIGNAL_STEPS), refresh=False)
+            bar.update(1)  # shows this step's postfix
             if phase == "grpo" and (step + 1) % GRPO_CHECKSUM_EVERY == 0:
                 distributed.check_same_weights(model.parameters(), f"GRPO step {step + 1}")
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
