@@ -688,12 +688,13 @@ def _train(
     if model is None:
         model, loaded = load_model(model_dir, dtype=cfg.dtype, device=device)
         tokenizer = tokenizer or loaded
-    # Settings left on auto are chosen now, once, and saved with the run (a resume takes them from there).
-    saved_config = None
-    if resume:
-        saved_run = distributed.from_writer(lambda: rundir.saved_identity(out_dir))
-        saved_config = saved_run["config"] if saved_run else None
-    cfg = validate(defaults.resolve(cfg, model, tokenizer, saved_config))
+    # Settings left on auto are chosen now, once, by rank 0 for every process (free memory differs between
+    # them), and saved with the run: a resume takes them from there.
+    def choose() -> TrainConfig:
+        saved_run = rundir.saved_identity(out_dir) if resume else None
+        return defaults.resolve(cfg, model, tokenizer, saved_run["config"] if saved_run else None)
+
+    cfg = validate(distributed.from_writer(choose))
     task = task or make_task(cfg, strict_alphabet=is_character_tokenizer(tokenizer))
     check_task(task, cfg)
     check_world_size(cfg, task)
