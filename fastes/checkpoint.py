@@ -50,7 +50,8 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """SHA-256 of a file's bytes, read in 1 MiB blocks."""
     digest = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -118,7 +119,7 @@ def save_checkpoint(
     tmp.mkdir()
     # Tied or shared tensors are stored once per name: safetensors refuses aliased storage.
     save_file({k: v.detach().contiguous().clone() for k, v in tensors.items()}, str(tmp / TENSORS_FILE))
-    tensors_sha256 = _sha256(tmp / TENSORS_FILE)
+    tensors_sha256 = file_sha256(tmp / TENSORS_FILE)
     record = {
         "step": step,
         "tensors_sha256": tensors_sha256,
@@ -160,7 +161,7 @@ def load_checkpoint(path: str | Path) -> tuple[int, dict[str, torch.Tensor], dic
     if path.name != f"step-{step:08d}":
         raise CheckpointError(f"checkpoint {path} records step {step}, not the step in its name; {fix}")
     tensor_file = path / TENSORS_FILE
-    if not tensor_file.is_file() or _sha256(tensor_file) != tensors_sha256:
+    if not tensor_file.is_file() or file_sha256(tensor_file) != tensors_sha256:
         raise CheckpointError(
             f"checkpoint {path}: {TENSORS_FILE} is missing or does not match its checksum "
             f"(truncated or modified); {fix}"

@@ -259,19 +259,25 @@ def _check_dataset(cfg: TrainConfig) -> None:
     )
     _require(cfg.reward != "", "dataset", "needs reward functions: reward = 'rewards.py:score[,more.py:f]'")
     _require(cfg.reward_timeout > 0, "reward_timeout", f"must be > 0 seconds, got {cfg.reward_timeout}")
-    from .tasks import DatasetTask
 
     try:
-        DatasetTask.from_files(
-            cfg.dataset,
-            reward_specs(cfg.reward),
-            eval_path=cfg.eval_dataset or None,
-            reward_weights=parse_weights(cfg.reward_weights),
-            seed=cfg.task_seed,
-            timeout=cfg.reward_timeout,
-        )
+        dataset_task(cfg)
     except (ValueError, OSError, ImportError) as error:
         raise ConfigError(f"dataset: {error}") from None
+
+
+def dataset_task(cfg: TrainConfig) -> Any:
+    """The DatasetTask of `cfg.dataset`, scored by `cfg.reward`'s functions with their weights."""
+    from .tasks import DatasetTask
+
+    return DatasetTask.from_files(
+        cfg.dataset,
+        reward_specs(cfg.reward),
+        eval_path=cfg.eval_dataset or None,
+        reward_weights=parse_weights(cfg.reward_weights),
+        seed=cfg.task_seed,
+        timeout=cfg.reward_timeout,
+    )
 
 
 def _check_report_to(cfg: TrainConfig) -> None:

@@ -13,7 +13,6 @@ safetensors (about a second) and a changed file gets a new directory.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import os
 import shutil
@@ -21,6 +20,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from .checkpoint import file_sha256
 from .compiled import cache_dir
 from .errors import MissingFileError, MissingPackageError
 
@@ -94,17 +94,9 @@ def resolve_model(spec: str) -> Path:
     return Path(spec)
 
 
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def gguf_directory(path: Path) -> Path:
     """The cached safetensors directory of a GGUF file, converting it on first use."""
-    target = cache_dir() / "models" / f"{path.stem}-{_file_sha256(path)[:16]}"
+    target = cache_dir() / "models" / f"{path.stem}-{file_sha256(path)[:16]}"
     if (target / "config.json").is_file():
         return target
     for package in ("gguf", "accelerate"):

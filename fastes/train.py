@@ -29,7 +29,7 @@ from .analysis.entropy import token_entropy
 from .batched import member_groups, population_batched
 from .callbacks import TENSORBOARD_DIR, Callbacks, TensorBoardCallback
 from .checkpoint import latest_checkpoint, save_checkpoint, write_atomic
-from .config import ConfigError, ESConfig, TrainConfig, parse_weights, reward_specs, validate
+from .config import ConfigError, ESConfig, TrainConfig, dataset_task, validate
 from .errors import FastesError
 from .es import CollectiveError
 from .generation import eos_token_ids, generate
@@ -613,14 +613,7 @@ def make_task(cfg: TrainConfig, strict_alphabet: bool = True) -> Task:
     `strict_alphabet` (the model has the character tokenizer).
     """
     if cfg.dataset:
-        return DatasetTask.from_files(
-            cfg.dataset,
-            reward_specs(cfg.reward),
-            eval_path=cfg.eval_dataset or None,
-            reward_weights=parse_weights(cfg.reward_weights),
-            seed=cfg.task_seed,
-            timeout=cfg.reward_timeout,
-        )
+        return dataset_task(cfg)
     if cfg.task == "dataset":
         raise ConfigError(
             "task: 'dataset' takes its rows from `dataset` (a data file) or from code (fastes.ESTrainer); "
