@@ -269,7 +269,8 @@ class ESTrainer:
             overrides["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
         else:
             raise ConfigError(
-                f"model: expected a model directory or a loaded transformers model, "
+                f"model: expected a model directory, a .gguf file, a shipped model's name or a loaded "
+                "transformers model, "
                 f"got {type(model).__name__}"
             )
         overrides["eval_size"] = max(1, len(self.task.split("test")))
