@@ -212,7 +212,7 @@ def test_trainer_argument_mistakes(tmp_path):
     with pytest.raises(ConfigError, match="train_dataset: required"):
         ESTrainer(MODEL, CORRECT, args=args)
     with pytest.raises(
-        ConfigError, match="expected a model directory or a loaded transformers model, got int"
+        ConfigError, match="expected a model directory, a .gguf file, .* transformers model, got int"
     ):
         ESTrainer(42, CORRECT, args=args, train_dataset=ROWS)
     model, _ = load_model(MODEL)
