@@ -474,6 +474,10 @@ def test_resume_from_the_command_line_takes_the_runs_own_settings(finished_run, 
 
 
 def _cli_in_child(argv: list[str], stderr_file: str) -> None:
+    # A forked child inherits the test process's signal state, which earlier tests' libraries may have
+    # changed: Ctrl-C must behave here as in a fresh `fastes` process.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     sys.stderr = open(stderr_file, "w")  # noqa: SIM115 (the process ends with os._exit)
     torch.set_num_threads(1)
     code = main(argv)
