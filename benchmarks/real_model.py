@@ -65,25 +65,6 @@ def _measured(work) -> tuple[float, dict, object]:
     return seconds, {"peak_bytes": peak, "peak_above_model_bytes": peak - before}, result
 
 
-def variants(args: argparse.Namespace) -> list[str]:
-    """What is measured: plain inference, fastes' default eval mode for this model first, the other
-    modes, and the naive loop."""
-    return ["plain batched inference", *(f"fastes {mode}" for mode in _modes(args)), "naive loop"]
-
-
-def _modes(args: argparse.Namespace) -> list[str]:
-    from fastes import defaults
-    from fastes.config import load_config
-    from fastes.model_sources import resolve_model
-    from fastes.models import load_model
-
-    model, tokenizer = load_model(resolve_model(args.model), dtype="float32")
-    chosen = defaults.resolve(load_config(None, _settings(args)), model, tokenizer)
-    return [chosen.es.eval_mode] + [
-        m for m in ("lowrank", "materialised", "member") if m != chosen.es.eval_mode
-    ]
-
-
 def _settings(args: argparse.Namespace) -> dict:
     return {
         "model": args.model,
@@ -158,13 +139,18 @@ def measure(args: argparse.Namespace, variant: str) -> dict:
 def run(args: argparse.Namespace) -> dict:
     """Every variant, each in a fresh process (so that no variant's peak memory is hidden by what an
     earlier one left allocated), one after the other; the matmul rate measured here, in between."""
+    from fastes import defaults
+    from fastes.config import load_config
     from fastes.model_sources import resolve_model
     from fastes.models import load_model
 
-    model, _ = load_model(resolve_model(args.model), dtype="float32")  # converts a GGUF once, up front
+    model, tokenizer = load_model(resolve_model(args.model), dtype="float32")  # converts a GGUF once
     params = sum(p.numel() for p in model.parameters())
+    default_mode = defaults.resolve(load_config(None, _settings(args)), model, tokenizer).es.eval_mode
     del model
-    names = variants(args)
+    # fastes' default eval mode for this model first, then the other modes
+    modes = [default_mode] + [m for m in ("lowrank", "materialised", "member") if m != default_mode]
+    names = ["plain batched inference", *(f"fastes {mode}" for mode in modes), "naive loop"]
     rate = matmul_flops_per_second()
     results: dict[str, dict] = {}
     for name in names:
@@ -176,7 +162,6 @@ def run(args: argparse.Namespace) -> dict:
             check=True,
         )
         results[name] = json.loads(child.stdout.strip().splitlines()[-1])
-    modes = [name.removeprefix("fastes ") for name in names if name.startswith("fastes ")]
     for entry in results.values():
         entry["limit_seconds"] = entry["tokens"] * 2 * params / rate
         entry["share_of_limit"] = entry["limit_seconds"] / entry["seconds"]
