@@ -29,7 +29,7 @@ from .analysis.entropy import token_entropy
 from .batched import member_groups, population_batched
 from .callbacks import TENSORBOARD_DIR, Callbacks, TensorBoardCallback
 from .checkpoint import latest_checkpoint, save_checkpoint, write_atomic
-from .config import ConfigError, ESConfig, TrainConfig, dataset_task, validate
+from .config import ConfigError, ESConfig, TrainConfig, dataset_task
 from .errors import FastesError
 from .es import CollectiveError
 from .generation import eos_token_ids, generate
@@ -67,9 +67,8 @@ class Run:
 
 def render_prompts(cfg: TrainConfig, tokenizer: Any, examples: list[Example]) -> list[str]:
     """The model's input text for each example: its prompt with the run's chat template and system prompt."""
-    c = cfg
     return [
-        format_prompt(tokenizer, ex.prompt, chat_template=c.chat_template, system_prompt=c.system_prompt)
+        format_prompt(tokenizer, ex.prompt, chat_template=cfg.chat_template, system_prompt=cfg.system_prompt)
         for ex in examples
     ]
 
@@ -681,13 +680,15 @@ def _train(
     if model is None:
         model, loaded = load_model(model_dir, dtype=cfg.dtype, device=device)
         tokenizer = tokenizer or loaded
+
     # Settings left on auto are chosen now, once, by rank 0 for every process (free memory differs between
-    # them), and saved with the run: a resume takes them from there.
+    # them), and saved with the run: a resume takes them from there. The choices are valid by
+    # construction (tests/test_prompting.py), so the files that `cfg` names are not read again here.
     def choose() -> TrainConfig:
         saved_run = rundir.saved_identity(out_dir) if resume else None
         return defaults.resolve(cfg, model, tokenizer, saved_run["config"] if saved_run else None)
 
-    cfg = validate(distributed.from_writer(choose))
+    cfg = distributed.from_writer(choose)
     task = task or make_task(cfg, strict_alphabet=is_character_tokenizer(tokenizer))
     check_task(task, cfg)
     check_world_size(cfg, task)

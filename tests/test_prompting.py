@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from fastes import defaults
-from fastes.config import TrainConfig, load_config
+from fastes.config import TrainConfig, load_config, validate
 from fastes.models import ModelError, build_tiny_model, build_tokenizer, format_prompt, is_character_tokenizer
 
 # A template like SmolLM2's: a default system turn when the messages bring none.
@@ -82,6 +82,7 @@ def test_auto_settings_of_the_tiny_model_are_the_old_defaults():
         "full",
     )
     assert cfg.grpo.lr == 3e-4 and cfg.eval_batch_size == 256 and cfg.es.materialise_mb > 0
+    validate(cfg)  # what a run chooses passes the config's own checks
 
 
 def test_auto_settings_of_a_real_sized_instruct_model():
@@ -107,6 +108,7 @@ def test_auto_settings_of_a_real_sized_instruct_model():
         "lowrank",
     )
     assert cfg.grpo.lr == 1e-6
+    validate(cfg)
     chosen = TrainConfig(max_new_tokens=7, prompt_style="plain")
     chosen.es.eval_mode = "member"
     kept = defaults.resolve(chosen, model, tokenizer)  # what the user set is never changed
@@ -116,6 +118,10 @@ def test_auto_settings_of_a_real_sized_instruct_model():
         "member",
         "full",
     )
+    validate(kept)
+    extra = TrainConfig()
+    extra.es.include_norms = True  # auto then means member mode, the only one that evolves norms
+    validate(defaults.resolve(extra, model, tokenizer))
 
 
 def test_a_resume_takes_the_first_starts_choices():
