@@ -7,7 +7,10 @@ import datetime
 import os
 import platform
 import re
+import resource
 import statistics
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,6 +19,8 @@ from pathlib import Path
 import torch
 
 from fastes import linear_weights, noise
+from fastes.config import TrainConfig
+from fastes.tasks import get_task
 
 # Benchmark models. "tiny" is the shipped checkpoint (random weights when it is missing); the synthetic
 # ones are Llama shapes with random weights, big enough that bandwidth, not Python, decides the kernels.
@@ -292,3 +297,82 @@ def load_bench_model(name: str, device: torch.device, dtype: torch.dtype) -> Ben
 def ratio(baseline_s: float, fastes_s: float) -> float:
     """How many times faster fastes is than the baseline (> 1: fastes is faster)."""
     return baseline_s / fastes_s if fastes_s > 0 else float("inf")
+
+
+# --- memory (process-wide resident set) ---------------------------------------------------------
+
+
+def ru_maxrss_bytes() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB, macOS bytes
+
+
+def peak_rss_bytes() -> int:
+    """This process's RSS high-water mark: VmHWM on Linux, else getrusage's ru_maxrss.
+
+    On Linux ru_maxrss is max(VmHWM, the high-water mark inherited at exec): a child started from a big
+    parent reports the parent's size (measured here: every child of a 1.7 GiB benchmark process said
+    1.7 GiB). VmHWM is the same high-water mark without that inheritance.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return ru_maxrss_bytes()
+
+
+def current_rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return peak_rss_bytes()
+
+
+def reset_peak_rss() -> bool:
+    """Reset the RSS high-water mark (and so ru_maxrss) to the current RSS; False where unsupported."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+# --- one ES iteration of the training loop, as several suites set it up --------------------------
+
+
+@dataclass(frozen=True)
+class IterationSetting:
+    """One ES iteration's size: members, prompts per member, new tokens per prompt."""
+
+    population: int
+    batch: int
+    max_new_tokens: int
+
+
+def make_run(bench: BenchModel, setting: IterationSetting, backend: str, eval_mode: str | None = None):
+    """A fastes.train.Run on `bench` for the countdown task, with the ES it iterates."""
+    from fastes import defaults
+    from fastes.train import Run, make_es
+
+    cfg = TrainConfig()
+    cfg.batch_size = setting.batch
+    cfg.max_new_tokens = setting.max_new_tokens
+    cfg.backend = backend
+    cfg.progress = False
+    cfg.es.population = setting.population
+    cfg.es.antithetic = False  # N noise directions, as in the naive loop: the engines do the same work
+    if eval_mode is not None:
+        cfg.es.eval_mode = eval_mode
+        if eval_mode == "lowrank" and hasattr(cfg.es, "noise_type"):
+            cfg.es.noise_type = (
+                "lowrank"  # the low-rank eval mode evaluates low-rank noise (rank cfg.es.rank)
+            )
+    cfg = defaults.resolve(cfg, bench.model, bench.tokenizer)  # what a run chooses for this model
+    task = get_task(cfg.task, seed=cfg.task_seed)
+    run = Run(cfg, bench.model, bench.tokenizer, task, Path(tempfile.gettempdir()) / "fastes-bench")
+    return run, make_es(run)

@@ -498,7 +498,7 @@ def step_model(c: Checks, device: torch.device, sizes: Sizes) -> None:
     from fastes.kernels import aot
 
     from . import model_iteration as predicted
-    from .static import DEVICES
+    from .model_iteration import DEVICES
 
     name, overrides, population, prompts = sizes.model
     config = aot.model_config(name)
@@ -610,7 +610,7 @@ def _predicted_rates() -> dict:
         path = Path(tmp) / "rates.json"
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         done = subprocess.run(
-            [sys.executable, "-m", "benchmarks.model_iteration", "--rates", str(path)],
+            [sys.executable, "-m", "benchmarks.static", "--rates", str(path)],
             cwd=Path(__file__).resolve().parents[1],
             env=env,
             capture_output=True,
@@ -618,7 +618,7 @@ def _predicted_rates() -> dict:
             timeout=300,
         )
         if done.returncode != 0:
-            raise RuntimeError(f"python -m benchmarks.model_iteration failed:\n{done.stderr[-2000:]}")
+            raise RuntimeError(f"python -m benchmarks.static failed:\n{done.stderr[-2000:]}")
         return {name: NoiseRates(**r) for name, r in json.loads(path.read_text()).items()}
 
 

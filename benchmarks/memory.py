@@ -15,59 +15,24 @@ from __future__ import annotations
 
 import gc
 import json
-import os
-import resource
 import sys
 
 import torch
 
-
-def ru_maxrss_bytes() -> int:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB, macOS bytes
-
-
-def peak_rss_bytes() -> int:
-    """This process's RSS high-water mark: VmHWM on Linux, else getrusage's ru_maxrss.
-
-    On Linux ru_maxrss is max(VmHWM, the high-water mark inherited at exec): a child started from a big
-    parent reports the parent's size (measured here: every child of a 1.7 GiB benchmark process said
-    1.7 GiB). VmHWM is the same high-water mark without that inheritance.
-    """
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return ru_maxrss_bytes()
-
-
-def current_rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return peak_rss_bytes()
-
-
-def reset_peak_rss() -> bool:
-    """Reset the RSS high-water mark (and so ru_maxrss) to the current RSS; False where unsupported."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+from .common import (
+    IterationSetting,
+    current_rss_bytes,
+    load_bench_model,
+    make_run,
+    peak_rss_bytes,
+    reset_peak_rss,
+    ru_maxrss_bytes,
+)
 
 
 def measure(spec: dict) -> dict[str, dict]:
     from fastes.generation import generate
     from fastes.train import batch_for, es_iteration
-
-    from .common import load_bench_model
-    from .suites import IterationSetting, make_run
 
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))

@@ -14,12 +14,8 @@ Each mode runs its members in the largest groups that fit in 90% of the GPU's me
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import sys
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
@@ -48,6 +44,23 @@ NOTES = [
     "CUDA cores; update = the fused update over 16 directions at its predicted rate.",
     "'fastes share' = noise work / predicted iteration; 'x floor' = iteration / plain inference of the "
     "same tokens with shared weights (all members in one batch where it fits).",
+]
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    sms: int
+    clock_ghz: float
+    copy_tb_s: float  # achievable device-to-device copy, read + write bytes per second
+    memory_gb: float  # HBM
+    bf16_tflops: float  # dense tensor-core peak
+    fp32_tflops: float  # FP32 on the CUDA cores (the low-rank update's GEMM)
+
+
+DEVICES = [
+    Device("H100 SXM", 132, 1.755, 3.0, 80, 989, 67),
+    Device("H200 SXM", 132, 1.755, 4.3, 141, 989, 67),
 ]
 
 
@@ -260,8 +273,6 @@ def model_iterations(rates: dict, models: list[str] | None = None) -> dict:
     """Predictions for each model and device; `rates` maps a device name to its NoiseRates."""
     from fastes.kernels import aot
 
-    from .static import DEVICES
-
     out = {}
     for name in models or list(aot.MODEL_CONFIGS):
         shape = model_shape(name)
@@ -300,19 +311,3 @@ def markdown(iterations: dict) -> list[str]:
     lines += [f"- {r}" for m in iterations.values() for r in m["reasons"]]
     lines += ["", "Assumptions of this section:", ""] + [f"- {n}" for n in NOTES]
     return lines
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Write the noise kernels' predicted rates per device as JSON (for benchmarks.gpu_check's model step,
-    which runs under the interpreter in the tests, where nothing can be compiled for a GPU)."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.model_iteration", description=main.__doc__)
-    parser.add_argument("--rates", type=Path, required=True, help="JSON file to write")
-    args = parser.parse_args(argv)
-    from .static import predicted_rates
-
-    args.rates.write_text(json.dumps({name: asdict(r) for name, r in predicted_rates().items()}, indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from .memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
+from .common import current_rss_bytes, peak_rss_bytes, reset_peak_rss
 from .naive import naive_es_iteration
 
 TARGET_LIMIT_SHARE = 0.8  # the default mode's share of the machine's limit

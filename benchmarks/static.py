@@ -11,9 +11,11 @@ into the report) turns that into a predicted time per element and a share of cop
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
+import sys
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,7 +24,7 @@ import torch
 
 from fastes.kernels import aot
 
-from .model_iteration import POPULATION, NoiseRates, model_iterations
+from .model_iteration import DEVICES, POPULATION, Device, NoiseRates, model_iterations
 from .model_iteration import markdown as model_markdown
 
 # Pipes of an sm_90 SM, in thread-instructions per clock (CUDA C++ Programming Guide, arithmetic
@@ -34,21 +36,6 @@ FP32_OPCODES = ("FADD", "FMUL", "FFMA", "FMNMX", "FSEL", "FSETP", "FCHK", "HADD2
 NO_PIPE = ("BRA", "EXIT", "BSSY", "BSYNC", "NOP", "BAR", "WARPSYNC", "DEPBAR", "YIELD", "CALL", "RET")
 
 
-@dataclass(frozen=True)
-class Device:
-    name: str
-    sms: int
-    clock_ghz: float
-    copy_tb_s: float  # achievable device-to-device copy, read + write bytes per second
-    memory_gb: float  # HBM
-    bf16_tflops: float  # dense tensor-core peak
-    fp32_tflops: float  # FP32 on the CUDA cores (the low-rank update's GEMM)
-
-
-DEVICES = [
-    Device("H100 SXM", 132, 1.755, 3.0, 80, 989, 67),
-    Device("H200 SXM", 132, 1.755, 4.3, 141, 989, 67),
-]
 MODEL_NOTES = [
     "Predicted, not measured: no GPU was used. SASS from Triton's own ptxas for sm_90 (cuobjdump).",
     "Instructions per element: the path a full, 16-byte-aligned tile takes (the masked tail path is "
@@ -436,3 +423,17 @@ def markdown(data: dict) -> str:
     lines += ["", "Assumptions:", ""] + [f"- {n}" for n in data["notes"]]
     lines += [""] + model_markdown(data["models"])
     return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write the noise kernels' predicted rates per device as JSON (for benchmarks.gpu_check's model step,
+    which runs under the interpreter in the tests, where nothing can be compiled for a GPU)."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.static", description=main.__doc__)
+    parser.add_argument("--rates", type=Path, required=True, help="JSON file to write")
+    args = parser.parse_args(argv)
+    args.rates.write_text(json.dumps({name: asdict(r) for name, r in predicted_rates().items()}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

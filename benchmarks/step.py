@@ -30,7 +30,7 @@ import torch
 from fastes import ES, Member, noise, ops
 
 from . import naive
-from .common import Context, measure, ratio
+from .common import Context, current_rss_bytes, measure, peak_rss_bytes, ratio, reset_peak_rss
 
 SIGMA = 1e-3
 
@@ -151,8 +151,6 @@ def run_step(ctx: Context, plan, models) -> list[dict]:
 
 def child_main(spec: dict) -> dict:
     """In a fresh process: the first compiled call's time, or one ES step's peak memory."""
-    from .memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
-
     torch.set_num_threads(int(spec["threads"]))
     if spec["measure"] == "compile":
         start = time.perf_counter()

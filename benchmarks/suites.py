@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -21,24 +20,13 @@ from pathlib import Path
 import torch
 
 from fastes import ES, Member, noise, ops
-from fastes.config import TrainConfig
-from fastes.tasks import get_task
 
 from . import naive
-from .common import BenchModel, Context, load_bench_model, measure, ratio
+from .common import BenchModel, Context, IterationSetting, load_bench_model, make_run, measure, ratio
 from .step import run_step
 
 SIGMA = 1e-3  # the ES-at-scale setting; the value does not change any cost
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-@dataclass(frozen=True)
-class IterationSetting:
-    """One ES iteration's size: members, prompts per member, new tokens per prompt."""
-
-    population: int
-    batch: int
-    max_new_tokens: int
 
 
 @dataclass(frozen=True)
@@ -348,30 +336,6 @@ def eval_modes(bench: BenchModel, backend: str) -> tuple[list[str], dict[str, st
             modes.append(mode)
     _probed[cache_key] = (modes, skipped)
     return modes, skipped
-
-
-def make_run(bench: BenchModel, setting: IterationSetting, backend: str, eval_mode: str | None = None):
-    """A fastes.train.Run on `bench` for the countdown task, with the ES it iterates."""
-    from fastes import defaults
-    from fastes.train import Run, make_es
-
-    cfg = TrainConfig()
-    cfg.batch_size = setting.batch
-    cfg.max_new_tokens = setting.max_new_tokens
-    cfg.backend = backend
-    cfg.progress = False
-    cfg.es.population = setting.population
-    cfg.es.antithetic = False  # N noise directions, as in the naive loop: the engines do the same work
-    if eval_mode is not None:
-        cfg.es.eval_mode = eval_mode
-        if eval_mode == "lowrank" and hasattr(cfg.es, "noise_type"):
-            cfg.es.noise_type = (
-                "lowrank"  # the low-rank eval mode evaluates low-rank noise (rank cfg.es.rank)
-            )
-    cfg = defaults.resolve(cfg, bench.model, bench.tokenizer)  # what a run chooses for this model
-    task = get_task(cfg.task, seed=cfg.task_seed)
-    run = Run(cfg, bench.model, bench.tokenizer, task, Path(tempfile.gettempdir()) / "fastes-bench")
-    return run, make_es(run)
 
 
 def iteration_variants(

@@ -3,8 +3,7 @@
 from .es import ES, Member, replay
 from .params import linear_weights
 from .shaping import SHAPINGS, shape_rewards
-
-__version__ = "0.1.0"
+from .version import __version__
 
 # The TRL-shaped trainers import transformers: loaded on first use, so `import fastes` stays light.
 _TRAINER_NAMES = ("ESConfig", "ESTrainer", "GRPOConfig", "GRPOTrainer")

@@ -19,10 +19,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from . import __version__, distributed
+from . import distributed, pretrain
 from .config import ConfigError, TrainConfig, flag_help, flag_specs, load_config
 from .errors import FastesError
 from .es import CollectiveError
+from .version import __version__
 
 DEMO_EVAL_SIZE = 500  # test problems the demo reports on
 # `fastes demo --model NAME`: settings chosen for a shipped model on validation problems only (the
@@ -85,17 +86,6 @@ def _positive(kind: type) -> Any:
 
     parse.__name__ = kind.__name__  # argparse names the type in its messages
     return parse
-
-
-def share_arg(text: str) -> float:
-    """argparse type of a share of the pretraining data: a number in [0, 1)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"must be a share in [0, 1), e.g. 0.5; got {text}")
-    return value
 
 
 def _normalise_flags(argv: list[str]) -> list[str]:
@@ -289,15 +279,6 @@ def cmd_eval(args: argparse.Namespace) -> dict:
     return result
 
 
-def cmd_pretrain(args: argparse.Namespace) -> dict:
-    from .pretrain import pretrain
-
-    mix = {} if args.style_mix is None else {"style_mix": args.style_mix}  # None: pretrain's default
-    metrics = pretrain(args.out, size=args.size, steps=args.steps, seed=args.seed, **mix)
-    print(json.dumps({k: v for k, v in metrics.items() if k != "loss_curve"}, indent=2))
-    return metrics
-
-
 def cmd_experiment(args: argparse.Namespace) -> dict:
     from .experiment import run_experiment
 
@@ -355,18 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--dtype", default=None, help="float32, bfloat16 or float16; None: the model's own")
     ev.add_argument("--seed", type=int, default=0, help="sampling seed")
 
-    pre = sub.add_parser("pretrain", help="supervised pretraining of the tiny model")
-    pre.add_argument("--out", type=Path, required=True, help="where to write the model directory")
-    pre.add_argument("--size", default="tiny", choices=["tiny", "small"])
-    pre.add_argument("--steps", type=int, default=1500)
-    pre.add_argument("--seed", type=int, default=0)
-    pre.add_argument(
-        "--style_mix",
-        type=share_arg,
-        default=None,
-        help='share of countdown rows written "expression=target;", a style the verifier refuses '
-        "(0: plain; default: the shipped tiny model's, 0.5)",
-    )
+    pretrain.add_arguments(sub.add_parser("pretrain", help="supervised pretraining of the tiny model"))
 
     exp = sub.add_parser("experiment", help="ES vs GRPO vs GRPO then ES at equal budgets, with a report")
     exp.add_argument("--preset", default="tiny", choices=["tiny", "quick"], help="quick: a smoke run")
@@ -399,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "experiment":
             cmd_experiment(args)
         else:
-            cmd_pretrain(args)
+            pretrain.run_from_args(args)
     except ConfigError as error:
         print(f"fastes: configuration error: {error}", file=sys.stderr)
         return 2

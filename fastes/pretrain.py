@@ -4,7 +4,7 @@ The goal is a *partial* skill: good enough that sampling often finds a right ans
 greedy decoding often misses, so ES / GRPO post-training has something to improve. The shipped
 checkpoint in fastes/assets/tiny is made by
 
-    python -m fastes.pretrain
+    python -m fastes.pretrain --out fastes/assets/tiny     (or: fastes pretrain --out ...)
 
 whose countdown data mixes two answer styles (style_mix, SHIPPED_STYLE_MIX): a base that knows the task
 but often answers in a style its verifier refuses, as real pretrained models do.
@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
 
 from fastes.generation import generate
-from fastes.models import build_tiny_model, build_tokenizer, num_params, save_model, tiny_model_path
+from fastes.models import build_tiny_model, build_tokenizer, num_params, save_model
 from fastes.tasks import HELD_OUT_TASKS, TRAINABLE_TASKS, get_task
 from fastes.tasks.base import Task
 from fastes.tasks.countdown import with_result, wrong_solution
@@ -210,14 +210,21 @@ def pretrain(
     return metrics
 
 
-def main() -> None:
-    from fastes.cli import share_arg
+def share_arg(text: str) -> float:
+    """argparse type of a share of the pretraining data: a number in [0, 1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be a share in [0, 1), e.g. 0.5; got {text}")
+    return value
 
-    parser = argparse.ArgumentParser(
-        description="Pretrain the tiny model (default: rebuild the shipped one)."
-    )
-    parser.add_argument("--out", type=Path, default=tiny_model_path())
-    parser.add_argument("--size", default="tiny")
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The pretraining flags, shared by `fastes pretrain` and `python -m fastes.pretrain`."""
+    parser.add_argument("--out", type=Path, required=True, help="where to write the model directory")
+    parser.add_argument("--size", default="tiny", choices=["tiny", "small"])
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--distractors", type=share_arg, default=0.0, help="share of wrong countdown rows")
@@ -230,7 +237,11 @@ def main() -> None:
     # The model's matrices are tiny: extra threads mostly add overhead, and on a busy machine they
     # contend badly (measured on 2 cores: 1 thread ~10x faster than 2 under load).
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    args = parser.parse_args()
+
+
+def run_from_args(args: argparse.Namespace) -> dict:
+    """Pretrain as the flags of `add_arguments` say and print the metrics (the loss curve is in the
+    directory's pretrain.json)."""
     torch.set_num_threads(args.threads)
     metrics = pretrain(
         args.out,
@@ -240,7 +251,14 @@ def main() -> None:
         distractors=args.distractors,
         style_mix=args.style_mix,
     )
-    print(json.dumps(metrics, indent=2))
+    print(json.dumps({k: v for k, v in metrics.items() if k != "loss_curve"}, indent=2))
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m fastes.pretrain", description="Pretrain the tiny model.")
+    add_arguments(parser)
+    run_from_args(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

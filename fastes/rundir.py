@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from . import __version__
 from .checkpoint import CheckpointError, fsync_dir, remove_leftovers, write_atomic
 from .config import TrainConfig, config_dict, config_from_dict
 from .errors import FastesError
+from .version import __version__
 
 RUN_FILE = "run.json"
 # Every name a run writes under its out_dir (temporary names included): all that --overwrite removes.

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from . import ES, defaults, distributed, linear_weights, rundir
+from . import defaults, distributed, rundir
 from .analysis.diversity import js_diversity
 from .analysis.entropy import token_entropy
 from .batched import member_groups, population_batched
@@ -31,10 +31,11 @@ from .callbacks import TENSORBOARD_DIR, Callbacks, TensorBoardCallback
 from .checkpoint import latest_checkpoint, save_checkpoint, write_atomic
 from .config import ConfigError, ESConfig, TrainConfig, dataset_task
 from .errors import FastesError
-from .es import CollectiveError
+from .es import ES, CollectiveError
 from .generation import eos_token_ids, generate
 from .model_sources import resolve_model
 from .models import ModelError, format_prompt, is_character_tokenizer, load_model, save_model
+from .params import linear_weights
 from .tasks import DatasetTask, Example, Score, Task, available_tasks, get_task
 from .tasks.base import DEFAULT_TEST_PROBLEMS
 

@@ -269,8 +269,7 @@ def test_real_model_shapes_match_the_published_parameter_counts():
 
 
 def test_predicted_iteration_chooses_the_fastest_mode_that_fits():
-    from benchmarks.model_iteration import NoiseRates, iteration, model_shape
-    from benchmarks.static import DEVICES
+    from benchmarks.model_iteration import DEVICES, NoiseRates, iteration, model_shape
 
     h100, h200 = DEVICES
     rates = NoiseRates(

@@ -1,3 +1,4 @@
+import argparse
 import inspect
 import json
 
@@ -102,3 +103,15 @@ def test_the_default_recipe_rebuilds_the_shipped_model():
         defaults["seed"],
         defaults["distractors"],
     )
+
+
+def test_fastes_pretrain_and_the_module_take_the_same_flags():
+    from fastes.cli import build_parser
+    from fastes.pretrain import add_arguments
+
+    module = argparse.ArgumentParser()
+    add_arguments(module)
+    command = build_parser()._subparsers._group_actions[0].choices["pretrain"]
+    flags = {a.dest: (a.option_strings, a.default, a.required) for a in module._actions}
+    assert flags == {a.dest: (a.option_strings, a.default, a.required) for a in command._actions}
+    assert {"distractors", "threads", "style_mix", "out"} <= set(flags)

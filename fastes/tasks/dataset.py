@@ -28,6 +28,7 @@ from typing import Any
 
 from ..errors import FastesError, MissingFileError, MissingPackageError
 from .base import Example, Score, Task, check_split
+from .registry import get_task
 from .reward_file import RewardFunction, RewardFunctionError
 
 # Names fastes (or TRL) passes to reward functions itself: a column may not take them.
@@ -280,8 +281,6 @@ def task_dataset(
         rows, reward = task_dataset("countdown")
         ESTrainer(model, reward_funcs=reward, train_dataset=rows, ...)
     """
-    from . import get_task  # the registry imports this module
-
     task = get_task(name, seed=seed)
     check_split(split)
     problems = {ex.prompt: ex for which in ("train", "test") for ex in task.split(which)}
