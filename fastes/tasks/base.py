@@ -44,10 +44,18 @@ class Task(ABC):
     """A verifiable task with fixed, seed-generated train and test splits."""
 
     name: str
+    # Both splits: set by the constructor, or drawn on first use by `_draw_splits`.
+    _splits: dict[str, list[Example]] | None = None
 
-    @abstractmethod
     def split(self, which: str) -> list[Example]:
-        """The examples of split `which` ("train" or "test"); the same list on every call."""
+        """The examples of split `which` ("train" or "test"): a fresh copy of the same list on every call."""
+        check_split(which)
+        if self._splits is None:
+            self._splits = self._draw_splits()
+        return list(self._splits[which])
+
+    def _draw_splits(self) -> dict[str, list[Example]]:
+        raise NotImplementedError(f"{type(self).__name__} must set self._splits or define _draw_splits")
 
     @abstractmethod
     def score(self, example: Example, completion: str) -> Score:
@@ -98,7 +106,6 @@ class GeneratedTask(Task):
         self.seed = seed
         self.n_train = n_train
         self.n_test = n_test
-        self._splits: dict[str, list[Example]] | None = None
 
     @abstractmethod
     def generate(self, rng: random.Random) -> Example | None:
@@ -107,13 +114,6 @@ class GeneratedTask(Task):
     def question(self, example: Example) -> str:
         """The problem of `example` asked in words (the instruct form)."""
         raise NotImplementedError(f"task {self.name!r} has no instruct form")
-
-    def split(self, which: str) -> list[Example]:
-        """The examples of split `which`; a fresh copy of the same list on every call."""
-        check_split(which)
-        if self._splits is None:
-            self._splits = self._draw_splits()
-        return list(self._splits[which])
 
     def _draw_splits(self) -> dict[str, list[Example]]:
         # Seeding with a string mixes in the task name, so equal seeds of different tasks are unrelated.

@@ -223,10 +223,6 @@ class DatasetTask(Task):
                 "rows, before any work)"
             ) from None
 
-    def split(self, which: str) -> list[Example]:
-        check_split(which)
-        return list(self._splits[which])
-
     def scores(self, examples: list[Example], completions: list[str]) -> list[Score]:
         if not examples:
             return []

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import FastesError, MissingFileError
-from .base import ALPHABET, Example, Score, Task, check_split, outside_alphabet
+from .base import ALPHABET, Example, Score, Task, outside_alphabet
 from .countdown import solve_countdown
 from .verify import ANSWER_END, parse_number, score_countdown, score_exact, score_numeric
 
@@ -203,11 +203,6 @@ class JsonlTask(Task):
         self.name = f"jsonl:{path}"
         rows = load_jsonl_examples(path, strict_alphabet=strict_alphabet)
         self._splits = assign_splits(rows, seed, test_fraction)
-
-    def split(self, which: str) -> list[Example]:
-        """The examples of split `which`; a fresh copy of the same list on every call."""
-        check_split(which)
-        return list(self._splits[which])
 
     def score(self, example: Example, completion: str) -> Score:
         return _score_row(example.meta["verifier"], example.meta, example.answer, completion)

@@ -21,7 +21,7 @@ import math
 from typing import Any
 
 from ..errors import MissingPackageError
-from .base import Example, Score, Task, check_split
+from .base import Example, Score, Task
 from .verify import ANSWER_END, extract_answer
 
 
@@ -57,11 +57,6 @@ class ReasoningGymTask(Task):
         return Example(
             prompt=str(entry["question"]), answer=answer, solution=answer + ANSWER_END, meta={"entry": entry}
         )
-
-    def split(self, which: str) -> list[Example]:
-        """The examples of split `which`; a fresh copy of the same list on every call."""
-        check_split(which)
-        return list(self._splits[which])
 
     def score(self, example: Example, completion: str) -> Score:
         answer = extract_answer(completion)

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import FastesError
-from .base import Example, Score, Task, check_split
+from .base import Example, Score, Task
 from .jsonl import assign_splits
 
 RESERVED = ("completions", "prompts")  # argument names the function gets from fastes itself
@@ -218,10 +218,6 @@ class RewardTask(Task):
         rows, self.columns = _read_rows(Path(path))
         self.function.check_columns(self.columns)
         self._splits = assign_splits(rows, seed, test_fraction)
-
-    def split(self, which: str) -> list[Example]:
-        check_split(which)
-        return list(self._splits[which])
 
     def scores(self, examples: list[Example], completions: list[str]) -> list[Score]:
         if not examples:
