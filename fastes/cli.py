@@ -221,7 +221,7 @@ def cmd_train(args: argparse.Namespace, defaults: dict[str, Any] | None = None) 
 def cmd_eval(args: argparse.Namespace) -> dict:
     from . import defaults
     from .analysis.passk import pass_at_k_curve
-    from .generation import generate
+    from .generation import generate_in_chunks
     from .model_sources import resolve_model
     from .models import is_character_tokenizer, load_model
     from .train import check_task, make_task, render_prompts
@@ -237,19 +237,15 @@ def cmd_eval(args: argparse.Namespace) -> dict:
     prompts = render_prompts(cfg, tokenizer, examples)
 
     def complete(rows: list[str], **sampling: Any) -> tuple[list[str], list[int]]:
-        texts, lengths = [], []
-        per_call = max(1, cfg.eval_batch_size // sampling.get("num_return_sequences", 1))
-        for start in range(0, len(rows), per_call):
-            gen = generate(
-                model,
-                tokenizer,
-                rows[start : start + per_call],
-                max_new_tokens=cfg.max_new_tokens,
-                **sampling,
-            )
-            texts += gen.texts
-            lengths += gen.lengths
-        return texts, lengths
+        gen = generate_in_chunks(
+            model,
+            tokenizer,
+            rows,
+            rows_per_call=cfg.eval_batch_size,
+            max_new_tokens=cfg.max_new_tokens,
+            **sampling,
+        )
+        return gen.texts, gen.lengths
 
     texts, lengths = complete(prompts)
     scores = task.scores(examples, texts)

@@ -12,6 +12,7 @@ from torch's global RNG (which it advances).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import (
@@ -118,6 +119,37 @@ def generate(
     ]
     prompt_ids = [ids for ids in prompt_ids for _ in range(num_return_sequences)]
     return Generation(texts=texts, completion_ids=completion_ids, prompt_ids=prompt_ids)
+
+
+def generate_in_chunks(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[str],
+    *,
+    rows_per_call: int,
+    num_return_sequences: int = 1,
+    first_row: int = 0,
+    **options: Any,
+) -> Generation:
+    """`generate` over any number of prompts in calls of at most `rows_per_call` rows (one prompt at
+    least): the same completions as one call, since every row samples as its index in the whole list."""
+    per_call = max(1, rows_per_call // num_return_sequences)
+    parts = [
+        generate(
+            model,
+            tokenizer,
+            prompts[start : start + per_call],
+            num_return_sequences=num_return_sequences,
+            first_row=first_row + start * num_return_sequences,
+            **options,
+        )
+        for start in range(0, len(prompts), per_call)
+    ]
+    return Generation(
+        texts=[text for part in parts for text in part.texts],
+        completion_ids=[ids for part in parts for ids in part.completion_ids],
+        prompt_ids=[ids for part in parts for ids in part.prompt_ids],
+    )
 
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:

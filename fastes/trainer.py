@@ -30,7 +30,7 @@ from . import defaults, distributed
 from .analysis.passk import pass_at_k_curve
 from .callbacks import Callbacks
 from .config import REPORT_TO, ConfigError, TrainConfig, load_config
-from .generation import generate
+from .generation import generate_in_chunks
 from .model_sources import resolve_model
 from .models import load_model, save_model
 from .tasks import DatasetTask, Example, Score
@@ -376,23 +376,17 @@ class ESTrainer:
         temperature: float,
     ) -> list[Score]:
         """Scores of n completions per example (row i * n + j: sample j of example i)."""
-        scores: list[Score] = []
-        c = self.config
-        per_call = max(1, c.eval_batch_size // n)
-        for start in range(0, len(examples), per_call):
-            chunk = examples[start : start + per_call]
-            gen = generate(
-                model,
-                tokenizer,
-                render_prompts(c, tokenizer, chunk),
-                max_new_tokens=self.config.max_new_tokens,
-                temperature=temperature,
-                seed=self.config.seed if n > 1 else None,
-                num_return_sequences=n,
-                first_row=start * n,
-            )
-            scores += task.scores([ex for ex in chunk for _ in range(n)], gen.texts)
-        return scores
+        gen = generate_in_chunks(
+            model,
+            tokenizer,
+            render_prompts(self.config, tokenizer, examples),
+            rows_per_call=self.config.eval_batch_size,
+            max_new_tokens=self.config.max_new_tokens,
+            temperature=temperature,
+            seed=self.config.seed if n > 1 else None,
+            num_return_sequences=n,
+        )
+        return task.scores([ex for ex in examples for _ in range(n)], gen.texts)
 
     def save_model(self, output_dir: str | Path | None = None) -> Path:
         """Write the current model and tokenizer as a Hugging Face directory: output_dir, by default the

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from fastes.generation import generate
+from fastes.generation import generate, generate_in_chunks
 from fastes.models import build_tiny_model, build_tokenizer, load_model, tiny_model_path
 
 PROMPTS = ["12+34=", "7*8=", "(1+2)*3=", "a b c"]
@@ -144,6 +144,17 @@ def test_a_row_samples_the_same_whatever_else_is_in_the_batch(model_and_tok):
     first = generate(model, tok, PROMPTS[:2], **kw)
     second = generate(model, tok, PROMPTS[2:], first_row=6, **kw)  # rows 6.. of the whole batch
     assert first.completion_ids + second.completion_ids == whole.completion_ids
+
+
+@pytest.mark.parametrize("rows_per_call", [1, 4, 5, 100])
+def test_generating_in_chunks_equals_one_call(model_and_tok, rows_per_call):
+    model, tok = model_and_tok
+    kw = dict(max_new_tokens=6, temperature=1.0, seed=11, num_return_sequences=3)
+    whole = generate(model, tok, PROMPTS, **kw)
+    chunked = generate_in_chunks(model, tok, PROMPTS, rows_per_call=rows_per_call, **kw)
+    assert chunked == whole
+    later = generate_in_chunks(model, tok, PROMPTS[1:], rows_per_call=rows_per_call, first_row=3, **kw)
+    assert later.completion_ids == whole.completion_ids[3:]
 
 
 def test_greedy_ignores_the_checkpoints_penalties(model_and_tok):

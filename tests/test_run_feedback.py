@@ -95,6 +95,18 @@ def test_eval_takes_a_reward_a_batch_size_and_shows_examples(reward_files, capsy
     assert "format_rate" in result
 
 
+def test_eval_pass_at_k_does_not_depend_on_the_batch_size(capsys):
+    """The samples of prompt i are the same rows whatever the calls they are generated in."""
+    results = []
+    for batch in ("2", "64"):
+        args = ["eval", "--task", "countdown", "--limit", "8", "--samples", "4", "--eval_batch_size", batch]
+        assert cli.main(args) == 0
+        out = capsys.readouterr().out
+        results.append(json.loads(out[out.index("{") :]))
+    assert results[0]["pass_at_k"] == results[1]["pass_at_k"]
+    assert results[0]["greedy_accuracy"] == results[1]["greedy_accuracy"]
+
+
 def test_eval_of_an_instruct_form(capsys):
     code = cli.main(
         ["eval", "--task", "compare", "--prompt_style", "instruct", "--limit", "3", "--samples", "1"]
