@@ -27,7 +27,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
 
-from fastes.generation import generate
+from fastes.generation import generate_in_chunks
 from fastes.models import build_tiny_model, build_tokenizer, num_params, save_model
 from fastes.tasks import HELD_OUT_TASKS, TRAINABLE_TASKS, get_task
 from fastes.tasks.base import Task
@@ -121,11 +121,9 @@ def greedy_accuracy(
     """Fraction of the first `n` test examples whose greedy completion has the right answer."""
     examples = task.split("test")[:n]
     max_new = max(len(ex.solution) for ex in task.split("train")) + 4  # char tokenizer: 1 token per char
-    correct = 0.0
-    for i in range(0, len(examples), batch_size):
-        chunk = examples[i : i + batch_size]
-        out = generate(model, tokenizer, [ex.prompt for ex in chunk], max_new_tokens=max_new)
-        correct += sum(task.score(ex, text).answer for ex, text in zip(chunk, out.texts, strict=True))
+    prompts = [ex.prompt for ex in examples]
+    out = generate_in_chunks(model, tokenizer, prompts, rows_per_call=batch_size, max_new_tokens=max_new)
+    correct = sum(task.score(ex, text).answer for ex, text in zip(examples, out.texts, strict=True))
     return correct / len(examples)
 
 

@@ -11,42 +11,11 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..analysis.drift import masked_nll, perplexity, token_kl
 from ..analysis.entropy import token_entropy
-from ..generation import Generation, generate
+from ..generation import Generation, generate_in_chunks
 from ..models import format_prompt
 from ..tasks import Example, Task
 
-
-def generate_in_chunks(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    prompts: list[str],
-    *,
-    max_new_tokens: int,
-    rows_per_call: int = 512,
-    temperature: float = 0.0,
-    seed: int | None = None,
-    samples: int = 1,
-) -> Generation:
-    """generate() over chunks of prompts (so a large model's memory stays bounded), results in order.
-
-    Chunk c is sampled with seed + c, so the result is deterministic for a given chunk size.
-    """
-    per_call = max(1, rows_per_call // samples)
-    texts, completions, prompt_ids = [], [], []
-    for chunk, start in enumerate(range(0, len(prompts), per_call)):
-        gen = generate(
-            model,
-            tokenizer,
-            prompts[start : start + per_call],
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            seed=None if seed is None else seed + chunk,
-            num_return_sequences=samples,
-        )
-        texts += gen.texts
-        completions += gen.completion_ids
-        prompt_ids += gen.prompt_ids
-    return Generation(texts=texts, completion_ids=completions, prompt_ids=prompt_ids)
+ROWS_PER_CALL = 512  # generated rows per generate() call: bounds a large model's memory
 
 
 def completion_rows(gen: Generation, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -129,10 +98,11 @@ def sampled_entropy(
         model,
         tokenizer,
         prompts,
+        rows_per_call=ROWS_PER_CALL,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         seed=seed,
-        samples=samples,
+        num_return_sequences=samples,
     )
     return completion_entropy(model, gen, tokenizer.pad_token_id, temperature)
 
@@ -151,7 +121,14 @@ def sampled_kl(
     """Token-level KL(model || base) in nats, averaged over the completion tokens of the model's own
     samples (temperature 1) on `prompts`: how differently the two models continue the same text."""
     gen = generate_in_chunks(
-        model, tokenizer, prompts, max_new_tokens=max_new_tokens, temperature=1.0, seed=seed, samples=samples
+        model,
+        tokenizer,
+        prompts,
+        rows_per_call=ROWS_PER_CALL,
+        max_new_tokens=max_new_tokens,
+        temperature=1.0,
+        seed=seed,
+        num_return_sequences=samples,
     )
     total, count = 0.0, 0
     for input_ids, attention, mask in _completion_batches(gen, tokenizer.pad_token_id, rows_per_forward):
@@ -198,7 +175,7 @@ def greedy_correct(
     examples: list[Example],
     *,
     max_new_tokens: int,
-    rows_per_call: int = 512,
+    rows_per_call: int = ROWS_PER_CALL,
 ) -> list[int]:
     """For each example, 1 when the greedy completion has the right answer, else 0."""
     prompts = [format_prompt(tokenizer, ex.prompt) for ex in examples]
@@ -217,7 +194,7 @@ def correct_counts(
     samples: int,
     max_new_tokens: int,
     seed: int,
-    rows_per_call: int = 512,
+    rows_per_call: int = ROWS_PER_CALL,
 ) -> list[int]:
     """For each example, how many of `samples` completions at temperature 1 are correct."""
     prompts = [format_prompt(tokenizer, ex.prompt) for ex in examples]
@@ -229,7 +206,7 @@ def correct_counts(
         rows_per_call=rows_per_call,
         temperature=1.0,
         seed=seed,
-        samples=samples,
+        num_return_sequences=samples,
     )
     return [
         int(sum(task.score(ex, gen.texts[i * samples + j]).answer for j in range(samples)))
