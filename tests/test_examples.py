@@ -17,7 +17,9 @@ SCRIPTS = sorted((ROOT / "examples").glob("*.py"))
 def check_es_by_hand(out: str) -> None:
     rewards = [float(r) for r in re.findall(r"iteration \d+/2: mean reward (\S+)", out)]
     assert len(rewards) == 2 and all(0 <= r <= 1.1 for r in rewards), out  # 0.1 format + 1 answer at most
-    base, trained = map(float, re.search(r"base accuracy (\S+) -> trained accuracy (\S+) on 10 ", out).groups())
+    base, trained = map(
+        float, re.search(r"base accuracy (\S+) -> trained accuracy (\S+) on 10 ", out).groups()
+    )
     assert 0 <= base <= 1 and 0 <= trained <= 1
 
 
@@ -30,7 +32,10 @@ def check_side_by_side(out: str) -> None:  # the ES half; tests/test_trainer.py 
 
 # script name -> (small command-line arguments, check of its output)
 RUNS = {
-    "es_by_hand.py": (["--iterations", "2", "--population", "4", "--prompts", "8", "--test", "10"], check_es_by_hand),
+    "es_by_hand.py": (
+        ["--iterations", "2", "--population", "4", "--prompts", "8", "--test", "10"],
+        check_es_by_hand,
+    ),
     "side_by_side.py": (["es", "2"], check_side_by_side),
 }
 
@@ -44,7 +49,12 @@ def test_example_runs(script, tmp_path):
     args, check = RUNS[script.name]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(
-        [sys.executable, str(script), *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, str(script), *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     check(done.stdout)

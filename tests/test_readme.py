@@ -84,6 +84,8 @@ def test_every_docs_page_is_reachable_from_the_readme():
 
 def test_readme_is_a_short_guide():
     lines = README.read_text().count("\n")
-    assert lines <= README_MAX_LINES, f"README.md has {lines} lines; move detail into docs/ (at most {README_MAX_LINES})"
+    assert lines <= README_MAX_LINES, (
+        f"README.md has {lines} lines; move detail into docs/ (at most {README_MAX_LINES})"
+    )
     text = README.read_text()
     assert text.index("bash scripts/demo.sh") < text.index("bash scripts/test.sh") < text.index("```python")
