@@ -89,3 +89,31 @@ def test_readme_is_a_short_guide():
     )
     text = README.read_text()
     assert text.index("bash scripts/demo.sh") < text.index("bash scripts/test.sh") < text.index("```python")
+
+
+def commands(page: Path) -> list[str]:
+    """The `fastes ...` command lines of a page's bash blocks (after torchrun, `-m fastes.cli` too)."""
+    found = []
+    for block in re.findall(r"^```bash\n(.*?)^```", page.read_text(), flags=re.S | re.M):
+        for line in block.replace("\\\n", " ").splitlines():
+            for part in line.split("#", 1)[0].split("&&"):
+                match = re.search(r"(?:^|\s|/)(?:fastes|-m fastes\.cli)\s+(\w.*)", part)
+                if match and not part.lstrip().startswith(("pip", "python -m pytest")):
+                    found.append(re.sub(r"\[(--[^\]]*)\]", r"\1", match.group(1)).strip())  # [--opt]: kept
+    return found
+
+
+COMMANDS = [(name(page), line) for page in PAGES for line in commands(page)]
+
+
+@pytest.mark.parametrize("page,line", COMMANDS, ids=[f"{p}: fastes {c}" for p, c in COMMANDS])
+def test_command_lines_parse(page, line):
+    """Every `fastes` command a page shows is accepted by the command line's parser (flags and values)."""
+    import shlex
+
+    from fastes.cli import _normalise_flags, build_parser
+
+    argv = shlex.split(line)
+    if "--help" in argv:
+        argv.remove("--help")
+    build_parser().parse_args(_normalise_flags(argv))  # argparse exits (status 2) on a bad flag or value
