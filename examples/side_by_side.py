@@ -2,6 +2,7 @@
 
     python examples/side_by_side.py es     # fastes.ESTrainer
     python examples/side_by_side.py trl    # trl.GRPOTrainer (pip install 'fastes[trl]')
+    python examples/side_by_side.py es 2   # 2 steps instead of 10
 
 Only the import and the algorithm's own settings differ (ES: population_size; GRPO: num_generations).
 Note that per_device_train_batch_size counts prompts for ES and completions for GRPO (TRL's meaning).
@@ -55,5 +56,6 @@ def main(which: str, output_dir: str, max_steps: int = 10) -> list[dict]:
 
 if __name__ == "__main__":
     which = sys.argv[1] if len(sys.argv) > 1 else "es"
-    for record in main(which, f"runs/side_by_side_{which}"):
+    max_steps = int(sys.argv[2]) if len(sys.argv) > 2 else 10
+    for record in main(which, f"runs/side_by_side_{which}", max_steps):
         print({k: v for k, v in record.items() if k.startswith("reward")})
