@@ -1,4 +1,4 @@
-"""The `fastes` command: demo, train, eval, pretrain.
+"""The `fastes` command: demo, train, eval, pretrain, experiment.
 
 fastes demo                       ES on the built-in tiny model and countdown, with a plot
 fastes demo --model smollm2-135m-instruct   the same on a real instruct model, with settings chosen for it
