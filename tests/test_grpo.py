@@ -10,7 +10,8 @@ from fastes import defaults
 from fastes.config import load_config
 from fastes.models import load_model, tiny_model_path
 from fastes.tasks import get_task
-from fastes.train import Run, grpo_advantages, grpo_step, make_grpo_optimizer
+from fastes.grpo import grpo_advantages, grpo_step, make_grpo_optimizer
+from fastes.run import Run
 
 
 def test_advantages_and_reward_std_follow_trl():
