@@ -64,7 +64,8 @@ def reset_peak_rss() -> bool:
 
 def measure(spec: dict) -> dict[str, dict]:
     from fastes.generation import generate
-    from fastes.train import batch_for, es_iteration
+    from fastes.run import batch_for
+    from fastes.train import es_iteration
 
     from .common import load_bench_model
     from .suites import IterationSetting, make_run

@@ -353,7 +353,8 @@ def eval_modes(bench: BenchModel, backend: str) -> tuple[list[str], dict[str, st
 def make_run(bench: BenchModel, setting: IterationSetting, backend: str, eval_mode: str | None = None):
     """A fastes.train.Run on `bench` for the countdown task, with the ES it iterates."""
     from fastes import defaults
-    from fastes.train import Run, make_es
+    from fastes.run import Run
+    from fastes.train import make_es
 
     cfg = TrainConfig()
     cfg.batch_size = setting.batch
@@ -386,7 +387,8 @@ def iteration_variants(
     prompts (step 0's batch). The second dict receives each variant's last output (tokens, ...).
     """
     from fastes.generation import generate
-    from fastes.train import batch_for, es_iteration
+    from fastes.run import batch_for
+    from fastes.train import es_iteration
 
     outputs: dict[str, dict] = {}
     variants: dict[str, Callable[[], object]] = {}

@@ -4,6 +4,10 @@ A run directory holds run.json (the run's identity, fastes/rundir.py), config.js
 line per step), checkpoints/ and, at the end, final/ (a Hugging Face model directory). Everything random
 is derived from (seed, phase, step), so a run resumed from a checkpoint continues exactly as the
 uninterrupted run would have.
+
+train() = prepare_run (checks, model, settings, run directory, resume point), run_phases (the steps of
+each phase: es_iteration here, grpo_step in fastes/grpo.py) and finish_run (final model, summary.json).
+What the phases share (Run, the prompts of a step) is in fastes/run.py.
 """
 
 from __future__ import annotations
@@ -440,6 +444,7 @@ def _train(
     task: Task | None,
     callbacks: list[Any] | None,
 ) -> dict[str, Any]:
+    """train() inside the process group: prepare, run every phase, finish."""
     run, start = prepare_run(
         cfg, resume=resume, overwrite=overwrite, device=device, given=given, task=task, callbacks=callbacks
     )
@@ -487,9 +492,7 @@ def prepare_run(
     task = task or make_task(cfg, strict_alphabet=is_character_tokenizer(tokenizer))
     check_task(task, cfg)
     check_world_size(cfg, task)
-    hooks = Callbacks(callbacks)  # checked before any work
-    if cfg.report_to == "tensorboard":
-        hooks.callbacks.insert(0, TensorBoardCallback(out_dir / TENSORBOARD_DIR, every=cfg.logging_steps))
+    hooks = _hooks(cfg, callbacks)  # checked before any work
     identity = rundir.run_identity(
         cfg,
         model_dir,
@@ -497,12 +500,8 @@ def prepare_run(
         task_sha=task.fingerprint() if isinstance(task, DatasetTask) else None,
     )
     distributed.require_same(identity["run_id"], "settings or starting model")
-    # Rank 0 reads the run directory; every rank gets what it found (or the error it raised).
     phases = PHASES[cfg.algorithm]
-    if resume:
-        found, run_id = distributed.from_writer(lambda: _resume_point(out_dir, identity, phases))
-    else:
-        found, previous = None, distributed.from_writer(lambda: rundir.check_fresh(out_dir, overwrite))
+    found, run_id, previous = _read_run_dir(out_dir, identity, phases, resume, overwrite)
     if "es" in phases:
         _check_evolvable(model, model_dir, cfg.es)
     # A tiny model's matmuls are too small to share: extra threads only add synchronisation.
@@ -513,12 +512,33 @@ def prepare_run(
     # GRPO's KL reference is the starting model, also when the run resumes with trained weights.
     if "grpo" in phases and cfg.grpo.beta > 0:
         run.reference = copy.deepcopy(model).eval().requires_grad_(False)
-    if distributed.is_writer():
+    if distributed.is_writer():  # the first write to the run directory
         if not resume:
             rundir.remove_run(out_dir, previous)
         rundir.clean(out_dir)
         rundir.start_run(out_dir, identity)  # on resume: records a raised length
-    return run, _restore(run, found, run_id if resume else None)
+    return run, _restore(run, found, run_id)
+
+
+def _hooks(cfg: TrainConfig, callbacks: list[Any] | None) -> Callbacks:
+    """The run's callbacks, after TensorBoard's when cfg.report_to asks for it."""
+    hooks = Callbacks(callbacks)
+    if cfg.report_to == "tensorboard":
+        hooks.callbacks.insert(
+            0, TensorBoardCallback(Path(cfg.out_dir) / TENSORBOARD_DIR, every=cfg.logging_steps)
+        )
+    return hooks
+
+
+def _read_run_dir(
+    out_dir: Path, identity: dict[str, Any], phases: tuple[str, ...], resume: bool, overwrite: bool
+) -> tuple[tuple[int, dict, dict] | None, str | None, list[Path]]:
+    """Rank 0 reads the run directory; every rank gets what it found (or the error it raised): on resume
+    the checkpoint to resume from (None: none yet) and the run's id, else what a new run would replace."""
+    if resume:
+        found, run_id = distributed.from_writer(lambda: _resume_point(out_dir, identity, phases))
+        return found, run_id, []
+    return None, None, distributed.from_writer(lambda: rundir.check_fresh(out_dir, overwrite))
 
 
 def _load_policy(
@@ -542,7 +562,8 @@ def _load_policy(
 
 
 def _restore(run: Run, found: tuple[int, dict, dict] | None, run_id: str | None) -> Start:
-    """Load the newest checkpoint (`found`) into the run, or start metrics.jsonl afresh."""
+    """Load the newest checkpoint (`found`) into the run, or start metrics.jsonl afresh. `run_id`: the
+    resumed run's (None: a new run)."""
     writer = distributed.is_writer()
     if found is None:
         if run_id is not None and writer:
