@@ -357,7 +357,8 @@ class IterationSetting:
 def make_run(bench: BenchModel, setting: IterationSetting, backend: str, eval_mode: str | None = None):
     """A fastes.train.Run on `bench` for the countdown task, with the ES it iterates."""
     from fastes import defaults
-    from fastes.train import Run, make_es
+    from fastes.run import Run
+    from fastes.train import make_es
 
     cfg = TrainConfig()
     cfg.batch_size = setting.batch

@@ -32,7 +32,8 @@ from .common import (
 
 def measure(spec: dict) -> dict[str, dict]:
     from fastes.generation import generate
-    from fastes.train import batch_for, es_iteration
+    from fastes.run import batch_for
+    from fastes.train import es_iteration
 
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))

@@ -86,7 +86,8 @@ def measure(args: argparse.Namespace, variant: str) -> dict:
     from fastes.generation import generate
     from fastes.model_sources import resolve_model
     from fastes.models import is_character_tokenizer, load_model
-    from fastes.train import Run, batch_for, es_iteration, evolved_weights, make_es, make_task
+    from fastes.run import Run, batch_for
+    from fastes.train import es_iteration, evolved_weights, make_es, make_task
 
     model, tokenizer = load_model(resolve_model(args.model), dtype="float32")
     mode = variant.removeprefix("fastes ") if variant.startswith("fastes ") else "member"

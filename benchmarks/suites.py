@@ -350,7 +350,8 @@ def iteration_variants(
     prompts (step 0's batch). The second dict receives each variant's last output (tokens, ...).
     """
     from fastes.generation import generate
-    from fastes.train import batch_for, es_iteration
+    from fastes.run import batch_for
+    from fastes.train import es_iteration
 
     outputs: dict[str, dict] = {}
     variants: dict[str, Callable[[], object]] = {}

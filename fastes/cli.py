@@ -224,7 +224,8 @@ def cmd_eval(args: argparse.Namespace) -> dict:
     from .generation import generate_in_chunks
     from .model_sources import resolve_model
     from .models import is_character_tokenizer, load_model
-    from .train import check_task, make_task, render_prompts
+    from .run import render_prompts
+    from .train import check_task, make_task
 
     # The run's own settings, checked and chosen as a run would: the same prompts, task and verifier.
     given = {key: getattr(args, key) for key in EVAL_SETTINGS if hasattr(args, key)}

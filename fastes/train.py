@@ -4,6 +4,10 @@ A run directory holds run.json (the run's identity, fastes/rundir.py), config.js
 line per step), checkpoints/ and, at the end, final/ (a Hugging Face model directory). Everything random
 is derived from (seed, phase, step), so a run resumed from a checkpoint continues exactly as the
 uninterrupted run would have.
+
+train() = prepare_run (checks, model, settings, run directory, resume point), run_phases (the steps of
+each phase: es_iteration here, grpo_step in fastes/grpo.py) and finish_run (final model, summary.json).
+What the phases share (Run, the prompts of a step) is in fastes/run.py.
 """
 
 from __future__ import annotations
@@ -11,7 +15,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import random
 import sys
 import time
 from collections.abc import Iterator
@@ -25,60 +28,23 @@ from tqdm.auto import tqdm
 
 from . import defaults, distributed, rundir
 from .analysis.diversity import js_diversity
-from .analysis.entropy import token_entropy
 from .batched import member_groups, population_batched
 from .callbacks import TENSORBOARD_DIR, Callbacks, TensorBoardCallback
 from .checkpoint import latest_checkpoint, save_checkpoint, write_atomic
 from .config import ConfigError, ESConfig, TrainConfig, dataset_task
 from .errors import FastesError
 from .es import ES, CollectiveError
-from .generation import eos_token_ids, generate
+from .generation import generate, generate_in_chunks
+from .grpo import grpo_step, make_grpo_optimizer
 from .model_sources import resolve_model
-from .models import ModelError, format_prompt, is_character_tokenizer, load_model, save_model
+from .models import ModelError, is_character_tokenizer, load_model, save_model
 from .params import linear_weights
-from .tasks import DatasetTask, Example, Score, Task, available_tasks, get_task
+from .run import Run, batch_for, reward_parts
+from .tasks import DatasetTask, Example, Task, available_tasks, get_task
 from .tasks.base import DEFAULT_TEST_PROBLEMS
 
 PHASES = {"es": ("es",), "grpo": ("grpo",), "grpo_es": ("grpo", "es")}
 GRPO_CHECKSUM_EVERY = 10  # GRPO steps between the cross-process weight checks (ES has its own)
-
-
-@dataclass
-class Run:
-    """What every phase needs: the config, the policy, the task and where to write."""
-
-    cfg: TrainConfig
-    model: torch.nn.Module
-    tokenizer: Any
-    task: Task
-    out_dir: Path
-    identity: dict[str, Any] = field(default_factory=dict)  # rundir.run_identity, saved in checkpoints
-    metrics: list[dict] = field(default_factory=list)
-    callbacks: Callbacks = field(default_factory=Callbacks)  # called by the writing process only
-
-    def log(self, record: dict) -> None:
-        self.metrics.append(record)
-        if distributed.is_writer():  # every rank holds the same (all-reduced) records; one writes them
-            rundir.append_metrics(self.out_dir, record)
-            self.callbacks.log(record)
-
-    def prompts(self, examples: list[Example]) -> list[str]:
-        return render_prompts(self.cfg, self.tokenizer, examples)
-
-
-def render_prompts(cfg: TrainConfig, tokenizer: Any, examples: list[Example]) -> list[str]:
-    """The model's input text for each example: its prompt with the run's chat template and system prompt."""
-    return [
-        format_prompt(tokenizer, ex.prompt, chat_template=cfg.chat_template, system_prompt=cfg.system_prompt)
-        for ex in examples
-    ]
-
-
-def batch_for(run: Run, phase: str, step: int) -> list[Example]:
-    """The training prompts of (phase, step): a pure function of the seed, so resume sees the same ones."""
-    rng = random.Random(f"{run.cfg.seed}:{phase}:{step}")
-    train = run.task.split("train")
-    return rng.sample(train, min(run.cfg.batch_size, len(train)))
 
 
 @torch.no_grad()
@@ -87,18 +53,20 @@ def evaluate(run: Run, examples: list[Example]) -> dict[str, Any]:
     and which examples it solves (1.0 / 0.0 each, in order)."""
     rank, world = distributed.rank_and_world()
     mine = examples[rank::world]
-    correct, fmt, lenient, scored = [], 0.0, 0.0, []
+    gen = generate_in_chunks(
+        run.model,
+        run.tokenizer,
+        run.prompts(mine),
+        rows_per_call=run.cfg.eval_batch_size,
+        max_new_tokens=run.cfg.max_new_tokens,
+    )
+    scored = run.task.scores(mine, gen.texts)  # one call, as training scores a whole population's rows
+    correct = [s.answer for s in scored]
+    fmt = sum(s.format for s in scored)
     lenient_score = getattr(run.task, "lenient_score", None)  # instruct forms read answers leniently too
-    batch_size = run.cfg.eval_batch_size
-    for start in range(0, len(mine), batch_size):
-        chunk = mine[start : start + batch_size]
-        gen = generate(run.model, run.tokenizer, run.prompts(chunk), max_new_tokens=run.cfg.max_new_tokens)
-        scores = run.task.scores(chunk, gen.texts)
-        correct += [s.answer for s in scores]
-        fmt += sum(s.format for s in scores)
-        scored += scores
-        if lenient_score is not None:
-            lenient += sum(lenient_score(ex, text).answer for ex, text in zip(chunk, gen.texts))
+    lenient = 0.0
+    if lenient_score is not None:
+        lenient = sum(lenient_score(ex, text).answer for ex, text in zip(mine, gen.texts))
     every = distributed.gather_strided(torch.tensor(correct, dtype=torch.float64), len(examples)).tolist()
     answer, fmt, lenient = distributed.all_sum([sum(correct), fmt, lenient]).tolist()
     result = {"accuracy": answer / len(examples), "format": fmt / len(examples), "correct": every}
@@ -117,29 +85,6 @@ def _eval_record(result: dict[str, Any], parts: dict[str, float]) -> dict[str, f
         record["test_reward"] = result["accuracy"]
         record.update({f"test_{k}": v for k, v in parts.items() if k.endswith("/mean")})
     return record
-
-
-def reward_parts(task: Task, scores: list[Score]) -> dict[str, float]:
-    """rewards/<name>/mean and /std of each reward function over the scores of every process (TRL's
-    metrics), for tasks scored by named reward functions; a function's None (NaN) values left out.
-    The names come from the task, so that every process joins the sum, also one without scores."""
-    names = [f.name for f in task.functions] if isinstance(task, DatasetTask) else []
-    if not names:
-        return {}
-    values = torch.tensor([[s.rewards[n] for n in names] for s in scores], dtype=torch.float64)
-    values = values.reshape(len(scores), len(names))  # also when there are no scores
-    finite = torch.isfinite(values)
-    zeroed = torch.where(finite, values, torch.zeros_like(values))
-    count, total = distributed.all_sum(torch.cat([finite.sum(0).double(), zeroed.sum(0)])).view(2, -1)
-    mean = total / count  # NaN for a function that scored nothing
-    # Two passes: the squared deviations from the mean, not sum(x^2) - n mean^2, which cancels badly.
-    squares = distributed.all_sum(torch.where(finite, (values - mean) ** 2, 0.0).sum(0))
-    std = (squares / (count - 1)).sqrt()
-    parts = {}
-    for i, name in enumerate(names):
-        parts[f"rewards/{name}/mean"] = float(mean[i])
-        parts[f"rewards/{name}/std"] = float(std[i]) if count[i] > 1 else math.nan
-    return parts
 
 
 def paired_gain(before: list[float], after: list[float]) -> tuple[float, float]:
@@ -269,163 +214,6 @@ class PartTimer:
         return {f"time/{part}": seconds for part, seconds in self.seconds.items()}
 
 
-# --- GRPO -------------------------------------------------------------------------------------------
-
-
-def completion_logprobs(
-    model, input_ids, attention_mask, temperature: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log-probabilities of input_ids[:, 1:] and the temperature-scaled logits predicting them."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float() / temperature
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-    return logp, logits
-
-
-def grpo_advantages(rewards: torch.Tensor, scale_rewards: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """TRL's advantages of rewards [prompts, G]: r - group mean, divided by (std + 1e-4) where std is the
-    group's ("group"), the whole batch's ("batch") or not at all ("none"). Also returns that std per
-    completion (the group's for "none"), whose mean TRL logs as reward_std."""
-    centred = rewards - rewards.mean(dim=1, keepdim=True)
-    if scale_rewards == "batch":
-        std = rewards.std().expand_as(rewards)
-    else:
-        std = rewards.std(dim=1, keepdim=True).expand_as(rewards)  # Bessel-corrected, as TRL
-    return (centred if scale_rewards == "none" else centred / (std + 1e-4)), std
-
-
-def completion_batch(gen, pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded prompt + completion rows: input ids, attention mask, and where the completions are."""
-    rows = [p + c for p, c in zip(gen.prompt_ids, gen.completion_ids)]
-    width = max(map(len, rows))
-    input_ids = torch.tensor([r + [pad_token_id] * (width - len(r)) for r in rows], device=device)
-    attention = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=device)
-    completion = torch.zeros_like(input_ids, dtype=torch.bool)
-    for i, (p, c) in enumerate(zip(gen.prompt_ids, gen.completion_ids)):
-        completion[i, len(p) : len(p) + len(c)] = True  # EOS included
-    return input_ids, attention, completion
-
-
-def grpo_step(run: Run, optimizer: torch.optim.Optimizer, reference, step: int) -> dict[str, float]:
-    """Sample G completions per prompt, then num_iterations clipped-surrogate updates on them (TRL's GRPO).
-
-    Under torchrun each process takes an equal slice of the prompts; rewards are gathered, so advantages
-    and metrics are the whole batch's, each loss is divided by the whole batch's normaliser, and the
-    gradients are summed before clipping: every process takes the step one process would take (up to the
-    order of float additions).
-    """
-    g = run.cfg.grpo
-    rank, world = distributed.rank_and_world()
-    examples = batch_for(run, "grpo", step)
-    share = len(examples) // world
-    mine = examples[rank * share : (rank + 1) * share]
-    start = time.perf_counter()
-    run.model.eval()
-    gen = generate(
-        run.model,
-        run.tokenizer,
-        run.prompts(mine),
-        max_new_tokens=run.cfg.max_new_tokens,
-        temperature=g.temperature,
-        top_p=g.top_p,
-        seed=run.cfg.seed * 1_000_003 + step,
-        num_return_sequences=g.num_generations,
-        first_row=rank * share * g.num_generations,
-    )
-    repeated = [ex for ex in mine for _ in range(g.num_generations)]
-    scores = run.task.scores(repeated, gen.texts)
-    local = torch.tensor([s.reward(run.cfg.format_weight) for s in scores], dtype=torch.float64)
-    rewards = distributed.gather_blocks(local.view(share, g.num_generations))  # the whole batch
-    if not bool(torch.isfinite(rewards).all()):
-        raise ValueError(
-            f"GRPO step {step}: {int((~torch.isfinite(rewards)).sum())} completions got a non-finite reward; "
-            "fix the reward function so that it returns finite numbers"
-        )
-    advantages, std = grpo_advantages(rewards, g.scale_rewards)
-    device = run.model.device
-    adv = advantages[rank * share : (rank + 1) * share].reshape(-1, 1).float().to(device)
-
-    input_ids, attention, completion = completion_batch(gen, run.tokenizer.pad_token_id, device)
-    eos = set(eos_token_ids(run.model, run.tokenizer))
-    truncated = torch.tensor([not ids or ids[-1] not in eos for ids in gen.completion_ids], device=device)
-    mask = completion[:, 1:].float()
-    if g.mask_truncated_completions:  # a cut-off completion has no final answer to be judged on
-        mask = mask * (~truncated)[:, None]
-    rows = len(examples) * g.num_generations
-    tokens, lengths, n_truncated = distributed.all_sum(
-        [float(mask.sum()), float(sum(gen.lengths)), float(truncated.sum())]
-    ).tolist()
-
-    with torch.no_grad():
-        old_logp = None  # with one update per batch the old policy is the current one
-        if g.num_iterations > 1:
-            old_logp, _ = completion_logprobs(run.model, input_ids, attention, g.temperature)
-        ref_logp = None
-        if reference is not None:
-            ref_logp, _ = completion_logprobs(reference, input_ids, attention, g.temperature)
-    high = g.epsilon_high or g.epsilon  # 0 = symmetric clipping, as TRL's None
-    generated = completion[:, 1:]  # every generated token (entropy is the policy's, whatever is masked)
-    entropy_sum = 0.0
-    totals = torch.zeros(4, dtype=torch.float64)  # loss, low-clipped, high-clipped, kl: whole batch
-    grad_norms = 0.0
-    run.model.train()
-    for iteration in range(g.num_iterations):
-        logp, logits = completion_logprobs(run.model, input_ids, attention, g.temperature)
-        if iteration == 0 and generated.any():
-            entropy_sum = float(token_entropy(logits.detach(), generated)) * float(generated.sum())
-        ratio = torch.exp(logp - (logp.detach() if old_logp is None else old_logp))
-        clipped = torch.clamp(ratio, 1 - g.epsilon, 1 + high)
-        per_token = -torch.min(ratio * adv, clipped * adv)
-        kl = torch.zeros((), device=device)
-        if ref_logp is not None:
-            delta = ref_logp - logp
-            k3 = torch.exp(delta) - delta - 1  # unbiased, always >= 0
-            if g.use_bias_correction_kl:  # importance-corrected: samples came from the old policy
-                k3 = k3 * ratio
-            per_token = per_token + g.beta * k3
-            kl = (k3 * mask).sum()
-        if g.loss_type == "grpo":
-            loss = ((per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)).sum() / rows
-        elif g.loss_type == "dapo":
-            loss = (per_token * mask).sum() / max(tokens, 1.0)
-        else:  # dr_grpo: a constant normaliser, no length bias
-            loss = (per_token * mask).sum() / (rows * run.cfg.max_new_tokens)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        distributed.sum_gradients(run.model.parameters())
-        grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), g.max_grad_norm)
-        optimizer.step()
-        low_clipped = ((ratio < 1 - g.epsilon) & (adv < 0)).float() * mask
-        high_clipped = ((ratio > 1 + high) & (adv > 0)).float() * mask
-        parts = [loss.detach(), low_clipped.sum(), high_clipped.sum(), kl.detach()]
-        totals += distributed.all_sum([float(x) for x in parts])
-        grad_norms += float(grad_norm)  # the same on every process: the gradients were summed
-    run.model.eval()
-
-    seconds = time.perf_counter() - start
-    n = g.num_iterations
-    per_token = n * max(tokens, 1.0)
-    entropy_sum, generated_count = distributed.all_sum([entropy_sum, float(generated.sum())]).tolist()
-    low, high_share = float(totals[1]) / per_token, float(totals[2]) / per_token
-    group_std = rewards.std(dim=1)
-    return {
-        "reward": float(rewards.mean()),
-        "reward_std": float(std.mean()),  # TRL's: the std advantages are scaled by, averaged
-        "frac_reward_zero_std": float(group_std.isclose(torch.zeros_like(group_std)).double().mean()),
-        "entropy": entropy_sum / max(generated_count, 1.0),
-        "kl": float(totals[3]) / per_token,
-        "loss": float(totals[0]) / n,
-        "grad_norm": grad_norms / n,
-        "clip_ratio": low + high_share,  # TRL's region_mean: tokens where the clip is active
-        "clip_ratio/low_mean": low,
-        "clip_ratio/high_mean": high_share,
-        "completion_length": lengths / rows,
-        "completions/clipped_ratio": n_truncated / rows,
-        **reward_parts(run.task, scores),
-        "seconds": seconds,
-        "tokens_per_second": lengths / seconds,
-    }
-
-
 NO_SIGNAL_STEPS = 3  # steps in a row where every member (ES) or every group (GRPO) scored alike
 
 
@@ -466,11 +254,6 @@ def progress_fields(record: dict[str, Any], no_signal: bool) -> dict[str, str]:
     if all(seconds is not None for seconds in parts.values()):
         fields["time"] = " ".join(f"{part} {seconds:.1f}s" for part, seconds in parts.items())
     return fields
-
-
-def make_grpo_optimizer(run: Run) -> torch.optim.Optimizer:
-    g = run.cfg.grpo
-    return torch.optim.AdamW(run.model.parameters(), lr=g.lr, weight_decay=g.weight_decay)
 
 
 # --- the run ----------------------------------------------------------------------------------------
@@ -517,12 +300,8 @@ def check_task(task: Task, cfg: TrainConfig) -> None:
     # Rows given as a dataset may come without held-out rows: such a run skips evaluation, as TRL does.
     splits = ("train",) if isinstance(task, DatasetTask) else ("train", "test")
     for split in splits:
-        try:
+        with task_errors():
             examples = task.split(split)  # a generated task draws its problems now
-        except ValueError as error:
-            if isinstance(error, FastesError):
-                raise
-            raise ConfigError(f"task: {error}") from None
         if not examples:
             raise ConfigError(f"task: {cfg.task!r} has no {split} problems; add some, or choose another task")
 
@@ -622,7 +401,7 @@ def make_task(cfg: TrainConfig, strict_alphabet: bool = True) -> Task:
     if cfg.reward:
         return get_task(cfg.task, seed=cfg.task_seed, reward=cfg.reward, timeout=cfg.reward_timeout)
     kind = cfg.task.partition(":")[0]
-    try:
+    with task_errors():
         if kind in available_tasks():
             return get_task(
                 cfg.task,
@@ -634,6 +413,14 @@ def make_task(cfg: TrainConfig, strict_alphabet: bool = True) -> Task:
         if kind == "jsonl":
             return get_task(cfg.task, seed=cfg.task_seed, strict_alphabet=strict_alphabet)
         return get_task(cfg.task, seed=cfg.task_seed)
+
+
+@contextmanager
+def task_errors() -> Iterator[None]:
+    """A ValueError from building a task is an error in the config's `task` (fastes' own errors, which
+    already say what to fix, pass as they are)."""
+    try:
+        yield
     except ValueError as error:
         if isinstance(error, FastesError):
             raise
@@ -664,23 +451,42 @@ def _train(
     task: Task | None,
     callbacks: list[Any] | None,
 ) -> dict[str, Any]:
+    """train() inside the process group: prepare, run every phase, finish."""
+    run, start = prepare_run(
+        cfg, resume=resume, overwrite=overwrite, device=device, given=given, task=task, callbacks=callbacks
+    )
+    global_step, last_eval = run_phases(run, start)
+    return finish_run(run, global_step, last_eval)
+
+
+@dataclass
+class Start:
+    """Where run_phases begins: at the beginning, or just after the newest checkpoint."""
+
+    phase_index: int = 0
+    step: int = 0  # steps of that phase already taken
+    global_step: int = 0  # steps of every phase already taken
+    state: dict | None = None  # the checkpoint's state (None: a fresh start), with its phase's ES / optimizer
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # the checkpoint's tensors
+
+
+def prepare_run(
+    cfg: TrainConfig,
+    *,
+    resume: bool,
+    overwrite: bool,
+    device: str,
+    given: tuple[torch.nn.Module | None, Any],
+    task: Task | None,
+    callbacks: list[Any] | None,
+) -> tuple[Run, Start]:
+    """Everything before the first step: check the settings, load the model, choose the automatic
+    settings, make the task, check (or start) the run directory, and restore the newest checkpoint on
+    resume. Everything that can be checked is checked before the run directory is touched."""
     if resume and overwrite:
         raise rundir.RunDirError("--resume continues the run in out_dir, --overwrite deletes it: choose one")
     out_dir = Path(cfg.out_dir)
-    model, tokenizer = given
-    if model is not None and tokenizer is None:
-        raise ConfigError("model: a loaded model needs its tokenizer too (processing_class)")
-    in_memory = model is not None and not cfg.model  # no files to fingerprint: its weights' hash instead
-    if in_memory:
-        model_dir = Path(f"<in-memory {type(model).__name__}>")
-    else:
-        model_dir = resolve_model(cfg.model)  # a .gguf file or a shipped model: its converted directory
-    phases = PHASES[cfg.algorithm]
-    lengths = [cfg.grpo.steps if p == "grpo" else cfg.es.iterations for p in phases]
-    torch.manual_seed(cfg.seed)
-    if model is None:
-        model, loaded = load_model(model_dir, dtype=cfg.dtype, device=device)
-        tokenizer = tokenizer or loaded
+    model, tokenizer, model_dir, in_memory = _load_policy(cfg, given, device)
 
     # Settings left on auto are chosen now, once, by rank 0 for every process (free memory differs between
     # them), and saved with the run: a resume takes them from there. The choices are valid by
@@ -693,9 +499,7 @@ def _train(
     task = task or make_task(cfg, strict_alphabet=is_character_tokenizer(tokenizer))
     check_task(task, cfg)
     check_world_size(cfg, task)
-    hooks = Callbacks(callbacks)  # checked before any work
-    if cfg.report_to == "tensorboard":
-        hooks.callbacks.insert(0, TensorBoardCallback(out_dir / TENSORBOARD_DIR, every=cfg.logging_steps))
+    hooks = _hooks(cfg, callbacks)  # checked before any work
     identity = rundir.run_identity(
         cfg,
         model_dir,
@@ -703,96 +507,167 @@ def _train(
         task_sha=task.fingerprint() if isinstance(task, DatasetTask) else None,
     )
     distributed.require_same(identity["run_id"], "settings or starting model")
-    # Rank 0 reads the run directory; every rank gets what it found (or the error it raised).
-    if resume:
-        found, run_id = distributed.from_writer(lambda: _resume_point(out_dir, identity, phases))
-    else:
-        found, previous = None, distributed.from_writer(lambda: rundir.check_fresh(out_dir, overwrite))
-    writer = distributed.is_writer()
+    phases = PHASES[cfg.algorithm]
+    found, run_id, previous = _read_run_dir(out_dir, identity, phases, resume, overwrite)
     if "es" in phases:
         _check_evolvable(model, model_dir, cfg.es)
     # A tiny model's matmuls are too small to share: extra threads only add synchronisation.
     small = sum(p.numel() for p in model.parameters()) < 5_000_000
     torch.set_num_threads(cfg.threads or (1 if small else torch.get_num_threads()))
     run = Run(cfg, model, tokenizer, task, out_dir, identity, callbacks=hooks)
-    test = task.split("test")[: cfg.eval_size]
+    run.test = task.split("test")[: cfg.eval_size]
     # GRPO's KL reference is the starting model, also when the run resumes with trained weights.
-    reference = None
     if "grpo" in phases and cfg.grpo.beta > 0:
-        reference = copy.deepcopy(model).eval().requires_grad_(False)
-
-    # Where to start: from scratch, or just after the newest checkpoint.
-    first_phase, first_step, saved = 0, 0, None
-    if writer:
+        run.reference = copy.deepcopy(model).eval().requires_grad_(False)
+    if distributed.is_writer():  # the first write to the run directory
         if not resume:
             rundir.remove_run(out_dir, previous)
         rundir.clean(out_dir)
         rundir.start_run(out_dir, identity)  # on resume: records a raised length
-    if found is not None:
-        global_step, tensors, saved = found
-        if writer:
-            print(f"Resuming run {run_id} from step {global_step} ({out_dir})")
-        model.load_state_dict({k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")})
-        first_phase, first_step = saved["phase_index"], saved["step"]
-        run.metrics = list(saved["metrics"])
-        if writer:
-            rundir.restore_metrics(out_dir, run.metrics, global_step)
+    return run, _restore(run, found, run_id)
+
+
+def _hooks(cfg: TrainConfig, callbacks: list[Any] | None) -> Callbacks:
+    """The run's callbacks, after TensorBoard's when cfg.report_to asks for it."""
+    hooks = Callbacks(callbacks)
+    if cfg.report_to == "tensorboard":
+        hooks.callbacks.insert(
+            0, TensorBoardCallback(Path(cfg.out_dir) / TENSORBOARD_DIR, every=cfg.logging_steps)
+        )
+    return hooks
+
+
+def _read_run_dir(
+    out_dir: Path, identity: dict[str, Any], phases: tuple[str, ...], resume: bool, overwrite: bool
+) -> tuple[tuple[int, dict, dict] | None, str | None, list[Path]]:
+    """Rank 0 reads the run directory; every rank gets what it found (or the error it raised): on resume
+    the checkpoint to resume from (None: none yet) and the run's id, else what a new run would replace."""
+    if resume:
+        found, run_id = distributed.from_writer(lambda: _resume_point(out_dir, identity, phases))
+        return found, run_id, []
+    return None, None, distributed.from_writer(lambda: rundir.check_fresh(out_dir, overwrite))
+
+
+def _load_policy(
+    cfg: TrainConfig, given: tuple[torch.nn.Module | None, Any], device: str
+) -> tuple[torch.nn.Module, Any, Path, bool]:
+    """The model and tokenizer to train (given in code, or loaded from cfg.model), the directory that
+    identifies the model, and whether it lives only in memory (no files: its weights are fingerprinted)."""
+    model, tokenizer = given
+    if model is not None and tokenizer is None:
+        raise ConfigError("model: a loaded model needs its tokenizer too (processing_class)")
+    in_memory = model is not None and not cfg.model  # no files to fingerprint: its weights' hash instead
+    if in_memory:
+        model_dir = Path(f"<in-memory {type(model).__name__}>")
     else:
-        if resume and writer:
+        model_dir = resolve_model(cfg.model)  # a .gguf file or a shipped model: its converted directory
+    torch.manual_seed(cfg.seed)
+    if model is None:
+        model, loaded = load_model(model_dir, dtype=cfg.dtype, device=device)
+        tokenizer = tokenizer or loaded
+    return model, tokenizer, model_dir, in_memory
+
+
+def _restore(run: Run, found: tuple[int, dict, dict] | None, run_id: str | None) -> Start:
+    """Load the newest checkpoint (`found`) into the run, or start metrics.jsonl afresh. `run_id`: the
+    resumed run's (None: a new run)."""
+    writer = distributed.is_writer()
+    if found is None:
+        if run_id is not None and writer:
             print(f"Resuming run {run_id} from step 0: no checkpoint was written yet, so it starts over")
         if writer:
-            rundir.write_metrics(out_dir, [])
-    global_step = sum(lengths[:first_phase]) + first_step
+            rundir.write_metrics(run.out_dir, [])
+        return Start()
+    global_step, tensors, saved = found
     if writer:
-        hooks.fire("on_train_begin", global_step)
-    if found is None and test:
-        base = evaluate(run, test)
-        if writer:  # the base's per-problem results, for the paired gain at the end
-            write_atomic(out_dir / "base_test.json", json.dumps(base["correct"]))
-        run.log({"global_step": 0, "phase": "base", "step": 0, **base["record"]})
+        print(f"Resuming run {run_id} from step {global_step} ({run.out_dir})")
+    run.model.load_state_dict({k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")})
+    run.metrics = list(saved["metrics"])
+    if writer:
+        rundir.restore_metrics(run.out_dir, run.metrics, global_step)
+    phase_index, step = saved["phase_index"], saved["step"]
+    lengths = phase_lengths(run.cfg)
+    return Start(phase_index, step, sum(lengths[:phase_index]) + step, saved, tensors)
 
-    last_eval = None
+
+def phase_lengths(cfg: TrainConfig) -> list[int]:
+    """Steps of each phase of cfg.algorithm."""
+    return [cfg.grpo.steps if p == "grpo" else cfg.es.iterations for p in PHASES[cfg.algorithm]]
+
+
+def run_phases(run: Run, start: Start) -> tuple[int, dict[str, Any] | None]:
+    """Evaluate the starting weights (a fresh start), then take the steps of each phase from `start` on;
+    returns the global step reached and the last evaluation made (None: none since `start`)."""
+    cfg, phases, lengths = run.cfg, PHASES[run.cfg.algorithm], phase_lengths(run.cfg)
+    global_step, last_eval = start.global_step, None
+    if distributed.is_writer():
+        run.callbacks.fire("on_train_begin", global_step)
+    if start.state is None and run.test:
+        base = evaluate(run, run.test)
+        if distributed.is_writer():  # the base's per-problem results, for the paired gain at the end
+            write_atomic(run.out_dir / "base_test.json", json.dumps(base["correct"]))
+        run.log({"global_step": 0, "phase": "base", "step": 0, **base["record"]})
     no_signal = NoSignal()
     quiet = not cfg.progress or not distributed.is_writer()
     bar = tqdm(total=sum(lengths), initial=global_step, disable=quiet, desc=cfg.algorithm)
-    for phase_index in range(first_phase, len(phases)):
+    for phase_index in range(start.phase_index, len(phases)):
         phase = phases[phase_index]
-        es = make_es(run) if phase == "es" else None
-        optimizer = make_grpo_optimizer(run) if phase == "grpo" else None
-        start_step = first_step if phase_index == first_phase else 0
-        if saved is not None and phase_index == first_phase:
-            # A checkpoint at a phase boundary carries no optimizer state: the next phase starts fresh.
-            if es is not None and "es" in saved:
-                es.load_state_dict(saved["es"])
-            if optimizer is not None and "optimizer" in saved:
-                _load_optimizer(optimizer, tensors, saved["optimizer"])
-        for step in range(start_step, lengths[phase_index]):
-            record = (
-                es_iteration(run, es, step) if es is not None else grpo_step(run, optimizer, reference, step)
-            )
+        resumed = start if phase_index == start.phase_index else Start()
+        es, optimizer = _phase_state(run, phase, resumed)
+        for step in range(resumed.step, lengths[phase_index]):
+            if es is not None:
+                record = es_iteration(run, es, step)
+            else:
+                record = grpo_step(run, optimizer, run.reference, step)
             global_step += 1
             record = {"global_step": global_step, "phase": phase, "step": step + 1, **record}
             last = step + 1 == lengths[phase_index]
-            if test and (cfg.eval_every and (step + 1) % cfg.eval_every == 0 or last):
-                result = last_eval = evaluate(run, test)
-                record.update(result["record"])
+            if run.test and (cfg.eval_every and (step + 1) % cfg.eval_every == 0 or last):
+                last_eval = evaluate(run, run.test)
+                record.update(last_eval["record"])
             run.log(record)
-            if no_signal.update(record) and distributed.is_writer():
-                tqdm.write(no_signal.warning(phase), file=sys.stderr)
-            bar.set_postfix(progress_fields(record, no_signal.streak >= NO_SIGNAL_STEPS), refresh=False)
-            bar.update(1)  # shows this step's postfix
+            _show(record, no_signal, bar)
             if phase == "grpo" and (step + 1) % GRPO_CHECKSUM_EVERY == 0:
-                distributed.check_same_weights(model.parameters(), f"GRPO step {step + 1}")
+                distributed.check_same_weights(run.model.parameters(), f"GRPO step {step + 1}")
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
                 _checkpoint(run, global_step, phase_index, step + 1, es, optimizer)
         if phase_index + 1 < len(phases):  # a phase boundary is a checkpoint: the next phase starts fresh
             _checkpoint(run, global_step, phase_index + 1, 0, None, None)
-        saved = None
     bar.close()
-    if writer:
-        final_dir = rundir.replace_dir(out_dir, "final", lambda path: save_model(model, tokenizer, path))
-        hooks.fire("on_save", global_step, final_dir)
-        hooks.fire("on_train_end", global_step)
+    return global_step, last_eval
+
+
+def _phase_state(run: Run, phase: str, resumed: Start) -> tuple[ES | None, torch.optim.Optimizer | None]:
+    """The phase's ES or GRPO optimizer, with the checkpoint's state when it resumes the phase.
+    A checkpoint at a phase boundary carries no optimizer state: the next phase starts fresh."""
+    es = make_es(run) if phase == "es" else None
+    optimizer = make_grpo_optimizer(run) if phase == "grpo" else None
+    saved = resumed.state
+    if saved is not None:
+        if es is not None and "es" in saved:
+            es.load_state_dict(saved["es"])
+        if optimizer is not None and "optimizer" in saved:
+            _load_optimizer(optimizer, resumed.tensors, saved["optimizer"])
+    return es, optimizer
+
+
+def _show(record: dict[str, Any], no_signal: NoSignal, bar: tqdm) -> None:
+    """The step on the progress bar, and a warning once steps in a row had nothing to learn from."""
+    if no_signal.update(record) and distributed.is_writer():
+        tqdm.write(no_signal.warning(record["phase"]), file=sys.stderr)
+    bar.set_postfix(progress_fields(record, no_signal.streak >= NO_SIGNAL_STEPS), refresh=False)
+    bar.update(1)  # shows this step's postfix
+
+
+def finish_run(run: Run, global_step: int, last_eval: dict[str, Any] | None) -> dict[str, Any]:
+    """Save the final model, evaluate it (unless the last step did) and write summary.json."""
+    out_dir, test = run.out_dir, run.test
+    if distributed.is_writer():
+        final_dir = rundir.replace_dir(
+            out_dir, "final", lambda dir: save_model(run.model, run.tokenizer, dir)
+        )
+        run.callbacks.fire("on_save", global_step, final_dir)
+        run.callbacks.fire("on_train_end", global_step)
     final = last_eval or (evaluate(run, test) if test else None)
     base_file = out_dir / "base_test.json"  # absent in run directories of older fastes versions
     base_correct = json.loads(base_file.read_text()) if base_file.is_file() else None
@@ -816,6 +691,6 @@ def _train(
         "out_dir": str(out_dir),
         "model_dir": str(out_dir / "final"),
     }
-    if writer:
+    if distributed.is_writer():
         write_atomic(out_dir / "summary.json", json.dumps(summary, indent=2))
     return summary

@@ -33,8 +33,8 @@ from .config import REPORT_TO, ConfigError, TrainConfig, load_config
 from .generation import generate_in_chunks
 from .model_sources import resolve_model
 from .models import load_model, save_model
+from .run import render_prompts
 from .tasks import DatasetTask, Example, Score
-from .train import render_prompts
 from .train import train as train_loop
 
 
