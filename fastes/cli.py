@@ -21,8 +21,8 @@ from typing import Any
 
 from . import __version__, distributed
 from .config import ConfigError, TrainConfig, flag_help, flag_specs, load_config
+from .distributed import CollectiveError
 from .errors import FastesError
-from .es import CollectiveError
 
 DEMO_EVAL_SIZE = 500  # test problems the demo reports on
 # `fastes demo --model NAME`: settings chosen for a shipped model on validation problems only (the
