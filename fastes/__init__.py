@@ -1,5 +1,6 @@
 """fastes: Triton-kernel-optimised Evolution Strategies (and GRPO) for post-training language models."""
 
+from .distributed import CollectiveError
 from .es import ES, Member, replay
 from .params import linear_weights
 from .shaping import SHAPINGS, shape_rewards
@@ -18,6 +19,7 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
+    "CollectiveError",
     "ES",
     "ESConfig",
     "ESTrainer",

@@ -21,8 +21,8 @@ from typing import Any
 
 from . import distributed, pretrain
 from .config import ConfigError, TrainConfig, flag_help, flag_specs, load_config
+from .distributed import CollectiveError
 from .errors import FastesError
-from .es import CollectiveError
 from .version import __version__
 
 DEMO_EVAL_SIZE = 500  # test problems the demo reports on

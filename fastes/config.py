@@ -35,87 +35,262 @@ class ConfigError(FastesError, ValueError):
     """A configuration value is missing, unknown, of the wrong type or out of range."""
 
 
+# Every key's help line (`fastes train --help`, which appends the default) is its field's metadata "help".
+# A field whose metadata has "es_kwarg" is passed to fastes.ES as that keyword argument (es_kwargs).
+
+
 @dataclass
 class ESConfig:
-    iterations: int = 60
-    population: int = 32
-    sigma: float = 0.002
-    lr: float = 2e-5  # alpha in theta += alpha / (N sigma) sum_i w_i eps_i
-    shaping: str = "centered_rank"
-    antithetic: bool = True
-    weight_decay: float = 0.0
-    stochastic_rounding: bool = False
+    iterations: int = field(default=60, metadata={"help": "ES iterations (may be raised when resuming)"})
+    population: int = field(
+        default=32,
+        metadata={"help": "members per iteration (even when antithetic)", "es_kwarg": "population"},
+    )
+    sigma: float = field(default=0.002, metadata={"help": "noise scale", "es_kwarg": "sigma"})
+    lr: float = field(
+        default=2e-5,
+        metadata={"help": "step size alpha in theta += alpha / (N sigma) sum_i w_i eps_i", "es_kwarg": "lr"},
+    )
+    shaping: str = field(
+        default="centered_rank",
+        metadata={
+            "help": "reward shaping: centered_rank, zscore, group_zscore or raw",
+            "es_kwarg": "shaping",
+        },
+    )
+    antithetic: bool = field(
+        default=True,
+        metadata={
+            "help": "members 2j and 2j+1 use the same noise with opposite signs",
+            "es_kwarg": "antithetic",
+        },
+    )
+    weight_decay: float = field(
+        default=0.0, metadata={"help": "decoupled weight decay", "es_kwarg": "weight_decay"}
+    )
+    stochastic_rounding: bool = field(
+        default=False,
+        metadata={
+            "help": "round bf16/fp16 updates stochastically (reproducibly)",
+            "es_kwarg": "stochastic_rounding",
+        },
+    )
     # materialised / virtual / lowrank: the population in one generate call (fastes.batched); member: one
     # by one; auto: chosen from the model's size and the device (fastes.defaults)
-    eval_mode: str = "auto"
+    eval_mode: str = field(
+        default="auto",
+        metadata={
+            "help": f"one of {', '.join(EVAL_MODES)}: how a generation is evaluated (virtual needs CUDA)"
+        },
+    )
     # materialised: members whose perturbed weights fit in this many MiB share a generate call (at least
     # one); 0: a quarter of the memory available at the start
-    materialise_mb: float = 0.0
+    materialise_mb: float = field(
+        default=0.0,
+        metadata={
+            "help": "materialised mode: MiB of members' perturbed weights per generate call "
+            "(0: a quarter of the free memory)"
+        },
+    )
     # "lowrank": matrices get eps = A B^T / sqrt(rank) (EGGROLL-style); auto: lowrank for real models on CPU
-    noise_type: str = "auto"
-    rank: int = 1
-    noise: str = "gaussian"  # distribution of eps: "gaussian" or "rademacher" (+-1, docs/noise.md)
+    noise_type: str = field(
+        default="auto",
+        metadata={
+            "help": "full, lowrank (eps = A B^T / sqrt(rank) for matrices), or auto (lowrank for real "
+            "models on CPU)",
+            "es_kwarg": "noise_type",
+        },
+    )
+    rank: int = field(default=1, metadata={"help": "rank of low-rank noise", "es_kwarg": "rank"})
+    noise: str = field(
+        default="gaussian",
+        metadata={
+            "help": "distribution of eps: gaussian, or rademacher (+-1 signs, cheaper; docs/noise.md 6a)",
+            "es_kwarg": "noise",
+        },
+    )
     # What to evolve (fastes.linear_weights): every projection matrix (nn.Linear, Conv1D) whose name
     # matches the regular expression `evolve` (empty = all), plus the opt-in kinds (member eval_mode only).
-    evolve: str = ""
-    include_embeddings: bool = False
-    include_norms: bool = False
-    include_biases: bool = False
+    evolve: str = field(
+        default="",
+        metadata={
+            "help": "regular expression: evolve only the parameters whose name it matches (empty: all)"
+        },
+    )
+    include_embeddings: bool = field(
+        default=False,
+        metadata={"help": "also evolve the embeddings (a tied lm_head too); needs es.eval_mode member"},
+    )
+    include_norms: bool = field(
+        default=False, metadata={"help": "also evolve norm weights; needs es.eval_mode member"}
+    )
+    include_biases: bool = field(
+        default=False, metadata={"help": "also evolve biases; needs es.eval_mode member"}
+    )
 
 
 @dataclass
 class GRPOConfig:
-    steps: int = 40
-    num_generations: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
-    lr: float = 0.0  # 0: 3e-4 for the tiny models, TRL's 1e-6 for real ones
-    beta: float = 0.0  # KL (k3) weight to the frozen starting model; 0 = no reference model
-    epsilon: float = 0.2
-    loss_type: str = "dapo"
-    max_grad_norm: float = 1.0
-    weight_decay: float = 0.0
+    steps: int = field(default=40, metadata={"help": "GRPO steps (may be raised when resuming)"})
+    num_generations: int = field(default=8, metadata={"help": "completions sampled per prompt (the group)"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling threshold"})
+    lr: float = field(
+        default=0.0,
+        metadata={"help": "AdamW learning rate (0: 3e-4 for the tiny models, 1e-6 for real ones)"},
+    )
+    beta: float = field(
+        default=0.0, metadata={"help": "weight of the KL (k3) to the starting model; 0: no reference model"}
+    )
+    epsilon: float = field(default=0.2, metadata={"help": "clipping range of the probability ratio"})
+    loss_type: str = field(default="dapo", metadata={"help": f"one of {', '.join(LOSS_TYPES)}"})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
     # TRL's names and meanings:
-    num_iterations: int = 1  # optimisation steps per batch of samples (old policy = the sampling one)
-    epsilon_high: float = 0.0  # upper clip 1 + epsilon_high (DAPO's clip-higher); 0 = epsilon
-    scale_rewards: str = "group"  # advantages divided by the std of the "group", the "batch", or "none"
-    mask_truncated_completions: bool = False  # completions cut at max_new_tokens leave the loss
-    use_bias_correction_kl: bool = False  # k3 KL times the importance ratio (beta > 0)
+    num_iterations: int = field(
+        default=1,
+        metadata={"help": "optimisation steps per batch of samples (TRL's num_iterations)"},
+    )
+    epsilon_high: float = field(
+        default=0.0, metadata={"help": "upper clip 1 + epsilon_high (DAPO's clip-higher); 0: epsilon"}
+    )
+    scale_rewards: str = field(
+        default="group", metadata={"help": "divide advantages by the std of the group, the batch, or none"}
+    )
+    mask_truncated_completions: bool = field(
+        default=False, metadata={"help": "leave completions cut at max_new_tokens out of the loss"}
+    )
+    use_bias_correction_kl: bool = field(
+        default=False, metadata={"help": "multiply the k3 KL by the importance ratio (beta > 0)"}
+    )
 
 
 @dataclass
 class TrainConfig:
-    algorithm: str = "es"
-    model: str = ""  # a HF model directory, a .gguf file or a shipped model's name; empty = the tiny model
-    task: str = "countdown"
-    reward: str = ""  # "file.py:function": your reward function for a jsonl:<path> task of prompts
-    reward_timeout: float = 60.0  # seconds one call of that function may take
-    task_seed: int = 0
-    seed: int = 0
-    out_dir: str = "runs/es"
-    batch_size: int = 64  # training prompts per iteration
-    max_new_tokens: int = 0  # 0: 12 for the plain form, 48 for the instruct form
-    eval_batch_size: int = 0  # rows per evaluation generate call; 0: from the machine's memory
-    prompt_style: str = "auto"  # instruct: built-in tasks asked in words; auto: instruct with a chat template
-    chat_template: str = "auto"  # on, off, or auto (on when the tokenizer has one)
-    system_prompt: str = ""  # empty: none (not the template's default; "<default>" keeps that)
-    instruction: str = ""  # replaces a built-in task's request for the answer format (instruct form)
-    format_weight: float = 0.1  # reward = format_weight * format + answer
-    eval_every: int = 10
-    eval_size: int = 200
-    checkpoint_every: int = 10
-    dtype: str = "float32"
-    device: str = "cpu"
-    backend: str = "auto"
-    threads: int = 0  # CPU threads for torch; 0 = auto (1 for models under 5M parameters, else torch's)
-    progress: bool = True
-    collective_timeout: float = 1800.0  # seconds a multi-process collective may wait for the other ranks
+    algorithm: str = field(
+        default="es",
+        metadata={"help": f"one of {', '.join(ALGORITHMS)} (grpo_es: a GRPO phase, then ES from its result)"},
+    )
+    model: str = field(
+        default="",
+        metadata={
+            "help": "a Hugging Face model directory, a .gguf file, or a shipped model "
+            "(smollm2-135m-instruct); empty: the built-in tiny model"
+        },
+    )
+    task: str = field(
+        default="countdown",
+        metadata={
+            "help": "countdown, arithmetic, reverse, compare (name:key=value,... for options), jsonl:<path>, "
+            "reasoning_gym:<name> or dataset (with --dataset)"
+        },
+    )
+    reward: str = field(
+        default="",
+        metadata={
+            "help": "FILE.py:FUNCTION, your reward function (TRL's signature) for a jsonl:<path> task of "
+            "prompts; with dataset, one or more (comma-separated, or several after --reward)"
+        },
+    )
+    reward_timeout: float = field(
+        default=60.0, metadata={"help": "seconds one call of the reward function may take"}
+    )
+    task_seed: int = field(default=0, metadata={"help": "seed of the task's train/test problems"})
+    seed: int = field(
+        default=0,
+        metadata={"help": "run seed in [0, 2^32): noise, prompt batches and sampling", "es_kwarg": "seed"},
+    )
+    out_dir: str = field(
+        default="runs/es",
+        metadata={"help": "run directory (config.json, metrics.jsonl, checkpoints/, final/)"},
+    )
+    batch_size: int = field(default=64, metadata={"help": "training prompts per ES iteration / GRPO step"})
+    max_new_tokens: int = field(
+        default=0, metadata={"help": "tokens generated per completion (0: 12 plain, 48 instruct)"}
+    )
+    eval_batch_size: int = field(
+        default=0, metadata={"help": "rows per evaluation generate call (0: up to 256, from the free memory)"}
+    )
+    prompt_style: str = field(
+        default="auto",
+        metadata={
+            "help": "instruct (built-in tasks asked in words), plain (the character model's form) or auto"
+        },
+    )
+    chat_template: str = field(
+        default="auto", metadata={"help": "on, off, or auto (on when the tokenizer has one)"}
+    )
+    system_prompt: str = field(
+        default="",
+        metadata={
+            "help": "system prompt text; empty: none (not the template's default); <default>: keep that"
+        },
+    )
+    instruction: str = field(
+        default="",
+        metadata={"help": "replaces a built-in task's request for the answer format in its instruct form"},
+    )
+    format_weight: float = field(
+        default=0.1, metadata={"help": "reward = format_weight * well-formed + correct answer"}
+    )
+    eval_every: int = field(
+        default=10,
+        metadata={"help": "test accuracy every this many steps (0: only at the end of each phase)"},
+    )
+    eval_size: int = field(default=200, metadata={"help": "test problems per evaluation"})
+    checkpoint_every: int = field(
+        default=10,
+        metadata={"help": "checkpoint every this many steps (0: never); --resume continues the newest"},
+    )
+    dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
+    device: str = field(default="cpu", metadata={"help": "cpu, cuda, cuda:1, ..."})
+    backend: str = field(
+        default="auto",
+        metadata={
+            "help": "noise kernels: auto (Triton on CUDA, compiled C on CPU), triton, cpu (CPU) or torch",
+            "es_kwarg": "backend",
+        },
+    )
+    threads: int = field(
+        default=0,
+        metadata={"help": "torch CPU threads (0: 1 for models under 5M parameters, else torch's default)"},
+    )
+    progress: bool = field(default=True, metadata={"help": "show a progress bar"})
+    collective_timeout: float = field(
+        default=1800.0,
+        metadata={
+            "help": "seconds a multi-process collective (ES or GRPO) waits for the other ranks before "
+            "failing",
+            "es_kwarg": "timeout",
+        },
+    )
     # Data and reward functions as TRL takes them (fastes/tasks/dataset.py), and live metrics:
-    dataset: str = ""  # a local .jsonl/.json/.csv/.parquet file of prompts and columns (task = "dataset")
-    eval_dataset: str = ""  # its held-out rows; empty = a seeded 20% of `dataset`
-    reward_weights: str = ""  # "1,0.5": one weight per `reward` entry; empty = 1 each
-    report_to: str = "none"  # "tensorboard": metrics also under out_dir/tensorboard, as train/<name>
-    logging_steps: int = 1  # TensorBoard gets the metrics of every this many steps
+    dataset: str = field(
+        default="",
+        metadata={
+            "help": "a local .jsonl/.json/.csv/.parquet file: a 'prompt' column (text or chat messages) and "
+            "columns passed to the reward functions (TRL's way; docs/trainer.md)"
+        },
+    )
+    eval_dataset: str = field(
+        default="", metadata={"help": "a file of held-out rows for `dataset` (empty: a seeded 20%% of it)"}
+    )
+    reward_weights: str = field(
+        default="",
+        metadata={"help": "comma-separated weights of the reward functions, e.g. 1,0.5 (empty: 1 each)"},
+    )
+    report_to: str = field(
+        default="none",
+        metadata={
+            "help": "none, or tensorboard (metrics under out_dir/tensorboard as train/<name>, eval/<name>)"
+        },
+    )
+    logging_steps: int = field(
+        default=1,
+        metadata={
+            "help": "TensorBoard gets the metrics of every this many steps (metrics.jsonl: every step)"
+        },
+    )
     es: ESConfig = field(default_factory=ESConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
 
@@ -541,82 +716,33 @@ def flag_specs() -> list[tuple[str, type]]:
     return specs
 
 
-# One line per key, for `fastes train --help` (the default is appended there).
-HELP: dict[str, str] = {
-    "algorithm": f"one of {', '.join(ALGORITHMS)} (grpo_es: a GRPO phase, then ES from its result)",
-    "model": "a Hugging Face model directory, a .gguf file, or a shipped model (smollm2-135m-instruct); "
-    "empty: the built-in tiny model",
-    "task": "countdown, arithmetic, reverse, compare (name:key=value,... for options), jsonl:<path>, "
-    "reasoning_gym:<name> or dataset (with --dataset)",
-    "task_seed": "seed of the task's train/test problems",
-    "reward": "FILE.py:FUNCTION, your reward function (TRL's signature) for a jsonl:<path> task of prompts; "
-    "with dataset, one or more (comma-separated, or several after --reward)",
-    "reward_timeout": "seconds one call of the reward function may take",
-    "seed": "run seed in [0, 2^32): noise, prompt batches and sampling",
-    "out_dir": "run directory (config.json, metrics.jsonl, checkpoints/, final/)",
-    "batch_size": "training prompts per ES iteration / GRPO step",
-    "max_new_tokens": "tokens generated per completion (0: 12 plain, 48 instruct)",
-    "eval_batch_size": "rows per evaluation generate call (0: up to 256, from the free memory)",
-    "prompt_style": "instruct (built-in tasks asked in words), plain (the character model's form) or auto",
-    "chat_template": "on, off, or auto (on when the tokenizer has one)",
-    "system_prompt": "system prompt text; empty: none (not the template's default); <default>: keep that",
-    "instruction": "replaces a built-in task's request for the answer format in its instruct form",
-    "format_weight": "reward = format_weight * well-formed + correct answer",
-    "eval_every": "test accuracy every this many steps (0: only at the end of each phase)",
-    "eval_size": "test problems per evaluation",
-    "checkpoint_every": "checkpoint every this many steps (0: never); --resume continues the newest",
-    "dtype": "float32, bfloat16 or float16",
-    "device": "cpu, cuda, cuda:1, ...",
-    "backend": "noise kernels: auto (Triton on CUDA, compiled C on CPU), triton, cpu (CPU) or torch",
-    "threads": "torch CPU threads (0: 1 for models under 5M parameters, else torch's default)",
-    "progress": "show a progress bar",
-    "collective_timeout": "seconds a multi-process collective waits for the other ranks before failing",
-    "dataset": "a local .jsonl/.json/.csv/.parquet file: a 'prompt' column (text or chat messages) and "
-    "columns passed to the reward functions (TRL's way; docs/trainer.md)",
-    "eval_dataset": "a file of held-out rows for `dataset` (empty: a seeded 20%% of it)",
-    "reward_weights": "comma-separated weights of the reward functions, e.g. 1,0.5 (empty: 1 each)",
-    "report_to": "none, or tensorboard (metrics under out_dir/tensorboard as train/<name>, eval/<name>)",
-    "logging_steps": "TensorBoard gets the metrics of every this many steps (metrics.jsonl: every step)",
-    "es.iterations": "ES iterations (may be raised when resuming)",
-    "es.population": "members per iteration (even when antithetic)",
-    "es.sigma": "noise scale",
-    "es.lr": "step size alpha in theta += alpha / (N sigma) sum_i w_i eps_i",
-    "es.shaping": "reward shaping: centered_rank, zscore, group_zscore or raw",
-    "es.antithetic": "members 2j and 2j+1 use the same noise with opposite signs",
-    "es.weight_decay": "decoupled weight decay",
-    "es.stochastic_rounding": "round bf16/fp16 updates stochastically (reproducibly)",
-    "es.eval_mode": f"one of {', '.join(EVAL_MODES)}: how a generation is evaluated (virtual needs CUDA)",
-    "es.materialise_mb": "materialised mode: MiB of members' perturbed weights per generate call "
-    "(0: a quarter of the free memory)",
-    "es.noise_type": "full, lowrank (eps = A B^T / sqrt(rank) for matrices), or auto (lowrank for real "
-    "models on CPU)",
-    "es.rank": "rank of low-rank noise",
-    "es.noise": "distribution of eps: gaussian, or rademacher (+-1 signs, cheaper; docs/noise.md 6a)",
-    "es.evolve": "regular expression: evolve only the parameters whose name it matches (empty: all)",
-    "es.include_embeddings": "also evolve the embeddings (a tied lm_head too); needs es.eval_mode member",
-    "es.include_norms": "also evolve norm weights; needs es.eval_mode member",
-    "es.include_biases": "also evolve biases; needs es.eval_mode member",
-    "grpo.steps": "GRPO steps (may be raised when resuming)",
-    "grpo.num_generations": "completions sampled per prompt (the group)",
-    "grpo.temperature": "sampling temperature",
-    "grpo.top_p": "nucleus sampling threshold",
-    "grpo.lr": "AdamW learning rate (0: 3e-4 for the tiny models, 1e-6 for real ones)",
-    "grpo.beta": "weight of the KL (k3) to the starting model; 0: no reference model",
-    "grpo.epsilon": "clipping range of the probability ratio",
-    "grpo.loss_type": f"one of {', '.join(LOSS_TYPES)}",
-    "grpo.max_grad_norm": "gradient clipping norm",
-    "grpo.weight_decay": "AdamW weight decay",
-    "grpo.num_iterations": "optimisation steps per batch of samples (TRL's num_iterations)",
-    "grpo.epsilon_high": "upper clip 1 + epsilon_high (clip-higher); 0: epsilon",
-    "grpo.scale_rewards": "divide advantages by the std of the group, the batch, or none",
-    "grpo.mask_truncated_completions": "leave completions cut at max_new_tokens out of the loss",
-    "grpo.use_bias_correction_kl": "multiply the k3 KL by the importance ratio (beta > 0)",
-}
+def _field(key: str) -> dataclasses.Field:
+    """The dataclass field of a dotted key ("es.sigma")."""
+    *sections, name = key.split(".")
+    obj: Any = TrainConfig
+    for section in sections:
+        obj = {f.name: f for f in dataclasses.fields(obj)}[section].default_factory
+    return {f.name: f for f in dataclasses.fields(obj)}[name]
 
 
 def flag_help(key: str) -> str:
-    """The help line of a dotted key, with its default."""
+    """The help line of a dotted key (its field's metadata), with its default."""
     default: Any = TrainConfig()
     for part in key.split("."):
         default = getattr(default, part)
-    return f"{HELP[key]} (default: {default!r})"
+    return f"{_field(key).metadata['help']} (default: {default!r})"
+
+
+def es_kwargs(cfg: TrainConfig) -> dict[str, Any]:
+    """The keyword arguments of fastes.ES that the run config sets: every field of the run and of its [es]
+    section whose metadata names one ("es_kwarg"), e.g. es.sigma -> sigma, collective_timeout -> timeout.
+
+    fastes.train.make_es builds the run's ES from these; "auto" values (es.noise_type) must have been
+    resolved (fastes.defaults) first.
+    """
+    kwargs = {}
+    for section in (cfg, cfg.es):
+        for f in dataclasses.fields(section):
+            if "es_kwarg" in f.metadata:
+                kwargs[f.metadata["es_kwarg"]] = getattr(section, f.name)
+    return kwargs

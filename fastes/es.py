@@ -14,29 +14,43 @@ from the keys (see fastes.ops). Nothing random is stored: the whole run is (seed
 
 from __future__ import annotations
 
-import datetime
+import inspect
 import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from . import lowrank, noise, ops
+from . import distributed, lowrank, noise, ops
+from .distributed import DEFAULT_TIMEOUT, CollectiveError
 from .noise import NOISES
 from .shaping import SHAPINGS, shape_rewards
 
 NONFINITE_POLICIES = ("error", "drop")
 NOISE_TYPES = ("full", "lowrank")
 _GROUP_DEFAULT_KEYS = ("sigma", "lr", "weight_decay")
+# The keyword arguments of ES.__init__ that decide a run's weights: `state_dict()["options"]` holds exactly
+# these, `replay` rebuilds the ES as ES(params, **options), and `load_state_dict` takes them from the state
+# (sigma, lr and weight_decay are the defaults; each param group records its own). The other arguments
+# (inner_optimizer, nonfinite, backend, checksum_every, timeout) are how this process runs it. A new option
+# of the run is added to __init__ and here (and, when the config sets it, as an ESConfig field marked
+# "es": fastes.config.es_kwargs).
+RUN_OPTIONS = (
+    *_GROUP_DEFAULT_KEYS,
+    "population",
+    "antithetic",
+    "shaping",
+    "seed",
+    "stochastic_rounding",
+    "noise_type",
+    "rank",
+    "noise",
+)
+# Options that a resumed ES must have been built with: the state is refused rather than taken.
+_MUST_MATCH = ("noise",)
 
-
-DEFAULT_TIMEOUT = 1800.0  # seconds; torch's own default for gloo process groups
-
-
-class CollectiveError(RuntimeError):
-    """A cross-process collective failed: another process died or did not answer in time."""
+__all__ = ["ES", "CollectiveError", "Member", "RUN_OPTIONS", "replay", "saved_options"]
 
 
 class Member:
@@ -149,9 +163,7 @@ class ES:
         self.rank = rank
         self.noise = noise
         self.checksum_every = checksum_every
-        if timeout is not None and not (timeout > 0 and math.isfinite(timeout)):
-            raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout}")
-        self.timeout = timeout
+        self.timeout = distributed.check_timeout(timeout)
         self.generation = 0
         self.history: list[dict[str, Any]] = []
         self._check_ids()
@@ -212,7 +224,7 @@ class ES:
 
     def members(self) -> Iterator[Member]:
         """This process's members of the current generation (all of them without torch.distributed)."""
-        rank, world = _rank_and_world()
+        rank, world = distributed.rank_and_world()
         for index in range(rank, self.population, world):
             yield Member(self, index)
 
@@ -294,44 +306,20 @@ class ES:
 
     def _all_rewards(self, local: torch.Tensor) -> torch.Tensor:
         """The whole population's rewards: each process contributes its members' rows (a few floats)."""
-        rank, world = _rank_and_world()
+        rank, world = distributed.rank_and_world()
         expected = len(range(rank, self.population, world))
         if local.dim() not in (1, 2) or local.shape[0] != expected or (expected and local.numel() == 0):
             raise ValueError(
                 f"expected rewards for {expected} members (shape [{expected}] or "
                 f"[{expected}, prompts] with at least one prompt), got shape {tuple(local.shape)}"
             )
-        if world == 1:
-            return local
-        device = self.param_groups[0]["params"][0].device  # nccl reduces device tensors only
-        full = torch.zeros((self.population, *local.shape[1:]), dtype=torch.float64, device=device)
-        full[rank::world] = local.to(device)
-        # Every row is non-zero on one rank only, so the sum is exact.
-        self._collective(lambda: dist.all_reduce(full, async_op=True), "the all-reduce of the rewards")
-        return full.cpu()
-
-    def _collective(self, launch: Callable[[], Any], what: str) -> None:
-        """Run one asynchronous collective and wait for it, at most `timeout` seconds when one is set.
-
-        A process that died or stopped answering makes the others fail here with a message saying so,
-        instead of hanging or surfacing a bare transport error.
-        """
-        rank, world = _rank_and_world()
-        try:
-            work = launch()
-            if self.timeout is None:
-                done = work.wait()
-            else:
-                done = work.wait(timeout=datetime.timedelta(seconds=self.timeout))
-            if done is False:
-                raise RuntimeError("the wait timed out")
-        except RuntimeError as error:  # torch.distributed.DistBackendError is a RuntimeError
-            limit = "the process group's timeout" if self.timeout is None else f"{self.timeout:g} s"
-            raise CollectiveError(
-                f"ES generation {self.generation}, rank {rank} of {world}: {what} failed: another process "
-                f"died or did not answer within {limit} ({error}). The process group cannot be used "
-                "any more: stop every process and resume from the last checkpoint"
-            ) from error
+        return distributed.gather_strided(
+            local,
+            self.population,
+            what="the all-reduce of the rewards",
+            where=f"ES generation {self.generation}",
+            timeout=self.timeout,
+        )
 
     def _finite_members(self, rewards: torch.Tensor) -> torch.Tensor:
         finite = torch.isfinite(rewards).reshape(self.population, -1).all(dim=1)
@@ -404,19 +392,22 @@ class ES:
         """The backend that computes this ES's noise here: "triton", "cpu" or "torch"."""
         return ops.resolve_backend(self.param_groups[0]["params"], self.backend)
 
+    @property
+    def options(self) -> dict[str, Any]:
+        """This ES's RUN_OPTIONS, as the keyword arguments of ES.__init__ that rebuild it."""
+        return {k: self.defaults[k] if k in self.defaults else getattr(self, k) for k in RUN_OPTIONS}
+
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue the run exactly (the weights themselves are the model's)."""
+        """Everything needed to continue the run exactly (the weights themselves are the model's).
+
+        "options": the run's keyword arguments of ES.__init__ (RUN_OPTIONS); "param_groups": each group's
+        sigma, lr, weight_decay and names; "generation" and "history": the generations taken; "backend":
+        the backend that ran; "inner_optimizer": its state in gradient mode.
+        """
         return {
             "backend": self.resolved_backend,
-            "seed": self.seed,
             "generation": self.generation,
-            "population": self.population,
-            "antithetic": self.antithetic,
-            "shaping": self.shaping,
-            "stochastic_rounding": self.stochastic_rounding,
-            "noise_type": self.noise_type,
-            "rank": self.rank,
-            "noise": self.noise,
+            "options": self.options,
             "param_groups": [{k: g[k] for k in (*_GROUP_DEFAULT_KEYS, "names")} for g in self.param_groups],
             "history": [dict(h) for h in self.history],
             "inner_optimizer": None if self.inner is None else self.inner.state_dict(),
@@ -433,23 +424,20 @@ class ES:
             )
         if (state["inner_optimizer"] is None) != (self.inner is None):
             raise ValueError("ES state and this ES disagree on gradient mode (inner_optimizer)")
-        saved_noise = state.get("noise", "gaussian")  # states from before sign noise existed are Gaussian
-        if saved_noise != self.noise:
-            raise ValueError(
-                f"ES state was saved with noise={saved_noise!r} but this ES uses noise={self.noise!r}; "
-                f"the run's weights came from {saved_noise} noise, so build the ES with noise={saved_noise!r}"
-            )
+        options = saved_options(state)
+        for key in _MUST_MATCH:
+            if options[key] != getattr(self, key):
+                raise ValueError(
+                    f"ES state was saved with {key}={options[key]!r} but this ES uses {key}="
+                    f"{getattr(self, key)!r}; the run's weights came from {key}={options[key]!r}, so build "
+                    f"the ES with {key}={options[key]!r}"
+                )
         warn_if_other_backend(state, self.resolved_backend, "resuming")
-        for key in (
-            "seed",
-            "population",
-            "antithetic",
-            "shaping",
-            "stochastic_rounding",
-            "noise_type",
-            "rank",
-        ):
-            setattr(self, key, state[key])
+        for key, value in options.items():
+            if key in self.defaults:
+                self.defaults[key] = value
+            else:
+                setattr(self, key, value)
         for group, saved in zip(self.param_groups, state["param_groups"]):
             group.update({k: saved[k] for k in _GROUP_DEFAULT_KEYS})
         self.generation = int(state["generation"])
@@ -459,39 +447,21 @@ class ES:
 
     # --- multi-process ----------------------------------------------------------------------------
 
+    def _tensors(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
     def checksum(self) -> int:
-        """An exact integer fingerprint of the evolved weights (sum of their bit patterns)."""
-        total = 0
-        for group in self.param_groups:
-            for p in group["params"]:
-                bits = p.detach().contiguous().view(torch.int16 if p.element_size() == 2 else torch.int32)
-                total += int(bits.to(torch.int64).sum())
-        return total
+        """An exact integer fingerprint of the evolved weights (fastes.distributed.weights_checksum)."""
+        return distributed.weights_checksum(self._tensors())
 
     def verify_ranks_agree(self) -> None:
         """Fail loudly when processes hold different weights (they must apply identical updates)."""
-        rank, world = _rank_and_world()
-        if world == 1:
-            return
-        # The checksum as four 32-bit words (two's complement, 128 bits) in an int64 tensor, so that it
-        # travels by a plain all-gather, which takes a timeout (all_gather_object does not).
-        device = self.param_groups[0]["params"][0].device  # nccl gathers device tensors only
-        value = self.checksum() % 2**128
-        words = torch.tensor([(value >> (32 * k)) & 0xFFFFFFFF for k in range(4)], dtype=torch.int64)
-        slots = [torch.zeros(4, dtype=torch.int64, device=device) for _ in range(world)]
-        self._collective(
-            lambda: dist.all_gather(slots, words.to(device), async_op=True), "the all-gather of the checksums"
+        distributed.check_same_weights(
+            self._tensors(),
+            f"ES generation {self.generation}",
+            fix="every rank must start from the same weights and evaluate with the same seed",
+            timeout=self.timeout,
         )
-        gathered = []
-        for slot in slots:
-            unsigned = sum(int(w) << (32 * k) for k, w in enumerate(slot.cpu().tolist()))
-            gathered.append(unsigned - 2**128 if unsigned >= 2**127 else unsigned)
-        if len(set(gathered)) > 1:
-            raise RuntimeError(
-                f"ES weights diverged across processes at generation {self.generation}: "
-                f"checksums {gathered}; every rank must start from the same weights and "
-                "evaluate with the same seed"
-            )
 
 
 def replay(
@@ -524,25 +494,41 @@ def replay(
             "parameter selection the run used (e.g. fastes.linear_weights(base_model))"
         )
     es = ES(
-        groups,
-        sigma=groups[0]["sigma"],
-        lr=groups[0]["lr"],
-        population=state["population"],
-        antithetic=state["antithetic"],
-        shaping=state["shaping"],
-        seed=state["seed"],
-        stochastic_rounding=state["stochastic_rounding"],
-        noise_type=state["noise_type"],
-        rank=state["rank"],
-        noise=state.get("noise", "gaussian"),
-        inner_optimizer=inner_optimizer,
-        backend=backend,
-        checksum_every=0,
+        groups, **saved_options(state), inner_optimizer=inner_optimizer, backend=backend, checksum_every=0
     )
     warn_if_other_backend(state, es.resolved_backend, "replaying")
     for record in state["history"]:
         es.generation = record["generation"]
         es._update(record["weights"], n_members=record["members"])
+
+
+def saved_options(state: dict[str, Any]) -> dict[str, Any]:
+    """The RUN_OPTIONS of an `ES.state_dict()`, as ES.__init__'s keyword arguments.
+
+    An option the state does not record (it was written before the option existed) takes the default of
+    ES.__init__, which is what such a run used; states written before "options" had one entry keep the
+    options at their top level, with sigma, lr and weight_decay only in each param group.
+    """
+    if "options" in state:
+        saved = dict(state["options"])
+        unknown = sorted(set(saved) - set(RUN_OPTIONS))
+        if unknown:
+            raise ValueError(
+                f"ES state has options {unknown} that this version of fastes does not know; resume or "
+                "replay it with the version that wrote it"
+            )
+    else:  # the earlier flat form (checkpoints of runs started before): the first group's as defaults
+        first = state["param_groups"][0]
+        saved = {k: first[k] for k in _GROUP_DEFAULT_KEYS} | {k: state[k] for k in RUN_OPTIONS if k in state}
+    defaults = {
+        name: p.default
+        for name, p in inspect.signature(ES.__init__).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
+    missing = [k for k in RUN_OPTIONS if k not in saved and k not in defaults]
+    if missing:
+        raise ValueError(f"ES state does not record the options {missing}; it is not an ES.state_dict()")
+    return {k: saved[k] if k in saved else defaults[k] for k in RUN_OPTIONS}
 
 
 def warn_if_other_backend(state: dict[str, Any], backend: str, doing: str) -> None:
@@ -578,9 +564,3 @@ def _grad_buffer(p: torch.Tensor) -> torch.Tensor:
     if p.grad is None or p.grad.shape != p.shape or not p.grad.is_contiguous():
         p.grad = torch.empty_like(p)
     return p.grad
-
-
-def _rank_and_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1

@@ -38,7 +38,9 @@ def grpo_step(run: Run, optimizer: torch.optim.Optimizer, reference, step: int) 
     samples = sample_and_score(run, step)
     advantages, std = grpo_advantages(samples.rewards, run.cfg.grpo.scale_rewards)
     batch = completion_tensors(run, samples)
-    fit = update(run, optimizer, reference, batch, samples.mine(advantages).to(batch.mask.device))
+    fit = update(
+        run, optimizer, reference, batch, samples.mine(advantages).to(batch.mask.device), samples.where
+    )
     return grpo_record(run, samples, std, batch, fit, time.perf_counter() - start)
 
 
@@ -54,6 +56,7 @@ class Samples:
     rewards: torch.Tensor  # [prompts, G] float64: every process's
     share: int  # prompts per process; this one's are rows rank * share ... of `rewards`
     rank: int
+    where: str  # "GRPO step N": what a failed collective's message names
 
     def mine(self, advantages: torch.Tensor) -> torch.Tensor:
         """This process's rows of a [prompts, G] tensor, as a float32 column: one value per completion."""
@@ -83,13 +86,14 @@ def sample_and_score(run: Run, step: int) -> Samples:
     repeated = [ex for ex in mine for _ in range(g.num_generations)]
     scores = run.task.scores(repeated, gen.texts)
     local = torch.tensor([s.reward(run.cfg.format_weight) for s in scores], dtype=torch.float64)
-    rewards = distributed.gather_blocks(local.view(share, g.num_generations))  # the whole batch
+    where = f"GRPO step {step}"
+    rewards = distributed.gather_blocks(local.view(share, g.num_generations), where=where)  # the whole batch
     if not bool(torch.isfinite(rewards).all()):
         raise ValueError(
             f"GRPO step {step}: {int((~torch.isfinite(rewards)).sum())} completions got a non-finite reward; "
             "fix the reward function so that it returns finite numbers"
         )
-    return Samples(gen, scores, rewards, share, rank)
+    return Samples(gen, scores, rewards, share, rank, where)
 
 
 # --- 2. advantages ----------------------------------------------------------------------------------
@@ -219,7 +223,7 @@ def completion_tensors(run: Run, samples: Samples) -> Batch:
     if run.cfg.grpo.mask_truncated_completions:  # a cut-off completion has no final answer to be judged on
         mask = mask * (~truncated)[:, None]
     tokens, lengths, n_truncated = distributed.all_sum(
-        [float(mask.sum()), float(sum(gen.lengths)), float(truncated.sum())]
+        [float(mask.sum()), float(sum(gen.lengths)), float(truncated.sum())], where=samples.where
     ).tolist()
     rows = samples.rewards.numel()
     return Batch(input_ids, attention, completion[:, 1:], mask, rows, tokens, lengths, n_truncated)
@@ -237,7 +241,7 @@ class Fit:
     entropy_sum: float  # this process's: the first update's entropy times its generated tokens
 
 
-def update(run: Run, optimizer, reference, batch: Batch, adv: torch.Tensor) -> Fit:
+def update(run: Run, optimizer, reference, batch: Batch, adv: torch.Tensor, where: str = "GRPO") -> Fit:
     """num_iterations optimizer steps on grpo_loss over the same completions; adv [rows, 1]: this
     process's advantages. The old and reference log-probabilities are taken once, before the first."""
     g = run.cfg.grpo
@@ -274,11 +278,11 @@ def update(run: Run, optimizer, reference, batch: Batch, adv: torch.Tensor) -> F
         )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        distributed.sum_gradients(run.model.parameters())
+        distributed.sum_gradients(run.model.parameters(), where=where)
         grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), g.max_grad_norm)
         optimizer.step()
         parts = [loss.detach(), measured["low_clipped"], measured["high_clipped"], measured["kl"]]
-        totals += distributed.all_sum([float(x) for x in parts])
+        totals += distributed.all_sum([float(x) for x in parts], where=where)
         grad_norms += float(grad_norm)  # the same on every process: the gradients were summed
     run.model.eval()
     loss, low, high, kl = totals.tolist()
@@ -296,7 +300,9 @@ def grpo_record(
     rows = batch.rows
     per_token = n * max(batch.tokens, 1.0)
     generated = float(batch.generated.sum())
-    entropy_sum, generated_count = distributed.all_sum([fit.entropy_sum, generated]).tolist()
+    entropy_sum, generated_count = distributed.all_sum(
+        [fit.entropy_sum, generated], where=samples.where
+    ).tolist()
     low, high = fit.low_clipped / per_token, fit.high_clipped / per_token
     group_std = samples.rewards.std(dim=1)
     return {

@@ -31,7 +31,7 @@ from .analysis.diversity import js_diversity
 from .batched import member_groups, population_batched
 from .callbacks import TENSORBOARD_DIR, Callbacks, TensorBoardCallback
 from .checkpoint import latest_checkpoint, save_checkpoint, write_atomic
-from .config import ConfigError, ESConfig, TrainConfig, dataset_task
+from .config import ConfigError, ESConfig, TrainConfig, dataset_task, es_kwargs
 from .errors import FastesError
 from .es import ES, CollectiveError
 from .generation import generate, generate_in_chunks
@@ -113,23 +113,8 @@ def evolved_weights(model: torch.nn.Module, c: ESConfig) -> list[tuple[str, torc
 
 
 def make_es(run: Run) -> ES:
-    c = run.cfg.es
-    return ES(
-        evolved_weights(run.model, c),
-        sigma=c.sigma,
-        lr=c.lr,
-        population=c.population,
-        antithetic=c.antithetic,
-        shaping=c.shaping,
-        seed=run.cfg.seed,
-        weight_decay=c.weight_decay,
-        stochastic_rounding=c.stochastic_rounding,
-        backend=run.cfg.backend,
-        noise_type=c.noise_type,
-        rank=c.rank,
-        noise=c.noise,
-        timeout=run.cfg.collective_timeout,
-    )
+    """The run's ES: the evolved weights of its config, and every ES argument the config sets (es_kwargs)."""
+    return ES(evolved_weights(run.model, run.cfg.es), **es_kwargs(run.cfg))
 
 
 def es_iteration(run: Run, es: ES, step: int) -> dict[str, float]:
@@ -362,7 +347,7 @@ def train(
     prompts of each batch, rank 0 alone reads and writes the run directory, and the others get what it
     read (the checkpoint to resume from).
     """
-    device, joined = distributed.setup(cfg.device)
+    device, joined = distributed.setup(cfg.device, cfg.collective_timeout)  # ES and GRPO alike
     try:
         result = _train(
             cfg,

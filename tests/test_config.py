@@ -53,3 +53,24 @@ def test_bad_files(tmp_path):
 def test_cli_reports_config_errors_without_a_traceback(capsys):
     assert main(["train", "--es.population", "1"]) == 2
     assert "es.population: must be at least 2" in capsys.readouterr().err
+
+
+def test_every_key_has_its_help_next_to_it(capsys):
+    """A key's help line is its field's metadata (no separate table to keep in step); the CLI shows it."""
+    import dataclasses
+
+    import fastes.config as config
+
+    assert not hasattr(config, "HELP")
+    for section in (config.TrainConfig, config.ESConfig, config.GRPOConfig):
+        for f in dataclasses.fields(section):
+            if not dataclasses.is_dataclass(f.default_factory):  # [es] and [grpo] are sections
+                assert f.metadata.get("help", "").strip(), f"{section.__name__}.{f.name} has no help"
+    keys = [key for key, _ in config.flag_specs()]
+    assert len(keys) == len(set(keys)) > 60
+    assert config.flag_help("es.noise").startswith("distribution of eps: gaussian, or rademacher")
+    assert config.flag_help("collective_timeout").endswith("(default: 1800.0)")
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--grpo.beta FLOAT weight of the KL (k3) to the starting model" in text

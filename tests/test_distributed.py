@@ -3,17 +3,23 @@ process (member-mode ES bit for bit, batched ES and data-parallel GRPO to float 
 and an exact resume."""
 
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
 import sys
+import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import is_timing
 from safetensors.torch import load_file
 
+import fastes
+from fastes import cli, distributed
 from fastes.config import load_config
 from fastes.train import train
 
@@ -164,3 +170,119 @@ def test_a_dataset_with_weighted_reward_functions_matches_one_process(two_proces
         for key in [k for k in one if k.startswith(("rewards/", "test_rewards/", "test_reward"))]:
             assert two[key] == pytest.approx(one[key], abs=1e-12), key
     assert "rewards/length/std" in multi[1] and "test_rewards/exact/mean" in multi[-1]
+
+
+# --- one collective layer for ES and GRPO: the timeout and the weight checksum ------------------------------
+
+FORK = multiprocessing.get_context("fork")
+
+
+def _join_group(rank: int, init_file: str) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    # The process group's own timeout is long: the collective timeout is what must bound every wait.
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
+
+
+def _grpo_rank(rank: int, init_file: str, task: str, out: str) -> None:
+    """One rank of a two-process GRPO run through the command line; rank 1 stops answering in step 1."""
+    _join_group(rank, init_file)
+    if rank == 1:
+
+        def hang(*args, **kwargs) -> None:  # the other rank waits for these gradients
+            Path(out, "hang.started").write_text(str(time.monotonic()))
+            time.sleep(120)
+
+        distributed.sum_gradients = hang
+    sys.stderr = open(Path(out, f"rank{rank}.stderr"), "w")  # noqa: SIM115 - the CLI ends the process
+    code = cli.main(
+        ["train", "--task", task, "--out_dir", str(Path(out, "run")), "--batch_size", "8",
+         "--max_new_tokens", "3", "--eval_size", "8", "--eval_every", "0", "--progress", "false",
+         "--algorithm", "grpo", "--grpo.steps", "2", "--grpo.num_generations", "4",
+         "--collective_timeout", "3"]
+    )  # fmt: skip
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def test_a_hung_grpo_peer_ends_the_run_with_the_one_line_collective_error(task, tmp_path):
+    """GRPO's collectives take the same timeout (collective_timeout) and raise the same CollectiveError
+    as ES's: the waiting rank prints one line and exits within the timeout instead of hanging."""
+    ranks = [
+        FORK.Process(target=_grpo_rank, args=(r, str(tmp_path / "init"), task, str(tmp_path))) for r in (0, 1)
+    ]
+    for p in ranks:
+        p.start()
+    ranks[0].join(120)
+    ended = time.monotonic()
+    try:
+        assert ranks[0].exitcode is not None, "rank 0 did not end within 120 s"
+        assert ranks[1].is_alive(), "the hung rank should still be hanging"
+    finally:
+        for p in ranks:
+            p.kill()
+            p.join()
+    lines = [line for line in (tmp_path / "rank0.stderr").read_text().splitlines() if line.strip()]
+    assert ranks[0].exitcode == 1, lines
+    expected = "fastes: GRPO step 0, rank 0 of 2: the all-reduce of the gradients failed: "
+    assert lines[-1].startswith(expected), lines
+    assert "another process died or did not answer within 3 s" in lines[-1]
+    assert lines[-1].endswith("stop every process and resume from the last checkpoint")
+    hung_at = float((tmp_path / "hang.started").read_text())
+    assert ended - hung_at < 30  # the 3 s timeout, well within the process group's own 60 s
+
+
+def _diverged_rank(rank: int, init_file: str, out: str) -> None:
+    """Rank 1 holds other weights: ES's check and GRPO's check both see it, through one checksum."""
+    _join_group(rank, init_file)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    if rank == 1:
+        with torch.no_grad():
+            net[0].weight[0, 0] += 1.0
+    calls = []
+    one_checksum = distributed.weights_checksum
+
+    def counted(tensors):
+        calls.append(1)
+        return one_checksum(tensors)
+
+    distributed.weights_checksum = counted
+    errors = []
+    es = fastes.ES(fastes.linear_weights(net), sigma=0.1, lr=0.1, population=4, timeout=10.0)
+    for check in (
+        es.verify_ranks_agree,  # what ES.step runs every checksum_every generations
+        lambda: distributed.check_same_weights(net.parameters(), "GRPO step 10"),  # what GRPO runs
+    ):
+        try:
+            check()
+            errors.append(None)
+        except RuntimeError as error:
+            errors.append(str(error))
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"errors": errors, "calls": len(calls)}))
+    os._exit(0)
+
+
+def test_es_and_grpo_detect_diverged_weights_with_the_one_checksum(tmp_path):
+    net = torch.nn.Linear(3, 4)
+    es = fastes.ES(fastes.linear_weights(net), sigma=0.1, lr=0.1, population=2)
+    assert es.checksum() == distributed.weights_checksum([net.weight])
+    ranks = [
+        FORK.Process(target=_diverged_rank, args=(r, str(tmp_path / "init"), str(tmp_path))) for r in (0, 1)
+    ]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(60)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result["calls"] == 2  # one weights_checksum call per check
+        es_error, grpo_error = result["errors"]
+        assert es_error.startswith("weights diverged across processes at ES generation 0: checksums [")
+        assert "evaluate with the same seed" in es_error
+        assert grpo_error.startswith("weights diverged across processes at GRPO step 10: checksums [")

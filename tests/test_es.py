@@ -257,6 +257,146 @@ def test_resume_from_state_dict_equals_uninterrupted_run_and_replay_is_exact(dty
     assert len(str(es2.state_dict()["history"])) < 2000  # the whole run's log is small
 
 
+# An ES.state_dict() as fastes wrote it before the options had one entry ("options"): run_es(make_net(), 3,
+# **OLD_OPTIONS), printed by that version. Checkpoints of runs started then hold this form.
+OLD_OPTIONS = dict(
+    sigma=0.05,
+    lr=0.01,
+    population=6,
+    antithetic=False,
+    shaping="zscore",
+    seed=21,
+    weight_decay=0.1,
+    noise="rademacher",
+    backend="torch",
+)
+OLD_STATE = {
+    "backend": "torch",
+    "seed": 21,
+    "generation": 3,
+    "population": 6,
+    "antithetic": False,
+    "shaping": "zscore",
+    "stochastic_rounding": False,
+    "noise_type": "full",
+    "rank": 1,
+    "noise": "rademacher",
+    "param_groups": [{"sigma": 0.05, "lr": 0.01, "weight_decay": 0.1, "names": ["0.weight", "2.weight"]}],
+    "history": [
+        {
+            "generation": 0,
+            "weights": [
+                -0.021504441276192665,
+                -1.1180226802825928,
+                -0.008653141558170319,
+                -0.026832936331629753,
+                2.0120134353637695,
+                -0.8370002508163452,
+            ],
+            "members": 6,
+        },
+        {
+            "generation": 1,
+            "weights": [
+                -1.4489219188690186,
+                -1.0636643171310425,
+                0.6444180607795715,
+                1.5002869367599487,
+                0.05082609876990318,
+                0.3170550465583801,
+            ],
+            "members": 6,
+        },
+        {
+            "generation": 2,
+            "weights": [
+                -0.38168877363204956,
+                1.5729092359542847,
+                0.7023884654045105,
+                -0.9357025623321533,
+                -1.3600287437438965,
+                0.4021223783493042,
+            ],
+            "members": 6,
+        },
+    ],
+    "inner_optimizer": None,
+}
+
+
+def test_state_dict_options_are_the_constructor_arguments_that_rebuild_the_es():
+    import inspect
+
+    from fastes.es import RUN_OPTIONS
+
+    es = run_es(make_net(), 2, **OLD_OPTIONS)
+    state = es.state_dict()
+    assert tuple(state["options"]) == RUN_OPTIONS
+    assert set(RUN_OPTIONS) <= set(inspect.signature(fastes.ES.__init__).parameters)
+    assert state["options"] == {
+        **{k: v for k, v in OLD_OPTIONS.items() if k != "backend"},
+        "stochastic_rounding": False,
+        "noise_type": "full",
+        "rank": 1,
+    }
+    # ES(params, **options) is the same ES: it takes the same steps from the same weights.
+    a, b = make_net(seed=5), make_net(seed=5)
+    run_es(a, 2, es=fastes.ES(fastes.linear_weights(a), **state["options"], backend="torch"))
+    run_es(b, 2, **OLD_OPTIONS)
+    assert_same_weights(snapshot(a), snapshot(b))
+
+
+def test_a_state_written_before_options_had_one_entry_resumes_and_replays_exactly():
+    from fastes.es import saved_options
+
+    straight = make_net()
+    run_es(straight, 5, **OLD_OPTIONS)
+    resumed = make_net()
+    run_es(resumed, 3, **OLD_OPTIONS)  # the weights the old run's checkpoint holds next to its state
+    es = fastes.ES(fastes.linear_weights(resumed), **OLD_OPTIONS)
+    es.load_state_dict(OLD_STATE)
+    assert es.generation == 3 and es.options == es.state_dict()["options"]
+    run_es(resumed, 2, es=es)
+    assert_same_weights(snapshot(resumed), snapshot(straight))
+
+    replayed, three = make_net(), make_net()
+    fastes.replay(fastes.linear_weights(replayed), OLD_STATE, backend="torch")
+    run_es(three, 3, **OLD_OPTIONS)
+    assert_same_weights(snapshot(replayed), snapshot(three))
+    # The old form's options are taken from it, and states from before sign noise were Gaussian.
+    assert saved_options(OLD_STATE) == es.options
+    before_signs = {k: v for k, v in OLD_STATE.items() if k != "noise"}
+    assert saved_options(before_signs)["noise"] == "gaussian"
+    with pytest.raises(ValueError, match="noise='gaussian' but this ES uses noise='rademacher'"):
+        fastes.ES(fastes.linear_weights(make_net()), **OLD_OPTIONS).load_state_dict(before_signs)
+
+
+def test_a_state_with_options_this_version_does_not_know_is_refused():
+    es = run_es(make_net(), 1, **OLD_OPTIONS)
+    state = es.state_dict()
+    state["options"]["sparsity"] = 0.5
+    with pytest.raises(ValueError, match=r"options \['sparsity'\] that this version of fastes does not know"):
+        fastes.ES(fastes.linear_weights(make_net()), **OLD_OPTIONS).load_state_dict(state)
+
+
+def test_the_run_config_sets_es_arguments_from_one_mapping():
+    """Each ES argument the config sets is marked on its field (metadata "es_kwarg"); make_es passes them
+    all, and every option a state records (RUN_OPTIONS) can be set from the config."""
+    import inspect
+
+    from fastes.config import TrainConfig, es_kwargs
+    from fastes.es import RUN_OPTIONS
+
+    kwargs = es_kwargs(TrainConfig())
+    assert set(kwargs) <= set(inspect.signature(fastes.ES.__init__).parameters)
+    assert set(RUN_OPTIONS) <= set(kwargs)
+    assert kwargs["timeout"] == TrainConfig().collective_timeout and kwargs["seed"] == TrainConfig().seed
+    cfg = TrainConfig()
+    cfg.es.noise, cfg.es.noise_type, cfg.es.sigma = "rademacher", "full", 0.5
+    es = fastes.ES(fastes.linear_weights(make_net()), **es_kwargs(cfg))
+    assert (es.noise, es.noise_type, es.defaults["sigma"]) == ("rademacher", "full", 0.5)
+
+
 def test_load_state_dict_refuses_other_parameters():
     es = fastes.ES(fastes.linear_weights(make_net()), sigma=0.1, lr=0.1, population=4)
     other = fastes.ES([("w", torch.zeros(3))], sigma=0.1, lr=0.1, population=4)

@@ -410,7 +410,7 @@ def test_resume_equals_uninterrupted_and_replay_is_exact(dtype, rounding):
     for _ in range(3):
         es1.step(lambda: reward(interrupted))
     state, weights = es1.state_dict(), snapshot(interrupted)
-    assert state["noise"] == "rademacher"
+    assert state["options"]["noise"] == "rademacher"
     resumed = make_net(seed=99, dtype=dtype)
     resumed.load_state_dict(weights)
     es2 = fastes.ES(fastes.linear_weights(resumed), **options)
@@ -437,7 +437,7 @@ def test_loading_a_state_of_the_other_noise_fails_clearly_and_changes_nothing():
         sign.load_state_dict(gauss.state_dict())
     # A state from before sign noise existed has no "noise" entry: it was Gaussian.
     old = gauss.state_dict()
-    del old["noise"]
+    del old["options"]["noise"]
     gauss.load_state_dict(old)
     with pytest.raises(ValueError, match="saved with noise='gaussian'"):
         sign.load_state_dict(old)
@@ -449,7 +449,8 @@ def test_replay_uses_the_recorded_noise():
     es = fastes.ES(fastes.linear_weights(net), sigma=0.05, lr=0.05, population=4, seed=1, noise="rademacher")
     for _ in range(2):
         es.step(lambda: reward(net))
-    as_gaussian = {**es.state_dict(), "noise": "gaussian"}
+    state = es.state_dict()
+    as_gaussian = {**state, "options": {**state["options"], "noise": "gaussian"}}
     other = make_net()
     other.load_state_dict(base)
     fastes.replay(fastes.linear_weights(other), as_gaussian)

@@ -289,6 +289,28 @@ def test_sigkill_then_resume_equals_the_uninterrupted_run_in_every_mode(easy_tas
         assert all(m["kl"] > 0 for m in metrics(tmp_path / "crashed")[3:])
 
 
+def _flat_es_state(state: dict) -> dict:
+    """An ES state as fastes wrote it before the options had one entry: at its top level."""
+    flat = {k: v for k, v in state.items() if k != "options"}
+    return {**flat, **{k: v for k, v in state["options"].items() if k not in ("sigma", "lr", "weight_decay")}}
+
+
+def test_resume_of_a_run_whose_checkpoint_has_the_earlier_es_state_is_exact(easy_task, tmp_path):
+    """A run directory written before ES states kept their options in one entry still resumes, exactly."""
+    run_settings = settings(easy_task, tmp_path / "straight", **MODES["es low-rank bf16 stochastic rounding"])
+    train(load_config(None, run_settings))
+    old = tmp_path / "old"
+    shutil.copytree(tmp_path / "straight", old)
+    shutil.rmtree(old / "final")
+    step, tensors, state = load_checkpoint(old / "checkpoints" / "step-00000003")
+    assert set(state["es"]["options"]) >= {"noise_type", "rank", "stochastic_rounding", "seed"}
+    state["es"] = _flat_es_state(state["es"])
+    save_checkpoint(old, step, tensors, state)  # deletes step 4: the run resumes from step 3
+    train(load_config(None, {**run_settings, "out_dir": str(old)}), resume=True)
+    assert same_weights(tmp_path / "straight", old)
+    assert metrics(old) == metrics(tmp_path / "straight")
+
+
 # --- the whole checkpoint is verified ---------------------------------------------------------------------
 
 
