@@ -27,6 +27,35 @@ def tiny():
     return build_tiny_model("tiny", tokenizer).eval(), tokenizer
 
 
+# The two noise distributions (docs/noise.md): the per-op tests run for both. Sign arithmetic is exact
+# (w * eps and scale * eps are sign flips), so for "rademacher" the interpreted kernels must equal the torch
+# reference bit for bit, where Gaussian noise is compared to a tolerance.
+NOISE_KINDS = ["gaussian", "rademacher"]
+
+
+def make_tensors(dtype, seed, shapes):
+    """Standard-normal tensors of the given shapes, rounded to `dtype`, from a seeded generator."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g).to(dtype) for s in shapes]
+
+
+def bits(tensors):
+    """The raw bytes of each tensor: equal bits means equal values, -0.0 and NaN payloads included."""
+    return [t.view(-1).view(torch.uint8).clone() for t in tensors]
+
+
+def ordered(t):
+    """Integers in the order of the float values (one step = one ulp) for a 16-bit float tensor."""
+    raw = t.view(torch.int16).to(torch.int32)
+    return torch.where(raw < 0, -(raw & 0x7FFF), raw)
+
+
+def correlation(a, b):
+    """Pearson correlation of two samples, in float64."""
+    a, b = a.double() - a.double().mean(), b.double() - b.double().mean()
+    return (a @ b / (a.norm() * b.norm())).item()
+
+
 def is_timing(key: str) -> bool:
     """Metrics that measure time: different on every run, so left out when two runs are compared."""
     return key in ("seconds", "tokens_per_second") or key.startswith("time/")

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import NOISE_KINDS
 
 import fastes
 from fastes.batched import PopulationLinear, member_groups, population_batched
@@ -10,14 +11,17 @@ from fastes.generation import generate
 PROMPTS = ["cd 2 4 8 > 24:", "12+34=", "rev 123:", "cmp 5 7:"]
 
 
-def make_es(model, population=4, seed=0):
-    return fastes.ES(fastes.linear_weights(model), sigma=0.05, lr=0.01, population=population, seed=seed)
+def make_es(model, population=4, seed=0, noise="gaussian"):
+    return fastes.ES(
+        fastes.linear_weights(model), sigma=0.05, lr=0.01, population=population, seed=seed, noise=noise
+    )
 
 
 @torch.no_grad()
-def test_batched_logits_equal_member_by_member(tiny):
+@pytest.mark.parametrize("noise_kind", NOISE_KINDS)
+def test_batched_logits_equal_member_by_member(tiny, noise_kind):
     model, tokenizer = tiny
-    es = make_es(model)
+    es = make_es(model, noise=noise_kind)
     batch = tokenizer(PROMPTS, return_tensors="pt", padding=True)
     expected = []
     for member in es.members():

@@ -78,3 +78,18 @@ def test_files_written(quick):
     assert "## Targets" in text and ("**hit**" in text or "**miss**" in text)
     assert "## ES step on bare weights" in text
     assert paths["png"].stat().st_size > 0 and paths["png"].parent == out
+
+
+def test_comparison_benchmark_quick_mode_writes_its_report(tmp_path):
+    from benchmarks import sign_noise
+
+    results = sign_noise.main(["--quick", "--out", str(tmp_path), "--runs", str(tmp_path / "none")])
+    stem = tmp_path / f"sign-noise-cpu-{results['date']}"
+    assert {r["op"] for r in results["throughput"]} == {"perturb", "update N=2"}
+    assert all(r["gaussian_s"] > 0 and r["rademacher_s"] > 0 for r in results["throughput"])
+    for problem in ("toy", "regression"):
+        assert set(results[problem]["final"]) == {"gaussian", "rademacher"}
+        assert all(len(c) == 4 for curves in results[problem]["curves"].values() for c in curves)  # 3 steps
+    report = stem.with_suffix(".md").read_text()
+    assert "| README toy" in report and "Countdown: not run" in report
+    assert stem.with_suffix(".png").stat().st_size > 0 and stem.with_suffix(".json").exists()

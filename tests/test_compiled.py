@@ -1,9 +1,10 @@
 """The compiled CPU backend (fastes.compiled, backend "cpu") against the eager reference.
 
 Raw Philox words and uniforms must be bit-identical; normals within the contract's 1e-6; perturb and
-update (every mode) within the dtype-aware tolerances of test_perturb / test_update. Also: chunking,
-packing and the thread count never change a tensor's noise, the library is built once per machine and
-reused, and without a C compiler the reference runs after one warning.
+update (every mode) within the dtype-aware tolerances of test_perturb / test_update for Gaussian noise,
+and bit for bit for sign noise (packed into chunks on 128-aligned lanes; sign arithmetic is exact).
+Also: chunking, packing and the thread count never change a tensor's noise, the library is built once per
+machine and reused, and without a C compiler the reference runs after one warning.
 """
 
 import os
@@ -13,6 +14,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import NOISE_KINDS, bits, make_tensors
 from test_noise import PHILOX_KAT
 from test_perturb import assert_matches_reference
 from test_update import assert_close_to, magnitude_of
@@ -25,11 +27,6 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SHAPES = [(1,), (7,), (33, 5), (4097,), (compiled.CHUNK + 5,)]
 IDS = [noise.tensor_id(n) for n in ("emb", "q.weight", "mlp.weight", "lm_head.weight", "big.weight")]
 SEEDS = [0, 31337]
-
-
-def make_tensors(dtype, seed, shapes=SHAPES):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(s, generator=g).to(dtype) for s in shapes]
 
 
 def reference_words(key, tid, numel, offset, stream):
@@ -98,32 +95,37 @@ def test_docs_test_vectors():
 # ---------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("noise_kind", NOISE_KINDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("seed", SEEDS)
-def test_perturb_matches_reference(dtype, seed):
+def test_perturb_matches_reference(noise_kind, dtype, seed):
     key, scale = noise.member_key(seed, 3, 1), -0.05 if seed else 0.05
-    src = make_tensors(dtype, seed)
+    src = make_tensors(dtype, seed, SHAPES)
     before = [t.clone() for t in src]
     fast = [torch.empty_like(t) for t in src]
     ref = [torch.empty_like(t) for t in src]
-    ops.perturb(src, fast, IDS, key, scale, backend="cpu")
-    ops.perturb(src, ref, IDS, key, scale, backend="torch")
+    ops.perturb(src, fast, IDS, key, scale, noise_kind=noise_kind, backend="cpu")
+    ops.perturb(src, ref, IDS, key, scale, noise_kind=noise_kind, backend="torch")
     for f, r, t, b in zip(fast, ref, src, before):
         assert torch.equal(t, b)  # out of place: the weights are never written
-        assert_matches_reference(f, r, t.float(), scale)
+        if noise_kind == "rademacher":
+            assert torch.equal(*bits([f, r]))
+        else:
+            assert_matches_reference(f, r, t.float(), scale)
     inplace = [t.clone() for t in src]
-    ops.perturb(inplace, inplace, IDS, key, scale, backend="cpu")
+    ops.perturb(inplace, inplace, IDS, key, scale, noise_kind=noise_kind, backend="cpu")
     assert all(torch.equal(i, f) for i, f in zip(inplace, fast))
 
 
+@pytest.mark.parametrize("noise_kind", NOISE_KINDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mode", ["nearest", "stochastic", "gradient"])
-def test_update_matches_reference(dtype, mode):
+def test_update_matches_reference(noise_kind, dtype, mode):
     seed = DTYPES.index(dtype)
     keys = [noise.member_key(seed, 12, j) for j in range(3)]
     weights, coef, decay = [0.75, -1.25, 0.5], 0.02, 0.995
-    theta = make_tensors(dtype, seed)
-    options = {"coef": coef, "decay": decay}
+    theta = make_tensors(dtype, seed, SHAPES)
+    options = {"coef": coef, "decay": decay, "noise_kind": noise_kind}
     if mode == "stochastic":
         options["rounding_key"] = noise.rounding_key(seed, 12)
     results = {}
@@ -135,6 +137,9 @@ def test_update_matches_reference(dtype, mode):
             assert all(torch.equal(p, t) for p, t in zip(params, theta))
         results[backend] = grads if mode == "gradient" else params
     for f, r, t in zip(results["cpu"], results["torch"], theta):
+        if noise_kind == "rademacher":
+            assert torch.equal(*bits([f, r]))
+            continue
         if mode != "gradient":
             assert_close_to(f, r, magnitude_of(t, weights, coef, decay))
             continue
@@ -250,7 +255,7 @@ def test_failed_build_falls_back_to_reference_with_one_warning(monkeypatch, tmp_
     monkeypatch.setenv("FASTES_CACHE_DIR", str(tmp_path / "cache"))  # no earlier build to reuse
     for name, value in (("_library", None), ("_unavailable", None)):
         monkeypatch.setattr(compiled, name, value)
-    src = make_tensors(torch.bfloat16, 1)
+    src = make_tensors(torch.bfloat16, 1, SHAPES)
     ref = [torch.empty_like(t) for t in src]
     ops.perturb(src, ref, IDS, (5, 6), 0.1, backend="torch")
     out = [t.clone() for t in src]

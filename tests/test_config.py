@@ -74,3 +74,12 @@ def test_every_key_has_its_help_next_to_it(capsys):
         main(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "--grpo.beta FLOAT weight of the KL (k3) to the starting model" in text
+
+
+def test_config_and_cli_take_the_noise(capsys):
+    assert load_config(None, {}).es.noise == "gaussian"
+    assert load_config(None, {"es.noise": "rademacher"}).es.noise == "rademacher"
+    with pytest.raises(ConfigError, match="es.noise: 'sign' is not one of"):
+        load_config(None, {"es.noise": "sign"})
+    assert main(["train", "--es.noise", "sign"]) == 2
+    assert "es.noise" in capsys.readouterr().err

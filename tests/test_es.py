@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import NOISE_KINDS
 
 import fastes
 from fastes import noise
@@ -92,15 +93,20 @@ def test_update_equals_plain_es_formula(antithetic):
         torch.testing.assert_close(p.detach().double().view(-1), expected, rtol=0, atol=1e-6)
 
 
-def test_member_weights_are_the_perturbation_and_restore_exactly():
+@pytest.mark.parametrize("noise_kind", NOISE_KINDS)
+def test_member_weights_are_the_perturbation_and_restore_exactly(noise_kind):
     net = make_net()
     before = snapshot(net)
-    es = fastes.ES(fastes.linear_weights(net), sigma=0.1, lr=0.0, population=4, seed=5)
+    es = fastes.ES(fastes.linear_weights(net), sigma=0.1, lr=0.0, population=4, seed=5, noise=noise_kind)
     for member in es.members():
         with member:
             for name, p in fastes.linear_weights(net):
-                eps = noise.normal(member.key, noise.tensor_id(name), p.numel()).view(p.shape)
-                torch.testing.assert_close(p.detach(), before[name] + member.sign * 0.1 * eps)
+                eps = noise.sample(noise_kind, member.key, noise.tensor_id(name), p.numel()).view(p.shape)
+                expected = before[name] + member.sign * 0.1 * eps
+                if noise_kind == "rademacher":  # sign arithmetic is exact: every weight moves by sigma
+                    assert torch.equal(p.detach(), expected)
+                else:
+                    torch.testing.assert_close(p.detach(), expected)
         assert_same_weights(snapshot(net), before)
 
 
@@ -233,9 +239,11 @@ def run_es(net, iterations, es=None, **kwargs):
     return es
 
 
+@pytest.mark.parametrize("noise_kind", NOISE_KINDS)
 @pytest.mark.parametrize("dtype,rounding", [(torch.float32, False), (torch.bfloat16, True)])
-def test_resume_from_state_dict_equals_uninterrupted_run_and_replay_is_exact(dtype, rounding):
+def test_resume_from_state_dict_equals_uninterrupted_run_and_replay_is_exact(dtype, rounding, noise_kind):
     options = dict(sigma=0.05, lr=0.01, population=8, seed=21, stochastic_rounding=rounding, weight_decay=0.1)
+    options["noise"] = noise_kind
     straight = make_net(dtype=dtype)
     base = snapshot(straight)
     run_es(straight, 6, **options)
@@ -243,6 +251,7 @@ def test_resume_from_state_dict_equals_uninterrupted_run_and_replay_is_exact(dty
     interrupted = make_net(dtype=dtype)
     es = run_es(interrupted, 3, **options)
     saved_state, saved_weights = es.state_dict(), snapshot(interrupted)
+    assert saved_state["options"]["noise"] == noise_kind
     resumed = make_net(seed=99, dtype=dtype)  # fresh process: other weights until loaded
     resumed.load_state_dict(saved_weights)
     es2 = fastes.ES(fastes.linear_weights(resumed), **options)
@@ -395,6 +404,34 @@ def test_the_run_config_sets_es_arguments_from_one_mapping():
     cfg.es.noise, cfg.es.noise_type, cfg.es.sigma = "rademacher", "full", 0.5
     es = fastes.ES(fastes.linear_weights(make_net()), **es_kwargs(cfg))
     assert (es.noise, es.noise_type, es.defaults["sigma"]) == ("rademacher", "full", 0.5)
+
+
+def test_loading_a_state_of_the_other_noise_fails_clearly_and_changes_nothing():
+    net = make_net()
+    sign = run_es(net, 1, sigma=0.1, lr=0.1, population=4, noise="rademacher")
+    gauss = fastes.ES(fastes.linear_weights(net), sigma=0.1, lr=0.1, population=4)
+    with pytest.raises(ValueError, match="saved with noise='rademacher' but this ES uses noise='gaussian'"):
+        gauss.load_state_dict(sign.state_dict())
+    assert gauss.generation == 0 and gauss.noise == "gaussian"
+    with pytest.raises(ValueError, match="saved with noise='gaussian' but this ES uses noise='rademacher'"):
+        sign.load_state_dict(gauss.state_dict())
+    # A state from before sign noise existed has no "noise" entry: it was Gaussian.
+    old = gauss.state_dict()
+    del old["options"]["noise"]
+    gauss.load_state_dict(old)
+    with pytest.raises(ValueError, match="saved with noise='gaussian'"):
+        sign.load_state_dict(old)
+
+
+def test_replay_uses_the_recorded_noise():
+    net = make_net()
+    base = snapshot(net)
+    state = run_es(net, 2, sigma=0.05, lr=0.05, population=4, seed=1, noise="rademacher").state_dict()
+    as_gaussian = {**state, "options": {**state["options"], "noise": "gaussian"}}
+    other = make_net()
+    other.load_state_dict(base)
+    fastes.replay(fastes.linear_weights(other), as_gaussian)
+    assert not torch.equal(other[0].weight, net[0].weight)  # the noise really decides the weights
 
 
 def test_load_state_dict_refuses_other_parameters():

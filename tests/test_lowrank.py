@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from conftest import NOISE_KINDS
 
 import fastes
 from fastes import lowrank, noise
@@ -22,6 +23,22 @@ def test_noise_matrix_is_the_scaled_product_of_contract_factors():
     assert abs(float(big.var()) - 1) < 0.1  # entries have unit variance, like full-rank noise
 
 
+def test_low_rank_sign_factors():
+    key, tid, shape = noise.member_key(3, 1, 2), 11, torch.Size((30, 20))
+    a, b = lowrank.factors(key, tid, shape, 4, "cpu", noise_kind="rademacher")
+    assert torch.equal(a.flatten(), noise.rademacher(key, tid, 120, stream=noise.STREAM_LOWRANK_SIGN_A))
+    assert torch.equal(b.flatten(), noise.rademacher(key, tid, 80, stream=noise.STREAM_LOWRANK_SIGN_B))
+    eps = lowrank.noise_matrix(key, tid, shape, 4, "cpu", noise_kind="rademacher")
+    assert torch.equal(eps, a @ b.T / 2)
+    assert set((eps * 2).unique().tolist()) <= {-4.0, -2.0, 0.0, 2.0, 4.0}  # sums of 4 signs, over sqrt(4)
+    big = lowrank.noise_matrix(key, tid, torch.Size((400, 300)), 8, "cpu", noise_kind="rademacher")
+    assert abs(big.mean().item()) < 0.02 and abs(big.var().item() - 1) < 0.05
+    # Rank 1 sign factors give a sign matrix.
+    assert set(
+        lowrank.noise_matrix(key, tid, shape, 1, "cpu", noise_kind="rademacher").unique().tolist()
+    ) == {-1.0, 1.0}
+
+
 def test_update_equals_the_plain_formula():
     w = torch.randn(6, 5)
     before = w.clone()
@@ -36,11 +53,13 @@ def test_update_equals_the_plain_formula():
 
 
 @torch.no_grad()
-def test_factored_forward_equals_materialised_low_rank_weights(tiny):
+@pytest.mark.parametrize("noise_kind", NOISE_KINDS)
+def test_factored_forward_equals_materialised_low_rank_weights(tiny, noise_kind):
     model, tokenizer = tiny
     es = fastes.ES(
-        fastes.linear_weights(model), sigma=0.05, lr=0.01, population=4, seed=2, noise_type="lowrank", rank=2
-    )
+        fastes.linear_weights(model), sigma=0.05, lr=0.01, population=4, seed=2, noise=noise_kind,
+        noise_type="lowrank", rank=2,
+    )  # fmt: skip
     batch = tokenizer(["cd 2 4 8 > 24:", "12+34="], return_tensors="pt", padding=True)
     expected = []
     for member in es.members():

@@ -1,7 +1,8 @@
-"""The noise contract: Philox4x32-10 bits, counter layout, normals and uniforms (docs/noise.md).
+"""The noise contract: Philox4x32-10 bits, counter layout, normals, uniforms and signs (docs/noise.md).
 
-The reference (`fastes.noise`) is pinned by Random123's published known-answer vectors; the interpreted
-Triton stream (`fastes.kernels.launch_fill`) must give the same raw bits, and normals to float tolerance.
+The reference (`fastes.noise`) is pinned by Random123's published known-answer vectors and by the sign
+vectors printed in docs/noise.md section 6a; the interpreted Triton stream (`fastes.kernels.launch_fill`)
+must give the same raw bits and signs, and normals to float tolerance.
 """
 
 import hashlib
@@ -11,8 +12,10 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from conftest import correlation
 
-from fastes import kernels, noise
+import fastes
+from fastes import kernels, noise, ops
 
 launch_fill = kernels.launch_fill
 philox4x32_10 = kernels.philox.philox4x32_10
@@ -182,6 +185,82 @@ def test_reference_offsets_out_of_range_are_rejected():
 
 
 # ---------------------------------------------------------------------------------------------------
+# Sign (Rademacher) noise: docs/noise.md section 6a
+# ---------------------------------------------------------------------------------------------------
+
+UP_PROJ = TENSOR_IDS[1]
+
+
+def signs_from_spec(key, tensor, first, numel, stream=noise.STREAM_SIGN):
+    """Element by element from docs/noise.md 6a, with Python integers: bit e % 32 of word (e % 128) // 32
+    of Philox counter (e // 128 low, e // 128 high, tensor, stream); a set bit is -1."""
+    out, cache = [], {}
+    for e in range(first, first + numel):
+        block = e // 128
+        if block not in cache:
+            cache[block] = [
+                int(w) for w in noise.philox4x32(block & MASK32, block >> 32, tensor, stream, *key)
+            ]
+        bit = (cache[block][(e % 128) // 32] >> (e % 32)) & 1
+        out.append(-1.0 if bit else 1.0)
+    return torch.tensor(out)
+
+
+def as_text(signs):
+    return "".join("+" if v > 0 else "-" for v in signs.tolist())
+
+
+# (member key, stream, first element, block words in hex or None, signs) exactly as printed in the doc.
+DOC_VECTORS = [
+    ((42, 0, 0), 4, 0, "9152bbfa 728f9f8f 5e18d38f 8a49c36f", "+-+-------+---+-+-++-+-+-+++-++-"),
+    ((42, 0, 0), 4, 32, None, "----+++------++-----+++-+-++---+"),
+    ((42, 0, 0), 4, 128, "d9e7956f 9e531b2c 26f249e5 1c6c1201", "----+--+-+-+-++----++----++--+--"),
+    ((42, 0, 0), 4, 2**39, "d560d649 1d64f0e8 d6ba80e7 3b2ca277", "-++-++-++--+-+--+++++--+-+-+-+--"),
+    ((42, 7, 3), 4, 0, "5cd4871e e232bfd8 10e786de ed1b0f8f", "+----+++---++++-++-+-+--++---+-+"),
+    ((42, 0, 0), 5, 0, None, "-+---+-++--++-++"),
+    ((42, 0, 0), 6, 0, None, "--+-+-++----+++-"),
+]
+
+
+@pytest.mark.parametrize("member, stream, first, words, signs", DOC_VECTORS)
+def test_sign_known_answers_of_the_doc(member, stream, first, words, signs):
+    key = noise.member_key(*member)
+    got = noise.rademacher(key, UP_PROJ, len(signs), offset=first, stream=stream)
+    assert as_text(got) == signs
+    if words is not None:
+        block = first // 128
+        expected = [int(w, 16) for w in words.split()]
+        assert [
+            int(w) for w in noise.philox4x32(block & MASK32, block >> 32, UP_PROJ, stream, *key)
+        ] == expected
+
+
+@pytest.mark.parametrize("key", KEYS[:3])
+@pytest.mark.parametrize("first, numel", [(0, 300), (2**32 - 70, 200), (2**39 - 100, 230), (2**60 + 5, 9)])
+def test_reference_signs_follow_the_spec_at_any_offset(key, first, numel):
+    tid = TENSOR_IDS[1]
+    got = noise.rademacher(key, tid, numel, offset=first)
+    assert torch.equal(got, signs_from_spec(key, tid, first, numel))
+    # Any chunking gives the same signs, including chunks not aligned to a Philox block.
+    cuts = sorted({c for c in (0, 1, 31, 32, 100, 129) if c < numel} | {numel})
+    parts = [noise.rademacher(key, tid, b - a, offset=first + a) for a, b in zip(cuts, cuts[1:])]
+    assert torch.equal(torch.cat(parts), got)
+
+
+def test_unknown_noise_is_rejected_everywhere():
+    t = [torch.zeros(8)]
+    with pytest.raises(ValueError, match="unknown noise 'uniform'"):
+        ops.perturb(t, [torch.empty(8)], [1], (1, 2), 0.1, noise_kind="uniform")
+    with pytest.raises(ValueError, match="unknown noise 'uniform'"):
+        ops.es_update(t, [1], [(1, 2)], [1.0], coef=0.1, noise_kind="uniform")
+    with pytest.raises(ValueError, match="unknown noise 'uniform'"):
+        noise.sample("uniform", (1, 2), 1, 8)
+    with pytest.raises(ValueError, match="unknown noise 'uniform'"):
+        fastes.ES([("w", torch.zeros(3))], sigma=0.1, lr=0.1, population=2, noise="uniform")
+    assert torch.equal(t[0], torch.zeros(8))
+
+
+# ---------------------------------------------------------------------------------------------------
 # Interpreted kernel stream == reference stream
 # ---------------------------------------------------------------------------------------------------
 
@@ -204,12 +283,32 @@ def test_kernel_raw_bits_match_reference(key, tid, offset, numel):
     assert torch.equal(bits, expected_words(key, tid, noise.STREAM_NOISE, offset, numel))
 
 
-@pytest.mark.parametrize("key, tid, offset, numel", FILL_CASES)
-def test_kernel_normals_match_reference(key, tid, offset, numel):
-    z = fill(numel, key, tid, offset)
+# Sign noise fills whole 128-element sign blocks: its offsets and blocks are multiples of 128.
+SIGN_FILL_CASES = [
+    # (key, tensor id, element offset, numel, block)
+    (KEYS[0], TENSOR_IDS[1], 0, 1, 1024),
+    (KEYS[1], TENSOR_IDS[1], 0, 4097, 256),
+    (KEYS[2], MASK32, 2**32 - 1024, 3000, 1024),  # crosses element 2^32
+    (KEYS[3], TENSOR_IDS[2], 2**39 - 256, 700, 256),  # crosses sign block 2^32: counter word 1 becomes 1
+    (KEYS[4], TENSOR_IDS[0], 2**44 + 128, 129, 128),
+]
+NOISE_FILL_CASES = [("gaussian", noise.STREAM_NOISE, *case, 1024) for case in FILL_CASES] + [
+    ("rademacher", stream, *case)
+    for stream in (noise.STREAM_SIGN, noise.STREAM_LOWRANK_SIGN_A)
+    for case in SIGN_FILL_CASES
+]
+
+
+@pytest.mark.parametrize("noise_kind, stream, key, tid, offset, numel, block", NOISE_FILL_CASES)
+def test_kernel_noise_matches_reference(noise_kind, stream, key, tid, offset, numel, block):
+    out = torch.full((numel,), float("nan"))
+    launch_fill(out, key, tid, offset, stream, False, block, noise=noise_kind)
+    if noise_kind == "rademacher":  # signs are bits: equal to the reference bit for bit
+        assert torch.equal(out, noise.rademacher(key, tid, numel, offset=offset, stream=stream))
+        return
     ref = noise.normal(key, tid, numel, offset=offset)
-    assert torch.isfinite(z).all()
-    assert (z - ref).abs().max().item() <= 1e-6
+    assert torch.isfinite(out).all()
+    assert (out - ref).abs().max().item() <= 1e-6
 
 
 def test_kernel_rounding_stream_bits_match_reference():
@@ -264,6 +363,19 @@ def test_kernel_fill_rejects_unaligned_offset():
         launch_fill(torch.zeros(4), KEYS[0], 1, 6, noise.STREAM_NOISE, False)
 
 
+def test_kernel_fill_of_signs_needs_whole_sign_blocks():
+    with pytest.raises(ValueError, match="offset must be a multiple of 128"):
+        launch_fill(torch.zeros(4), KEYS[0], 1, 64, noise.STREAM_SIGN, False, noise="rademacher")
+    with pytest.raises(ValueError, match="block must be a multiple of 128"):
+        launch_fill(torch.zeros(4), KEYS[0], 1, 0, noise.STREAM_SIGN, False, 64, noise="rademacher")
+
+
+def test_kernel_stream_constants_match_the_reference():
+    assert kernels.philox.STREAM_SIGN.value == noise.STREAM_SIGN
+    assert kernels.philox.SIGN_BLOCK.value == noise.SIGN_BLOCK
+    assert list(kernels.philox.NOISE_CODES) == list(noise.NOISES)
+
+
 @pytest.mark.parametrize("base", [0, 2**32 - 11])
 def test_reference_stream_does_not_depend_on_chunking(base):
     key, tid = KEYS[1], TENSOR_IDS[1]
@@ -281,46 +393,57 @@ def test_reference_stream_does_not_depend_on_chunking(base):
 # ---------------------------------------------------------------------------------------------------
 
 N_CORR = 1 << 16
+N_SIGNS = 1 << 18  # signs are cheap: a larger sample, for tighter bounds
 
 
-def correlation(a, b):
-    a, b = a.double() - a.double().mean(), b.double() - b.double().mean()
-    return (a @ b / (a.norm() * b.norm())).item()
+STREAM_PAIRS = [
+    (kind, other)
+    for kind in ("gaussian", "rademacher")
+    for other in ("tensor id", "direction index", "generation", "seed", "stream")
+] + [
+    ("gaussian", "next chunk of the same tensor"),
+    ("rademacher", "gaussian of the same key"),
+]
 
 
-@pytest.mark.parametrize(
-    "other",
-    [
-        "tensor id",
-        "direction index",
-        "generation",
-        "seed",
-        "stream",
-        "next chunk of the same tensor",
-    ],
-)
-def test_streams_are_independent(other):
+@pytest.mark.parametrize("noise_kind, other", STREAM_PAIRS)
+def test_streams_are_independent(noise_kind, other):
     seed, generation, index = 5, 2, 3
     tid = noise.tensor_id("layers.0.attn.q_proj.weight")
-    base = noise.normal(noise.member_key(seed, generation, index), tid, N_CORR)
     key = noise.member_key(seed, generation, index)
+    n = N_CORR if noise_kind == "gaussian" else N_SIGNS
+    draw = noise.normal if noise_kind == "gaussian" else noise.rademacher
+    # Another stream of the same kind: rounding uniforms' stream for normals, low-rank factors' for signs.
+    other_stream = noise.STREAM_ROUNDING if noise_kind == "gaussian" else noise.STREAM_LOWRANK_SIGN_A
+    base = draw(key, tid, n)
     if other == "tensor id":
-        alt = noise.normal(key, noise.tensor_id("layers.0.attn.k_proj.weight"), N_CORR)
+        alt = draw(key, noise.tensor_id("layers.0.attn.k_proj.weight"), n)
     elif other == "direction index":
-        alt = noise.normal(noise.member_key(seed, generation, index + 1), tid, N_CORR)
+        alt = draw(noise.member_key(seed, generation, index + 1), tid, n)
     elif other == "generation":
-        alt = noise.normal(noise.member_key(seed, generation + 1, index), tid, N_CORR)
+        alt = draw(noise.member_key(seed, generation + 1, index), tid, n)
     elif other == "seed":
-        alt = noise.normal(noise.member_key(seed + 1, generation, index), tid, N_CORR)
+        alt = draw(noise.member_key(seed + 1, generation, index), tid, n)
     elif other == "stream":
-        alt = noise.normal(key, tid, N_CORR, stream=noise.STREAM_ROUNDING)
+        alt = draw(key, tid, n, stream=other_stream)
+    elif other == "gaussian of the same key":
+        alt = noise.normal(key, tid, n)
     else:
-        alt = noise.normal(key, tid, N_CORR, offset=N_CORR)
+        alt = draw(key, tid, n, offset=n)
     assert not torch.equal(base, alt)
     # |corr| of independent samples is ~ N(0, 1/n): 5 standard deviations.
-    assert abs(correlation(base, alt)) < 5 / math.sqrt(N_CORR)
+    assert abs(correlation(base, alt)) < 5 / math.sqrt(n)
     # Also no lag-one relation between the two streams.
-    assert abs(correlation(base[1:], alt[:-1])) < 5 / math.sqrt(N_CORR)
+    assert abs(correlation(base[1:], alt[:-1])) < 5 / math.sqrt(n)
+
+
+def test_sign_and_gaussian_streams_never_share_counters():
+    # Sign block B of stream 4 and normal block b of stream 0 differ in counter word 3, whatever B and b.
+    key, tid = KEYS[1], TENSOR_IDS[2]
+    assert noise.STREAM_SIGN not in (noise.STREAM_NOISE, noise.STREAM_ROUNDING, 2, 3, 5, 6)
+    sign_words = noise.philox4x32(5, 0, tid, noise.STREAM_SIGN, *key)
+    normal_words = noise.philox4x32(5, 0, tid, noise.STREAM_NOISE, *key)
+    assert [int(w) for w in sign_words] != [int(w) for w in normal_words]
 
 
 def test_lanes_within_a_block_are_uncorrelated():
@@ -377,6 +500,26 @@ def test_uniforms_are_strictly_inside_the_unit_interval():
     # The extreme words map to the extreme uniforms, not to 0 or 1.
     ends = noise._uniform(torch.tensor([0, MASK32], dtype=torch.int64))
     assert ends.tolist() == [2.0**-24, 1 - 2.0**-24]
+
+
+def test_sign_statistics():
+    s = noise.rademacher(noise.member_key(2024, 0, 1), noise.tensor_id("w"), N_SIGNS).double()
+    assert set(s.unique().tolist()) == {-1.0, 1.0}
+    assert abs(s.mean().item()) < 5 / math.sqrt(N_SIGNS)  # sd of the mean: 1/sqrt(n)
+    assert abs(s.var().item() - 1) < 5 / math.sqrt(N_SIGNS)  # var = 1 - mean^2 (n / (n-1)); sd ~ 2/n
+    # Every bit position of the 128 in a block is balanced: no lane is biased.
+    per_position = (s.view(-1, 128) < 0).double().mean(0)
+    assert (per_position - 0.5).abs().max().item() < 5 * 0.5 / math.sqrt(N_SIGNS / 128)
+    # Neighbours are independent: lag 1 (same word), 32 (next word), 128 (next block).
+    for lag in (1, 32, 128):
+        assert abs(correlation(s[lag:], s[:-lag])) < 5 / math.sqrt(N_SIGNS)
+
+
+def test_the_sign_statistics_check_can_fail():
+    # The per-position balance above catches a biased lane, e.g. a bit that is always clear.
+    s = noise.rademacher(noise.member_key(2024, 0, 1), noise.tensor_id("w"), N_SIGNS).view(-1, 128).clone()
+    s[:, 77] = 1.0
+    assert ((s < 0).double().mean(0) - 0.5).abs().max().item() > 5 * 0.5 / math.sqrt(N_SIGNS / 128)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -6,26 +6,16 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from conftest import NOISE_KINDS, bits, make_tensors, ordered
 
 from fastes import noise, ops
 from fastes.kernels.rounding import round_to
 
-SHAPES = [(1,), (7,), (33, 5), (4097,)]
+SHAPES = [(1,), (7,), (33, 5), (4097,)]  # odd sizes; the last spans 33 sign blocks and 5 kernel tiles
 NAMES = ["emb", "layers.0.q.weight", "layers.0.mlp.weight", "lm_head.weight"]
 IDS = [noise.tensor_id(n) for n in NAMES]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SIGMA = 0.05
-
-
-def make_tensors(dtype, seed=0, shapes=SHAPES):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(s, generator=g).to(dtype) for s in shapes]
-
-
-def ordered(t):
-    """Integers in the order of the float values (one step = one ulp) for a 16-bit float tensor."""
-    bits = t.view(torch.int16).to(torch.int32)
-    return torch.where(bits < 0, -(bits & 0x7FFF), bits)
 
 
 def assert_matches_reference(result, expected, theta, scale):
@@ -41,36 +31,42 @@ def assert_matches_reference(result, expected, theta, scale):
     assert (ulps > 0).float().mean().item() < 0.01
 
 
-def naive(theta, tid, key, scale):
+def assert_kernel_matches(noise_kind, results, expected, sources, scale):
+    """Sign noise: bit for bit (sign arithmetic is exact); Gaussian: assert_matches_reference."""
+    if noise_kind == "rademacher":
+        assert all(torch.equal(a, b) for a, b in zip(bits(results), bits(expected)))
+        return
+    for r, e, t in zip(results, expected, sources):
+        assert_matches_reference(r, e, t.float(), scale)
+
+
+def naive(theta, tid, key, scale, noise_kind="gaussian"):
     """The formula, one tensor at a time: round(fp32(theta) + scale * eps) to theta's dtype."""
-    eps = noise.normal(key, tid, theta.numel()).view(theta.shape)
+    eps = noise.sample(noise_kind, key, tid, theta.numel()).view(theta.shape)
     return (theta.to(torch.float32) + scale * eps).to(theta.dtype)
 
 
+@pytest.mark.parametrize("noise_kind", NOISE_KINDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("seed", [0, 31337])
 @pytest.mark.parametrize("sign", [1, -1])
-def test_kernel_matches_reference(dtype, seed, sign):
+def test_kernel_matches_reference(noise_kind, dtype, seed, sign):
     key = noise.member_key(seed, 3, 1)
     scale = sign * SIGMA
-    src = make_tensors(dtype, seed)
+    src = make_tensors(dtype, seed, SHAPES)
     before = [t.clone() for t in src]
     expected = [torch.empty_like(t) for t in src]
-    ops.perturb(src, expected, IDS, key, scale, backend="torch")
+    ops.perturb(src, expected, IDS, key, scale, noise_kind=noise_kind, backend="torch")
     for e, t, tid in zip(expected, src, IDS):
-        assert torch.equal(e, naive(t, tid, key, scale))
+        assert torch.equal(e, naive(t, tid, key, scale, noise_kind))
     # Out of place.
     out = [torch.full_like(t, float("nan")) for t in src]
-    ops.perturb(src, out, IDS, key, scale, backend="triton")
-    for r, e, t in zip(out, expected, before):
-        assert_matches_reference(r, e, t.float(), scale)
-    assert all(
-        torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8)) for a, b in zip(src, before)
-    )
+    ops.perturb(src, out, IDS, key, scale, noise_kind=noise_kind, backend="triton")
+    assert_kernel_matches(noise_kind, out, expected, before, scale)
+    assert all(torch.equal(a, b) for a, b in zip(bits(src), bits(before)))
     # In place (dst is src).
-    ops.perturb(src, src, IDS, key, scale, backend="triton")
-    for r, e, t in zip(src, expected, before):
-        assert_matches_reference(r, e, t.float(), scale)
+    ops.perturb(src, src, IDS, key, scale, noise_kind=noise_kind, backend="triton")
+    assert_kernel_matches(noise_kind, src, expected, before, scale)
     # The perturbation is visible: most elements moved.
     changed = sum((a != b).sum().item() for a, b in zip(src, before))
     assert changed > 0.9 * sum(t.numel() for t in src)
@@ -96,21 +92,29 @@ def test_noise_does_not_depend_on_other_tensors(backend):
     assert not torch.equal(other[0], alone[0])
 
 
+@pytest.mark.parametrize("noise_kind", NOISE_KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_antithetic_pair_differs_in_sign_only(dtype):
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_antithetic_pair_differs_in_sign_only(noise_kind, dtype, backend):
     key = noise.member_key(4, 4, 4)
     zeros = [torch.zeros(s, dtype=dtype) for s in SHAPES]
     plus = [torch.empty_like(t) for t in zeros]
     minus = [torch.empty_like(t) for t in zeros]
-    ops.perturb(zeros, plus, IDS, key, SIGMA, backend="triton")
-    ops.perturb(zeros, minus, IDS, key, -SIGMA, backend="triton")
+    ops.perturb(zeros, plus, IDS, key, SIGMA, noise_kind=noise_kind, backend=backend)
+    ops.perturb(zeros, minus, IDS, key, -SIGMA, noise_kind=noise_kind, backend=backend)
     for p, m in zip(plus, minus):
         assert torch.equal(p, -m)
         assert (p != 0).float().mean().item() > 0.99
+        if noise_kind == "rademacher":  # every element moves by exactly sigma
+            assert set(p.abs().unique().tolist()) == {torch.tensor(SIGMA, dtype=dtype).item()}
+    # Without noise_kind the noise is Gaussian: the default is unchanged.
+    default = [torch.empty_like(t) for t in zeros]
+    ops.perturb(zeros, default, IDS, key, SIGMA, backend=backend)
+    assert torch.equal(default[3], plus[3]) == (noise_kind == "gaussian")
 
 
 def test_zero_scale_is_identity():
-    src = make_tensors(torch.bfloat16, 5)
+    src = make_tensors(torch.bfloat16, 5, SHAPES)
     out = [torch.empty_like(t) for t in src]
     ops.perturb(src, out, IDS, noise.member_key(0, 0, 0), 0.0, backend="triton")
     assert all(torch.equal(a, b) for a, b in zip(out, src))

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from conftest import NOISE_KINDS, bits, make_tensors, ordered
 
 from fastes import noise, ops
 
@@ -19,17 +20,6 @@ CASES = [
 ]
 
 
-def make_tensors(dtype, seed, shapes=SHAPES):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(s, generator=g).to(dtype) for s in shapes]
-
-
-def ordered(t):
-    """Integers in the order of the float values (one step = one ulp) for a 16-bit float tensor."""
-    bits = t.view(torch.int16).to(torch.int32)
-    return torch.where(bits < 0, -(bits & 0x7FFF), bits)
-
-
 def assert_close_to(result, expected, magnitude, fraction=0.01):
     """fp32: within 1e-6 of `magnitude`; 16-bit: within one ulp, and off by that ulp in < `fraction`
     of the elements (fp32 sums and normals differ by ~1e-7 between paths, which can flip a rounding)."""
@@ -42,11 +32,20 @@ def assert_close_to(result, expected, magnitude, fraction=0.01):
     assert (ulps > 0).float().mean().item() < fraction
 
 
-def naive(theta, tid, keys, weights, coef, decay=1.0):
+def assert_kernel_matches(noise_kind, result, reference, magnitude):
+    """The kernel against the torch reference: bit for bit for sign noise (sign arithmetic is exact, and
+    both sum in the same order), within assert_close_to for Gaussian noise."""
+    if noise_kind == "rademacher":
+        assert torch.equal(*bits([result, reference]))
+    else:
+        assert_close_to(result, reference, magnitude)
+
+
+def naive(theta, tid, keys, weights, coef, decay=1.0, noise_kind="gaussian"):
     """theta * decay + coef * sum_j w_j * eps_j in float64, one pass per direction (the slow way)."""
     total = torch.zeros(theta.numel(), dtype=torch.float64)
     for key, w in zip(keys, weights):
-        total += w * noise.normal(key, tid, theta.numel()).double()
+        total += w * noise.sample(noise_kind, key, tid, theta.numel()).double()
     return (theta.double().view(-1) * decay + coef * total).view(theta.shape)
 
 
@@ -59,19 +58,21 @@ def run(backend, params, keys, weights, **kwargs):
     return params
 
 
+@pytest.mark.parametrize("noise_kind", NOISE_KINDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("seed, generation, weights, coef, decay", CASES)
-def test_update_kernel_matches_reference_and_naive(dtype, seed, generation, weights, coef, decay):
+def test_update_kernel_matches_reference_and_naive(noise_kind, dtype, seed, generation, weights, coef, decay):
     keys = [noise.member_key(seed, generation, j) for j in range(len(weights))]
-    theta = make_tensors(dtype, seed)
-    ref = run("torch", [t.clone() for t in theta], keys, weights, coef=coef, decay=decay)
-    out = run("triton", [t.clone() for t in theta], keys, weights, coef=coef, decay=decay)
+    theta = make_tensors(dtype, seed, SHAPES)
+    options = {"coef": coef, "decay": decay, "noise_kind": noise_kind}
+    ref = run("torch", [t.clone() for t in theta], keys, weights, **options)
+    out = run("triton", [t.clone() for t in theta], keys, weights, **options)
     changed = 0
     for t, r, o, tid in zip(theta, ref, out, IDS):
-        expected = naive(t, tid, keys, weights, coef, decay)
+        expected = naive(t, tid, keys, weights, coef, decay, noise_kind)
         magnitude = magnitude_of(t, weights, coef, decay)
         assert_close_to(r, expected, magnitude)
-        assert_close_to(o, r, magnitude)
+        assert_kernel_matches(noise_kind, o, r, magnitude)
         changed += (o != t).sum().item()
     assert changed > 0.5 * sum(t.numel() for t in theta)
 
@@ -100,20 +101,35 @@ def test_update_does_not_depend_on_other_tensors():
     assert torch.equal(together[1], alone[0])
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("noise_kind", NOISE_KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gradient_mode_writes_grad_and_leaves_params(backend, dtype):
+def test_gradient_mode_writes_grad_and_leaves_params(noise_kind, dtype):
     keys = [noise.member_key(11, 2, j) for j in range(3)]
     weights, coef = [0.25, 1.0, -2.0], 0.1
-    theta = make_tensors(dtype, 11)
-    params = [t.clone() for t in theta]
-    grads = [torch.full_like(t, float("nan")) for t in theta]
-    run(backend, params, keys, weights, coef=coef, decay=0.5, grads=grads)
-    for t, p, g, tid in zip(theta, params, grads, IDS):
-        assert torch.equal(p, t)
-        expected = naive(torch.zeros_like(t), tid, keys, weights, coef)  # decay plays no part
-        assert_close_to(g, expected, magnitude_of(torch.zeros_like(t), weights, coef))
-        assert torch.isfinite(g).all()
+    theta = make_tensors(dtype, 11, SHAPES)
+    results = {}
+    for backend in ("torch", "triton"):
+        params = [t.clone() for t in theta]
+        grads = [torch.full_like(t, float("nan")) for t in theta]
+        run(backend, params, keys, weights, coef=coef, decay=0.5, grads=grads, noise_kind=noise_kind)
+        assert all(torch.equal(p, t) for p, t in zip(params, theta))
+        results[backend] = grads
+    zero_magnitude = magnitude_of(torch.zeros(1), weights, coef)
+    for t, r, o, tid in zip(theta, results["torch"], results["triton"], IDS):
+        expected = naive(torch.zeros_like(t), tid, keys, weights, coef, noise_kind=noise_kind)  # no decay
+        assert_close_to(r, expected, zero_magnitude)
+        assert_close_to(o, expected, zero_magnitude)
+        assert_kernel_matches(noise_kind, o, r, zero_magnitude)
+        assert torch.isfinite(o).all()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_sign_update_is_the_sum_of_signed_weights(backend):
+    # With two directions of weights 1 and 2, every element moves by coef * (+-1 +-2): {-3, -1, 1, 3}.
+    keys = [noise.member_key(3, 0, 0), noise.member_key(3, 0, 1)]
+    params = [torch.zeros(1030)]
+    ops.es_update(params, [IDS[3]], keys, [1.0, 2.0], coef=0.5, noise_kind="rademacher", backend=backend)
+    assert set(params[0].unique().tolist()) == {-1.5, -0.5, 0.5, 1.5}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -129,19 +145,21 @@ def is_neighbour(rounded, value):
     return (r == value) | (torch.sign(step - value) * torch.sign(r - value) <= 0)
 
 
+@pytest.mark.parametrize("noise_kind", NOISE_KINDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("seed", [0, 4242])
-def test_stochastic_rounding_kernel_matches_reference(dtype, seed):
+def test_stochastic_rounding_kernel_matches_reference(noise_kind, dtype, seed):
     keys = [noise.member_key(seed, 3, j) for j in range(2)]
     weights, coef = [1.0, -0.75], 2e-3  # updates of about one ulp: rounding decides
     rkey = noise.rounding_key(seed, 3)
-    theta = make_tensors(dtype, seed)
-    ref = run("torch", [t.clone() for t in theta], keys, weights, coef=coef, rounding_key=rkey)
-    out = run("triton", [t.clone() for t in theta], keys, weights, coef=coef, rounding_key=rkey)
-    exact = run("torch", [t.float() for t in theta], keys, weights, coef=coef)  # the fp32 value rounded
+    theta = make_tensors(dtype, seed, SHAPES)
+    options = {"coef": coef, "noise_kind": noise_kind}
+    ref = run("torch", [t.clone() for t in theta], keys, weights, rounding_key=rkey, **options)
+    out = run("triton", [t.clone() for t in theta], keys, weights, rounding_key=rkey, **options)
+    exact = run("torch", [t.float() for t in theta], keys, weights, **options)  # the fp32 value rounded
     nearest_differs = 0
     for t, r, o, e, tid in zip(theta, ref, out, exact, IDS):
-        assert_close_to(o, r, magnitude_of(t, weights, coef))
+        assert_kernel_matches(noise_kind, o, r, magnitude_of(t, weights, coef))
         assert is_neighbour(r, e).all() and is_neighbour(o, e).all()
         # The reference result is the documented rule applied to the rounding stream.
         u = noise.uniform(rkey, tid, t.numel()).view(t.shape)
@@ -163,13 +181,16 @@ def test_stochastic_rounding_is_reproducible_and_keyed():
     assert not torch.equal(first, other)
 
 
-def test_stochastic_rounding_ignored_for_fp32():
+@pytest.mark.parametrize("noise_kind", NOISE_KINDS)
+def test_stochastic_rounding_ignored_for_fp32(noise_kind):
     keys = [noise.member_key(2, 2, 0)]
     theta = make_tensors(torch.float32, 2, [(1030,)])
     for backend in ("torch", "triton"):
-        sr = run(backend, [theta[0].clone()], keys, [1.0], coef=0.1, rounding_key=(3, 4))[0]
-        rn = run(backend, [theta[0].clone()], keys, [1.0], coef=0.1)[0]
-        assert torch.equal(sr, rn)
+        sr = run(
+            backend, [theta[0].clone()], keys, [1.0], coef=0.1, rounding_key=(3, 4), noise_kind=noise_kind
+        )
+        rn = run(backend, [theta[0].clone()], keys, [1.0], coef=0.1, noise_kind=noise_kind)
+        assert torch.equal(sr[0], rn[0])
 
 
 @pytest.mark.parametrize("dtype, ulp", [(torch.bfloat16, 2.0**-7), (torch.float16, 2.0**-10)])

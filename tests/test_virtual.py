@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import NOISE_KINDS
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import fastes
@@ -13,36 +14,66 @@ from fastes.models import build_tokenizer
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3)}
 
 
-def reference(x, weight, keys, scales, tensor_id, rows):
-    """Member m's rows times its materialised perturbed weight (the perturb reference), fp32 accumulate."""
+def reference(x, weight, keys, scales, tensor_id, rows, noise_kind="gaussian", transposed=False):
+    """Member m's rows times its materialised perturbed weight (the perturb reference), fp32 accumulate.
+    A transposed (Conv1D) weight is [in, out] and y = x W."""
     out = []
     for m, (key, scale) in enumerate(zip(keys, scales)):
         w = torch.empty_like(weight)
-        ops.perturb_reference([weight], [w], [tensor_id], key, scale)
-        out.append(x[m * rows : (m + 1) * rows].float() @ w.float().T)
+        ops.perturb_reference([weight], [w], [tensor_id], key, scale, noise_kind)
+        out.append(x[m * rows : (m + 1) * rows].float() @ (w.float() if transposed else w.float().T))
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("members,rows,n_in,n_out", [(3, 5, 7, 33), (2, 17, 40, 16), (1, 1, 1, 1)])
-def test_kernel_matches_materialised_weights(dtype, members, rows, n_in, n_out):
+def check_kernel(noise_kind, dtype, members, rows, n_in, n_out, transposed=False):
+    """The interpreted kernel against the materialised reference. The matmul accumulates in another order
+    than the reference, so sign noise too is compared to a tolerance here."""
     gen = torch.Generator().manual_seed(members * 100 + n_in)
     x = torch.randn(members * rows, n_in, generator=gen).to(dtype)
-    weight = (torch.randn(n_out, n_in, generator=gen) * 0.1).to(dtype)
+    shape = (n_in, n_out) if transposed else (n_out, n_in)
+    weight = (torch.randn(shape, generator=gen) * 0.1).to(dtype)
     keys = [noise.member_key(7, 1, m) for m in range(members)]
     scales = [0.05 * (-1) ** m for m in range(members)]
     tid = noise.tensor_id("layer.weight")
     y = torch.empty(members * rows, n_out, dtype=dtype)
     launch_virtual_linear(
-        x, weight, y, torch.tensor(keys), torch.tensor(scales), tid, rows, ops.triton_dtype(dtype)
+        x,
+        weight,
+        y,
+        torch.tensor(keys),
+        torch.tensor(scales),
+        tid,
+        rows,
+        ops.triton_dtype(dtype),
+        transposed=transposed,
+        noise=noise_kind,
     )
-    expected = reference(x, weight, keys, scales, tid, rows)
+    expected = reference(x, weight, keys, scales, tid, rows, noise_kind, transposed)
     rtol, atol = TOLERANCE[dtype]
     torch.testing.assert_close(y.float(), expected, rtol=rtol, atol=atol)
     # The noise really is there: without it the outputs would be visibly different.
     if n_in > 1:
-        plain = x.float() @ weight.float().T
+        plain = x.float() @ (weight.float() if transposed else weight.float().T)
         assert (plain - expected).abs().max() > 10 * atol
+
+
+@pytest.mark.parametrize("noise_kind", NOISE_KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "members,rows,n_in,n_out",
+    # n_in = 64: each row's signs are whole Philox words (the word path); 40 and 1: per element.
+    [(3, 5, 64, 33), (2, 17, 40, 16), (1, 1, 1, 1)],
+)
+def test_kernel_matches_materialised_weights(noise_kind, dtype, members, rows, n_in, n_out):
+    check_kernel(noise_kind, dtype, members, rows, n_in, n_out)
+
+
+@pytest.mark.parametrize("noise_kind", NOISE_KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("members,rows,n_in,n_out", [(3, 5, 7, 33), (2, 4, 40, 16)])
+def test_kernel_with_a_transposed_conv1d_weight(noise_kind, dtype, members, rows, n_in, n_out):
+    """A Conv1D weight [in, out]: its noise follows its own row-major layout (index k N + n) and y = x W."""
+    check_kernel(noise_kind, dtype, members, rows, n_in, n_out, transposed=True)
 
 
 @pytest.fixture(scope="module")
@@ -114,35 +145,3 @@ def test_virtual_mode_needs_the_triton_backend(tiny):
         population_batched(es, model, mode="sparse"),
     ):
         pass
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("members,rows,n_in,n_out", [(3, 5, 7, 33), (2, 4, 40, 16)])
-def test_kernel_with_a_transposed_conv1d_weight(dtype, members, rows, n_in, n_out):
-    """A Conv1D weight [in, out]: its noise follows its own layout and y = x W."""
-    gen = torch.Generator().manual_seed(members * 10 + n_out)
-    x = torch.randn(members * rows, n_in, generator=gen).to(dtype)
-    weight = (torch.randn(n_in, n_out, generator=gen) * 0.1).to(dtype)
-    keys = [noise.member_key(3, 0, m) for m in range(members)]
-    scales = [0.05 * (-1) ** m for m in range(members)]
-    tid = noise.tensor_id("h.0.attn.c_attn.weight")
-    y = torch.empty(members * rows, n_out, dtype=dtype)
-    launch_virtual_linear(
-        x,
-        weight,
-        y,
-        torch.tensor(keys),
-        torch.tensor(scales),
-        tid,
-        rows,
-        ops.triton_dtype(dtype),
-        transposed=True,
-    )
-    expected = []
-    for m, (key, scale) in enumerate(zip(keys, scales)):
-        w = torch.empty_like(weight)
-        ops.perturb_reference([weight], [w], [tid], key, scale)
-        expected.append(x[m * rows : (m + 1) * rows].float() @ w.float())
-    rtol, atol = TOLERANCE[dtype]
-    torch.testing.assert_close(y.float(), torch.cat(expected), rtol=rtol, atol=atol)
-    assert (x.float() @ weight.float() - torch.cat(expected)).abs().max() > 10 * atol
