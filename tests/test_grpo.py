@@ -253,46 +253,11 @@ def test_grpo_loss_normalisers_are_the_whole_batch_under_torchrun():
     data = loss_data(3, 4, 5)
     options = dict(epsilon=0.2, beta=0.1, max_completion_length=8)
     own = {t: float(fastes_loss(data, loss_type=t, **options)[0]) for t in LOSS_TYPES}
-    rows, tokens = 4 * 3, float(data["mask"].sum()) * 3  # as if three processes held batches like this one
-    grpo = float(
-        grpo_loss(
-            data["logp"],
-            data["old"],
-            data["ref"],
-            data["adv"],
-            data["mask"],
-            loss_type="grpo",
-            rows=rows,
-            **options,
-        )[0]
-    )
-    dapo = float(
-        grpo_loss(
-            data["logp"],
-            data["old"],
-            data["ref"],
-            data["adv"],
-            data["mask"],
-            loss_type="dapo",
-            tokens=tokens,
-            **options,
-        )[0]
-    )
-    dr_grpo = float(
-        grpo_loss(
-            data["logp"],
-            data["old"],
-            data["ref"],
-            data["adv"],
-            data["mask"],
-            loss_type="dr_grpo",
-            rows=rows,
-            **options,
-        )[0]
-    )
-    assert (grpo, dapo, dr_grpo) == pytest.approx(
-        (own["grpo"] / 3, own["dapo"] / 3, own["dr_grpo"] / 3), rel=1e-12
-    )
+    # As if three processes held batches like this one: grpo and dr_grpo read rows, dapo tokens.
+    whole = {"rows": 4 * 3, "tokens": float(data["mask"].sum()) * 3}
+    tensors = (data["logp"], data["old"], data["ref"], data["adv"], data["mask"])
+    got = {t: float(grpo_loss(*tensors, loss_type=t, **whole, **options)[0]) for t in LOSS_TYPES}
+    assert got == pytest.approx({t: own[t] / 3 for t in LOSS_TYPES}, rel=1e-12)
     adv_column = {**data, "adv": data["adv"][:, None]}  # one advantage per completion, as a column
     assert float(fastes_loss(adv_column, loss_type="grpo", **options)[0]) == pytest.approx(
         own["grpo"], rel=1e-15
