@@ -6,4 +6,5 @@ bash scripts/setup.sh test
 # shellcheck disable=SC1091
 . .venv/bin/activate
 ruff check .
+ruff format --check .
 python -m pytest -q "$@"

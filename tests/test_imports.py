@@ -95,8 +95,10 @@ def test_nothing_imports_the_command_line():
     "files, loop",
     [
         ({"a.py": "from . import b\n", "b.py": "def f():\n    from .a import x\n"}, ["pkg.a", "pkg.b"]),
-        ({"a.py": "import pkg.b\n", "b.py": "from pkg import c\n", "c.py": "from .a import y\n"},
-         ["pkg.a", "pkg.b", "pkg.c"]),
+        (
+            {"a.py": "import pkg.b\n", "b.py": "from pkg import c\n", "c.py": "from .a import y\n"},
+            ["pkg.a", "pkg.b", "pkg.c"],
+        ),
         ({"__init__.py": "from .a import X\n", "a.py": "from pkg import X\n"}, ["pkg", "pkg.a"]),
         ({"a.py": "from . import b\n", "b.py": "import os\n"}, None),
     ],
