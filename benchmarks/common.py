@@ -357,8 +357,8 @@ class IterationSetting:
 def make_run(bench: BenchModel, setting: IterationSetting, backend: str, eval_mode: str | None = None):
     """A fastes.train.Run on `bench` for the countdown task, with the ES it iterates."""
     from fastes import defaults
+    from fastes.es_step import make_es
     from fastes.run import Run
-    from fastes.train import make_es
 
     cfg = TrainConfig()
     cfg.batch_size = setting.batch

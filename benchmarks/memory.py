@@ -31,9 +31,9 @@ from .common import (
 
 
 def measure(spec: dict) -> dict[str, dict]:
+    from fastes.es_step import es_iteration
     from fastes.generation import generate
     from fastes.run import batch_for
-    from fastes.train import es_iteration
 
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))

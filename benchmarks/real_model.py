@@ -83,11 +83,12 @@ def measure(args: argparse.Namespace, variant: str) -> dict:
     """One variant in this process: seconds, tokens processed and peak RSS above the loaded model."""
     from fastes import defaults
     from fastes.config import load_config
+    from fastes.es_step import es_iteration, evolved_weights, make_es
     from fastes.generation import generate
     from fastes.model_sources import resolve_model
     from fastes.models import is_character_tokenizer, load_model
     from fastes.run import Run, batch_for
-    from fastes.train import es_iteration, evolved_weights, make_es, make_task
+    from fastes.train import make_task
 
     model, tokenizer = load_model(resolve_model(args.model), dtype="float32")
     mode = variant.removeprefix("fastes ") if variant.startswith("fastes ") else "member"

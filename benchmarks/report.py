@@ -241,7 +241,7 @@ def markdown(data: dict, plot_name: str | None) -> str:
         for r in results["iteration"]:
             lines += [
                 f"{r['model']} model ({r['source']} weights), {r['population']} members x {r['batch']} "
-                f"prompts x {r['max_new_tokens']} new tokens, greedy. fastes = `fastes.train.es_iteration` "
+                f"prompts x {r['max_new_tokens']} new tokens, greedy. fastes = `fastes.es_step.es_iteration` "
                 "in the default eval mode (fastes-<mode>: the other modes), antithetic off so that both "
                 "engines use N noise directions; naive = member by member, torch.Generator noise per "
                 "tensor, restore by subtraction, N-pass update; generate-only = N sequential generate "

@@ -318,7 +318,7 @@ def eval_modes(bench: BenchModel, backend: str) -> tuple[list[str], dict[str, st
     mode is tried once on a throwaway copy with a one-token iteration, and kept when it works.
     """
     from fastes import config
-    from fastes.train import es_iteration
+    from fastes.es_step import es_iteration
 
     cache_key = (str(bench.tensors[0].device), str(bench.dtype), backend)
     if cache_key in _probed:
@@ -341,7 +341,7 @@ def eval_modes(bench: BenchModel, backend: str) -> tuple[list[str], dict[str, st
 def iteration_variants(
     bench: BenchModel, setting: IterationSetting, backend: str
 ) -> tuple[dict[str, Callable[[], object]], dict[str, dict]]:
-    """fastes.train.es_iteration (each eval mode) vs the naive loop vs generation alone.
+    """fastes.es_step.es_iteration (each eval mode) vs the naive loop vs generation alone.
 
     Also plain batched inference of members x prompts rows in one generate call: each mode's
     tokens/s over its tokens/s is the share of plain inference throughput that mode reaches.
@@ -349,9 +349,9 @@ def iteration_variants(
     Every variant gets its own copy of the model, so all start from the same weights and see the same
     prompts (step 0's batch). The second dict receives each variant's last output (tokens, ...).
     """
+    from fastes.es_step import es_iteration
     from fastes.generation import generate
     from fastes.run import batch_for
-    from fastes.train import es_iteration
 
     outputs: dict[str, dict] = {}
     variants: dict[str, Callable[[], object]] = {}

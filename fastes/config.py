@@ -737,7 +737,7 @@ def es_kwargs(cfg: TrainConfig) -> dict[str, Any]:
     """The keyword arguments of fastes.ES that the run config sets: every field of the run and of its [es]
     section whose metadata names one ("es_kwarg"), e.g. es.sigma -> sigma, collective_timeout -> timeout.
 
-    fastes.train.make_es builds the run's ES from these; "auto" values (es.noise_type) must have been
+    fastes.es_step.make_es builds the run's ES from these; "auto" values (es.noise_type) must have been
     resolved (fastes.defaults) first.
     """
     kwargs = {}

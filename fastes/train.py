@@ -6,7 +6,8 @@ is derived from (seed, phase, step), so a run resumed from a checkpoint continue
 uninterrupted run would have.
 
 train() = prepare_run (checks, model, settings, run directory, resume point), run_phases (the steps of
-each phase: es_iteration here, grpo_step in fastes/grpo.py) and finish_run (final model, summary.json).
+each phase: es_iteration in fastes/es_step.py, grpo_step in fastes/grpo.py) and finish_run (final
+model, summary.json).
 What the phases share (Run, the prompts of a step) is in fastes/run.py.
 """
 
@@ -16,9 +17,8 @@ import copy
 import json
 import math
 import sys
-import time
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,19 +27,17 @@ import torch
 from tqdm.auto import tqdm
 
 from . import defaults, distributed, rundir
-from .analysis.diversity import js_diversity
-from .batched import member_groups, population_batched
 from .callbacks import TENSORBOARD_DIR, Callbacks, TensorBoardCallback
 from .checkpoint import latest_checkpoint, save_checkpoint, write_atomic
-from .config import ConfigError, ESConfig, TrainConfig, dataset_task, es_kwargs
+from .config import ConfigError, ESConfig, TrainConfig, dataset_task
 from .errors import FastesError
 from .es import ES, CollectiveError
-from .generation import generate, generate_in_chunks
+from .es_step import PartTimer, es_iteration, evolved_weights, make_es
+from .generation import generate_in_chunks
 from .grpo import grpo_step, make_grpo_optimizer
 from .model_sources import resolve_model
 from .models import ModelError, is_character_tokenizer, load_model, save_model
-from .params import linear_weights
-from .run import Run, batch_for, reward_parts
+from .run import Run, reward_parts
 from .tasks import DatasetTask, Example, Task, available_tasks, get_task
 from .tasks.base import DEFAULT_TEST_PROBLEMS
 
@@ -96,107 +94,6 @@ def paired_gain(before: list[float], after: list[float]) -> tuple[float, float]:
     diff = torch.tensor(after, dtype=torch.float64) - torch.tensor(before, dtype=torch.float64)
     se = float(diff.std(correction=1) / math.sqrt(len(diff))) if len(diff) > 1 else math.inf
     return float(diff.mean()), se
-
-
-# --- ES ---------------------------------------------------------------------------------------------
-
-
-def evolved_weights(model: torch.nn.Module, c: ESConfig) -> list[tuple[str, torch.nn.Parameter]]:
-    """The (name, tensor) pairs the config asks ES to evolve (es.evolve, es.include_*)."""
-    return linear_weights(
-        model,
-        names=c.evolve or None,
-        include_embeddings=c.include_embeddings,
-        include_norms=c.include_norms,
-        include_biases=c.include_biases,
-    )
-
-
-def make_es(run: Run) -> ES:
-    """The run's ES: the evolved weights of its config, and every ES argument the config sets (es_kwargs)."""
-    return ES(evolved_weights(run.model, run.cfg.es), **es_kwargs(run.cfg))
-
-
-def es_iteration(run: Run, es: ES, step: int) -> dict[str, float]:
-    """Score every member on one batch of prompts (greedy), then take the ES step.
-
-    eval_mode "member" generates member by member under each member's perturbation; "materialised" and
-    "virtual" generate for the whole population in one call (fastes.batched), rows grouped by member;
-    materialised mode in groups whose perturbed weights fit in es.materialise_mb (big models: one each).
-    Under torchrun each process evaluates its members (es.members()) and es.step all-reduces the rewards.
-    """
-    examples = batch_for(run, "es", step)
-    prompts = run.prompts(examples)
-    max_new = run.cfg.max_new_tokens
-    start = time.perf_counter()
-    timer = PartTimer()
-    texts, tokens = [], 0
-    mode = run.cfg.es.eval_mode
-    if mode != "member":
-        for group in member_groups(es, mode, run.cfg.es.materialise_mb * 2**20):
-            with ExitStack() as stack:
-                with timer("noise"):  # the members' weights (materialised) or noise factors (lowrank)
-                    members = stack.enter_context(population_batched(es, run.model, mode=mode, members=group))
-                with timer("generation"):
-                    gen = generate(run.model, run.tokenizer, prompts * len(members), max_new_tokens=max_new)
-            texts += [gen.texts[i * len(prompts) : (i + 1) * len(prompts)] for i in range(len(members))]
-            tokens += gen.num_tokens
-    else:
-        for member in es.members():
-            with ExitStack() as stack:
-                with timer("noise"):  # perturb in place
-                    stack.enter_context(member)
-                with timer("generation"):
-                    gen = generate(run.model, run.tokenizer, prompts, max_new_tokens=max_new)
-                with timer("noise"):  # restore, exactly
-                    stack.close()
-            texts.append(gen.texts)
-            tokens += gen.num_tokens
-    with timer("scoring"):
-        flat = run.task.scores(examples * len(texts), [t for member_texts in texts for t in member_texts])
-    scores = [flat[i * len(examples) : (i + 1) * len(examples)] for i in range(len(texts))]
-    weights = [[s.reward(run.cfg.format_weight) for s in row] for row in scores]
-    with timer("update"):
-        rewards = es.step(torch.tensor(weights, dtype=torch.float64))
-    answers = torch.tensor([[s.answer for s in row] for row in scores], dtype=torch.float64)
-    well_formed = distributed.all_sum([sum(s.format for s in flat), len(flat)]).tolist()
-    answers = distributed.gather_strided(answers, es.population)
-    tokens = int(distributed.all_sum([tokens])[0])
-    seconds = time.perf_counter() - start
-    per_member = rewards.mean(dim=1)
-    record = {
-        "reward": float(per_member.mean()),
-        "reward_std": float(per_member.std(correction=0)),
-        "reward_max": float(per_member.max()),
-        "format": well_formed[0] / well_formed[1],
-    }
-    # JS diversity is defined on acceptance rates in [0, 1]: verifier outcomes, not any user reward.
-    if bool(((answers >= 0) & (answers <= 1)).all()):
-        diversity = js_diversity(answers)
-        record.update(js_diversity=float(diversity.normalized), members_agree=float(diversity.agreement))
-    record.update(reward_parts(run.task, flat))
-    return {**record, "seconds": seconds, "tokens_per_second": tokens / seconds, **timer.record()}
-
-
-class PartTimer:
-    """Seconds spent in each named part of an iteration: `with timer("noise"): ...`, then record()."""
-
-    PARTS = ("generation", "noise", "scoring", "update")
-
-    def __init__(self) -> None:
-        self.seconds = dict.fromkeys(self.PARTS, 0.0)
-
-    @contextmanager
-    def __call__(self, part: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[part] += time.perf_counter() - start
-
-    def record(self) -> dict[str, float]:
-        """{"time/generation": s, ...}: the metric names of metrics.jsonl."""
-        return {f"time/{part}": seconds for part, seconds in self.seconds.items()}
 
 
 NO_SIGNAL_STEPS = 3  # steps in a row where every member (ES) or every group (GRPO) scored alike

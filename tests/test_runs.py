@@ -26,10 +26,11 @@ from fastes.checkpoint import CheckpointError, latest_checkpoint, load_checkpoin
 from fastes.cli import build_parser, main
 from fastes.config import ConfigError, config_dict, flag_specs, load_config
 from fastes.errors import FastesError, MissingFileError
+from fastes.es_step import make_es
 from fastes.models import ModelError, load_model, tiny_model_path
 from fastes.rundir import RunDirError, config_changes
 from fastes.tasks import get_task
-from fastes.train import make_es, train
+from fastes.train import train
 
 FORK = multiprocessing.get_context("fork")
 
@@ -437,7 +438,7 @@ def test_impossible_settings_are_refused_before_any_work(easy_task, tmp_path, mo
     def nothing_to_evolve(model, **selection):
         raise ValueError(f"{type(model).__name__} has no nn.Linear weights to evolve")
 
-    monkeypatch.setattr("fastes.train.linear_weights", nothing_to_evolve)
+    monkeypatch.setattr("fastes.es_step.linear_weights", nothing_to_evolve)
     with pytest.raises(ModelError, match="has no nn.Linear weights to evolve. ES cannot train it"):
         train(load_config(None, settings(easy_task, tmp_path / "b")))
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # nothing written
