@@ -602,7 +602,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         f"'cpu' is the compiled CPU backend, but device = {cfg.device!r}; use backend 'auto' or 'torch'",
     )
     _require(math.isfinite(cfg.format_weight) and cfg.format_weight >= 0, "format_weight", "must be >= 0")
-    es = cfg.es
+    _check_es(cfg.es)
+    _check_grpo(cfg.grpo)
+    return cfg
+
+
+def _check_es(es: ESConfig) -> None:
     _require(es.iterations >= 0, "es.iterations", f"must be >= 0, got {es.iterations}")
     _require(es.population >= 2, "es.population", f"must be at least 2, got {es.population}")
     _require(
@@ -642,7 +647,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         "'virtual' evaluation generates full-rank noise; set es.noise_type = 'full'",
     )
     _check_evolve(es)
-    g = cfg.grpo
+
+
+def _check_grpo(g: GRPOConfig) -> None:
     _require(g.steps >= 0, "grpo.steps", f"must be >= 0, got {g.steps}")
     _require(g.num_generations >= 2, "grpo.num_generations", f"must be at least 2, got {g.num_generations}")
     _require(g.temperature > 0, "grpo.temperature", f"GRPO samples, so it must be > 0, got {g.temperature}")
@@ -660,7 +667,6 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         "grpo.scale_rewards",
         f"{g.scale_rewards!r} is not one of {SCALE_REWARDS}",
     )
-    return cfg
 
 
 def load_config(
