@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -37,59 +37,56 @@ from .run import render_prompts
 from .tasks import DatasetTask, Example, Score
 from .train import train as train_loop
 
+_ITS_DEFAULT = object()
 
-def _default(key: str) -> Any:
-    """The default of TrainConfig key `key` ("es.sigma"): both faces start from the same settings."""
-    value: Any = TrainConfig()
-    for part in key.split("."):
-        value = getattr(value, part)
-    return field(default=value)
+
+def _sets(key: str, default: Any = _ITS_DEFAULT) -> Any:
+    """A field that sets TrainConfig key `key` ("es.sigma") one-to-one, by default starting from that
+    key's own default, so that both faces start from the same settings."""
+    if default is _ITS_DEFAULT:
+        default = TrainConfig()
+        for part in key.split("."):
+            default = getattr(default, part)
+    return field(default=default, metadata={"sets": key})
 
 
 @dataclass
 class _TrainerConfig:
     """The settings ESConfig and GRPOConfig share, with TRL's names (docs/trainer.md lists them all)."""
 
-    output_dir: str = "trainer_output"  # TRL's default; the run directory
+    output_dir: str = _sets("out_dir", "trainer_output")  # TRL's default; the run directory
     max_steps: int = 0  # each subclass sets its own default
     learning_rate: float = 0.0
     per_device_train_batch_size: int = 0
-    max_completion_length: int = _default("max_new_tokens")
+    max_completion_length: int = _sets("max_new_tokens")
     reward_weights: list[float] | None = None  # one per reward function; None = 1 each
-    logging_steps: int = _default("logging_steps")  # TensorBoard gets every this many steps
-    save_steps: int = _default("checkpoint_every")  # checkpoint every this many steps (0: never)
-    eval_steps: int = 0  # evaluate eval_dataset every this many steps; 0: before and after training
-    seed: int = _default("seed")
+    logging_steps: int = _sets("logging_steps")  # TensorBoard gets every this many steps
+    save_steps: int = _sets("checkpoint_every")  # checkpoint every this many steps (0: never)
+    # evaluate eval_dataset every this many steps; 0: before and after training
+    eval_steps: int = _sets("eval_every", 0)
+    seed: int = _sets("seed")
     report_to: str | list[str] = "none"  # "tensorboard" or "none"
     disable_tqdm: bool = False
     use_cpu: bool = False  # else CUDA when torch sees a device
     overwrite_output_dir: bool = False  # replace a previous run in output_dir
     # fastes only:
-    dtype: str = _default("dtype")  # weights' dtype when the model is loaded from a path
-    backend: str = _default("backend")
-    threads: int = _default("threads")
-    reward_timeout: float = _default("reward_timeout")  # seconds one reward function call may take
+    dtype: str = _sets("dtype")  # weights' dtype when the model is loaded from a path
+    backend: str = _sets("backend")
+    threads: int = _sets("threads")
+    reward_timeout: float = _sets("reward_timeout")  # seconds one reward function call may take
 
-    # Fields that map one-to-one onto a TrainConfig key (the others are mapped in overrides()).
-    KEYS: ClassVar[dict[str, str]] = {
-        "output_dir": "out_dir",
-        "max_completion_length": "max_new_tokens",
-        "logging_steps": "logging_steps",
-        "save_steps": "checkpoint_every",
-        "eval_steps": "eval_every",
-        "seed": "seed",
-        "dtype": "dtype",
-        "backend": "backend",
-        "threads": "threads",
-        "reward_timeout": "reward_timeout",
-    }
     # TrainConfig keys set in overrides() from a field of another meaning, named in error messages.
     SPECIAL: ClassVar[dict[str, str]] = {"progress": "disable_tqdm", "device": "use_cpu"}
     ALGORITHM: ClassVar[str] = ""
 
+    @classmethod
+    def keys(cls) -> dict[str, str]:
+        """{field: TrainConfig key} of the fields that set one key one-to-one (the others: overrides())."""
+        return {f.name: f.metadata["sets"] for f in fields(cls) if "sets" in f.metadata}
+
     def overrides(self) -> dict[str, Any]:
         """The TrainConfig keys this config sets (fastes.config.load_config's overrides)."""
-        values = {key: getattr(self, name) for name, key in self.KEYS.items()}
+        values = {key: getattr(self, name) for name, key in self.keys().items()}
         device = "cuda" if torch.cuda.is_available() and not self.use_cpu else "cpu"
         values.update(
             algorithm=self.ALGORITHM,
@@ -103,7 +100,7 @@ class _TrainerConfig:
     @classmethod
     def public_name(cls, key: str) -> str:
         """The field that sets TrainConfig key `key`, for error messages; the key itself if none does."""
-        names = {v: k for k, v in cls.KEYS.items()}
+        names = {v: k for k, v in cls.keys().items()}
         names.update(cls.SPECIAL)
         return names.get(key, key)
 
@@ -121,37 +118,26 @@ class ESConfig(_TrainerConfig):
     """ES settings with TRL's names where the concept is the same (fastes.config.ESConfig is the internal
     [es] section these map onto)."""
 
-    max_steps: int = _default("es.iterations")  # ES iterations
-    learning_rate: float = _default("es.lr")  # alpha in theta += alpha / (N sigma) sum_i w_i eps_i
-    per_device_train_batch_size: int = _default("batch_size")  # prompts per iteration
-    population_size: int = _default("es.population")
-    sigma: float = _default("es.sigma")
-    weight_decay: float = _default("es.weight_decay")
-    shaping: str = _default("es.shaping")
-    antithetic: bool = _default("es.antithetic")
-    stochastic_rounding: bool = _default("es.stochastic_rounding")
-    eval_mode: str = _default("es.eval_mode")
-    materialise_mb: float = _default("es.materialise_mb")
-    noise_type: str = _default("es.noise_type")
-    rank: int = _default("es.rank")
-    noise: str = _default("es.noise")
-    evolve: str = _default("es.evolve")
-    include_embeddings: bool = _default("es.include_embeddings")
-    include_norms: bool = _default("es.include_norms")
-    include_biases: bool = _default("es.include_biases")
+    max_steps: int = _sets("es.iterations")  # ES iterations
+    learning_rate: float = _sets("es.lr")  # alpha in theta += alpha / (N sigma) sum_i w_i eps_i
+    per_device_train_batch_size: int = _sets("batch_size")  # prompts per iteration
+    population_size: int = _sets("es.population")
+    sigma: float = _sets("es.sigma")
+    weight_decay: float = _sets("es.weight_decay")
+    shaping: str = _sets("es.shaping")
+    antithetic: bool = _sets("es.antithetic")
+    stochastic_rounding: bool = _sets("es.stochastic_rounding")
+    eval_mode: str = _sets("es.eval_mode")
+    materialise_mb: float = _sets("es.materialise_mb")
+    noise_type: str = _sets("es.noise_type")
+    rank: int = _sets("es.rank")
+    noise: str = _sets("es.noise")
+    evolve: str = _sets("es.evolve")
+    include_embeddings: bool = _sets("es.include_embeddings")
+    include_norms: bool = _sets("es.include_norms")
+    include_biases: bool = _sets("es.include_biases")
 
     ALGORITHM: ClassVar[str] = "es"
-    KEYS: ClassVar[dict[str, str]] = {
-        **_TrainerConfig.KEYS,
-        "max_steps": "es.iterations",
-        "learning_rate": "es.lr",
-        "per_device_train_batch_size": "batch_size",
-        "population_size": "es.population",
-        **{name: f"es.{name}" for name in ("sigma", "weight_decay", "shaping", "antithetic")},
-        **{name: f"es.{name}" for name in ("stochastic_rounding", "eval_mode", "materialise_mb")},
-        **{name: f"es.{name}" for name in ("noise_type", "rank", "noise", "evolve")},
-        **{name: f"es.{name}" for name in ("include_embeddings", "include_norms", "include_biases")},
-    }
 
 
 @dataclass
@@ -160,37 +146,26 @@ class GRPOConfig(_TrainerConfig):
     section these map onto). per_device_train_batch_size counts completions, as in TRL: each step
     samples per_device_train_batch_size / num_generations prompts."""
 
-    max_steps: int = _default("grpo.steps")
-    learning_rate: float = _default("grpo.lr")
+    max_steps: int = _sets("grpo.steps")
+    learning_rate: float = _sets("grpo.lr")
     per_device_train_batch_size: int = field(
         default=TrainConfig().batch_size * TrainConfig().grpo.num_generations
     )
-    num_generations: int = _default("grpo.num_generations")
-    temperature: float = _default("grpo.temperature")
-    top_p: float = _default("grpo.top_p")
-    beta: float = _default("grpo.beta")
-    epsilon: float = _default("grpo.epsilon")
+    num_generations: int = _sets("grpo.num_generations")
+    temperature: float = _sets("grpo.temperature")
+    top_p: float = _sets("grpo.top_p")
+    beta: float = _sets("grpo.beta")
+    epsilon: float = _sets("grpo.epsilon")
     epsilon_high: float | None = None  # None: epsilon (symmetric clipping)
-    loss_type: str = _default("grpo.loss_type")
-    max_grad_norm: float = _default("grpo.max_grad_norm")
-    weight_decay: float = _default("grpo.weight_decay")
-    num_iterations: int = _default("grpo.num_iterations")
-    scale_rewards: str = _default("grpo.scale_rewards")
-    mask_truncated_completions: bool = _default("grpo.mask_truncated_completions")
-    use_bias_correction_kl: bool = _default("grpo.use_bias_correction_kl")
+    loss_type: str = _sets("grpo.loss_type")
+    max_grad_norm: float = _sets("grpo.max_grad_norm")
+    weight_decay: float = _sets("grpo.weight_decay")
+    num_iterations: int = _sets("grpo.num_iterations")
+    scale_rewards: str = _sets("grpo.scale_rewards")
+    mask_truncated_completions: bool = _sets("grpo.mask_truncated_completions")
+    use_bias_correction_kl: bool = _sets("grpo.use_bias_correction_kl")
 
     ALGORITHM: ClassVar[str] = "grpo"
-    KEYS: ClassVar[dict[str, str]] = {
-        **_TrainerConfig.KEYS,
-        "max_steps": "grpo.steps",
-        "learning_rate": "grpo.lr",
-        **{name: f"grpo.{name}" for name in ("num_generations", "temperature", "top_p", "beta", "epsilon")},
-        **{name: f"grpo.{name}" for name in ("loss_type", "max_grad_norm", "weight_decay", "num_iterations")},
-        **{
-            name: f"grpo.{name}"
-            for name in ("scale_rewards", "mask_truncated_completions", "use_bias_correction_kl")
-        },
-    }
     SPECIAL: ClassVar[dict[str, str]] = {
         **_TrainerConfig.SPECIAL,
         "batch_size": "per_device_train_batch_size",

@@ -585,3 +585,13 @@ def test_task_dataset_seed_and_limit():
     assert len(rows) == len(other) == 5 and rows != other
     with pytest.raises(ValueError, match="unknown split 'dev'"):
         task_dataset("countdown", "dev")
+
+
+@pytest.mark.parametrize("section, config_class", [("es", ESConfig), ("grpo", GRPOConfig)])
+def test_every_option_of_the_run_config_section_has_a_trainer_field(section, config_class):
+    """A new [es] or [grpo] option fails here until the TRL-style config sets it too."""
+    from fastes import config
+
+    internal = dataclasses.fields(getattr(config, f"{section.upper()}Config"))
+    reachable = set(config_class.keys().values()) | set(config_class.SPECIAL)
+    assert {f"{section}.{f.name}" for f in internal} - reachable == set()
