@@ -246,7 +246,7 @@ def train(
     """
     device, joined = distributed.setup(cfg.device, cfg.collective_timeout)  # ES and GRPO alike
     try:
-        result = _train(
+        run, start = prepare_run(
             cfg,
             resume=resume,
             overwrite=overwrite,
@@ -255,6 +255,8 @@ def train(
             task=task,
             callbacks=callbacks,
         )
+        global_step, last_eval = run_phases(run, start)
+        result = finish_run(run, global_step, last_eval)
     except CollectiveError:
         raise  # the group is broken: leaving it would wait for the lost peer (the CLI exits at once)
     except BaseException:
@@ -321,24 +323,6 @@ def check_world_size(cfg: TrainConfig, task: Task) -> None:
         distributed.require_divisible(
             prompts, "GRPO prompts per step (batch_size)", "each process samples an equal share of them"
         )
-
-
-def _train(
-    cfg: TrainConfig,
-    *,
-    resume: bool,
-    overwrite: bool,
-    device: str,
-    given: tuple[torch.nn.Module | None, Any],
-    task: Task | None,
-    callbacks: list[Any] | None,
-) -> dict[str, Any]:
-    """train() inside the process group: prepare, run every phase, finish."""
-    run, start = prepare_run(
-        cfg, resume=resume, overwrite=overwrite, device=device, given=given, task=task, callbacks=callbacks
-    )
-    global_step, last_eval = run_phases(run, start)
-    return finish_run(run, global_step, last_eval)
 
 
 @dataclass
