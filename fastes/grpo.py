@@ -241,9 +241,10 @@ class Fit:
     entropy_sum: float  # this process's: the first update's entropy times its generated tokens
 
 
-def update(run: Run, optimizer, reference, batch: Batch, adv: torch.Tensor, where: str = "GRPO") -> Fit:
+def update(run: Run, optimizer, reference, batch: Batch, adv: torch.Tensor, where: str) -> Fit:
     """num_iterations optimizer steps on grpo_loss over the same completions; adv [rows, 1]: this
-    process's advantages. The old and reference log-probabilities are taken once, before the first."""
+    process's advantages; `where` ("GRPO step N") names the step in a failed collective's message. The
+    old and reference log-probabilities are taken once, before the first."""
     g = run.cfg.grpo
     with torch.no_grad():
         old_logp = None  # with one update per batch the old policy is the current one
