@@ -355,7 +355,7 @@ class IterationSetting:
 
 
 def make_run(bench: BenchModel, setting: IterationSetting, backend: str, eval_mode: str | None = None):
-    """A fastes.train.Run on `bench` for the countdown task, with the ES it iterates."""
+    """A fastes.run.Run on `bench` for the countdown task, with the ES it iterates."""
     from fastes import defaults
     from fastes.es_step import make_es
     from fastes.run import Run
@@ -369,10 +369,8 @@ def make_run(bench: BenchModel, setting: IterationSetting, backend: str, eval_mo
     cfg.es.antithetic = False  # N noise directions, as in the naive loop: the engines do the same work
     if eval_mode is not None:
         cfg.es.eval_mode = eval_mode
-        if eval_mode == "lowrank" and hasattr(cfg.es, "noise_type"):
-            cfg.es.noise_type = (
-                "lowrank"  # the low-rank eval mode evaluates low-rank noise (rank cfg.es.rank)
-            )
+        if eval_mode == "lowrank":  # the low-rank eval mode evaluates low-rank noise (rank cfg.es.rank)
+            cfg.es.noise_type = "lowrank"
     cfg = defaults.resolve(cfg, bench.model, bench.tokenizer)  # what a run chooses for this model
     task = get_task(cfg.task, seed=cfg.task_seed)
     run = Run(cfg, bench.model, bench.tokenizer, task, Path(tempfile.gettempdir()) / "fastes-bench")
