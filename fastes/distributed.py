@@ -60,11 +60,6 @@ def set_timeout(seconds: float | None) -> None:
     _timeout = check_timeout(seconds)
 
 
-def get_timeout() -> float | None:
-    """The timeout the collectives here use unless given one."""
-    return _timeout
-
-
 def rank_and_world() -> tuple[int, int]:
     """(rank, world size) of this process; (0, 1) without a process group."""
     if dist.is_available() and dist.is_initialized():
