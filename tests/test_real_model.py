@@ -40,9 +40,15 @@ def test_smollm2_answers_instruct_arithmetic_in_the_asked_format(capsys):
 def test_the_benchmark_reports_every_mode(tmp_path):
     from benchmarks.real_model import main
 
-    assert main(["--population", "2", "--prompts", "2", "--new_tokens", "4", "--out", str(tmp_path)]) == 0
+    args = ["--shapes", "2x2x4,2x3x3", "--rounds", "2", "--out", str(tmp_path)]
+    assert main(args) == 0
     report = json.loads(next(tmp_path.glob("real-model-*.json")).read_text())
+    first, second = report["shapes"]["2x2x4"], report["shapes"]["2x3x3"]
     assert {"plain batched inference", "naive loop", "fastes lowrank", "fastes member"} <= set(
-        report["results"]
+        first["variants"]
     )
-    assert all(entry["share_of_limit"] > 0 for entry in report["results"].values())
+    assert {"plain batched inference", "fastes lowrank"} == set(second["variants"])
+    assert all(entry["share_of_limit"] > 0 for entry in first["variants"].values())
+    for entry in (first["interleaved"], first["member_interleaved"], second["interleaved"]):
+        assert len(entry["rounds"]) == 2 and entry["rate_ratio"] > 0
+    assert len(report["targets"]) == 6
