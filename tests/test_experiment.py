@@ -12,18 +12,18 @@ from safetensors.torch import load_file
 from fastes import experiment
 from fastes.cli import main
 from fastes.config import load_config
+from fastes.evaluation import completion_entropy
 from fastes.experiment import (
     PLOTS,
     PRESETS,
-    Context,
-    completion_entropy,
+    make_context,
     plan_budget,
     segment_ends,
     sweep_iterations,
 )
+from fastes.experiment.progress import Progress
 from fastes.generation import Generation
 from fastes.models import tiny_model_path
-from fastes.tasks import get_task
 from fastes.train import train
 
 # --- equal budgets ----------------------------------------------------------------------------------
@@ -150,8 +150,10 @@ def test_segmented_arms_equal_uninterrupted_train_runs(tmp_path):
     # algorithm "grpo_es" run, and the segmented ES arm the uninterrupted ES run, bit for bit.
     preset = replace(PRESETS["quick"], grpo_batch=8, num_generations=4, probe_prompts=2, probe_samples=1)
     plan = plan_budget(preset.es_iterations, preset.population, preset.es_batch, 8, 4)
-    ctx = Context(preset, tmp_path, tiny_model_path(), "cpu", get_task("countdown"), plan, False, {})
-    experiment.train_arms(ctx)
+    done = Progress(tmp_path, {})
+    ctx = make_context(preset, tmp_path, tiny_model_path(), "cpu", plan, False, done)
+    for arm in ("es", "grpo", "grpo_es"):
+        experiment.train_arm(ctx, arm)
 
     def weights(run_dir):
         return load_file(str(run_dir / "final" / "model.safetensors"))
