@@ -286,7 +286,7 @@ def cmd_experiment(args: argparse.Namespace) -> dict:
         ) from None
     if metrics["missing_stages"]:
         missing = ", ".join(metrics["missing_stages"])
-        print(f"\nmetrics: {args.out / 'metrics.json'} (stages not run yet: {missing})")
+        print(f"\nmetrics: {args.out / 'metrics.json'} (stages not finished yet: {missing})")
         for name, model in metrics["models"].items():
             passes, top = model["pass_at_k"], str(metrics["preset"]["passk_samples"])
             print(
