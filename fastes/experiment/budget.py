@@ -108,7 +108,7 @@ PRESETS: dict[str, Preset] = {
 }
 
 # SmolLM2-135M-Instruct on a 2-core CPU. PROVISIONAL: these values are placeholders sized to the wall-time
-# budgets (estimate_seconds: ~62 min and ~15 min at the speeds measured in docs/real_models.md), not yet
+# budgets (estimate_seconds: ~61 min and ~12 min at the speeds measured in docs/real_models.md), not yet
 # chosen on validation problems. Task and wording from the demo's validation runs (docs/real_models.md):
 # numbers 0..20, + and -, the task's own one-sentence wording, on which the base stated its answer in the
 # format on 89% of validation problems and solved 36%. ES and GRPO values from the demo (sigma 1e-3, lr
