@@ -350,7 +350,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="quick: a smoke run; smollm2: SmolLM2-135M-Instruct (bash scripts/setup.sh real)",
     )
     exp.add_argument("--out", type=Path, default=Path("runs/experiment"), help="the report directory")
-    exp.add_argument("--model", default=None, help="a local HF model directory (default: the tiny model)")
+    exp.add_argument(
+        "--model",
+        default=None,
+        help="a local HF model directory (default: the preset's model, else the tiny one)",
+    )
     exp.add_argument(
         "--overwrite", action="store_true", help="replace what is already in --out (says what it deletes)"
     )

@@ -65,6 +65,11 @@ def test_sweep_iterations_and_segment_ends():
 
 
 def test_presets_have_matching_budgets():
+    from fastes.cli import build_parser
+
+    experiment_parser = build_parser()._subparsers._group_actions[0].choices["experiment"]
+    preset_flag = next(a for a in experiment_parser._actions if a.dest == "preset")
+    assert preset_flag.choices == list(PRESETS)  # every preset can be chosen on the command line
     for preset in PRESETS.values():
         plan_budget(
             preset.es_iterations,
