@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from . import distributed, pretrain
+from . import cpu_share, distributed, pretrain
 from .config import ConfigError, TrainConfig, flag_help, flag_specs, load_config
 from .distributed import CollectiveError
 from .errors import FastesError
@@ -372,6 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(_normalise_flags(sys.argv[1:] if argv is None else argv))
+    if argv is None:  # a fastes process (not a test calling main): share the cores with the others
+        cpu_share.register()
     try:
         if args.command == "demo":
             # The demo's own directory holds only its previous run, so running it again replaces that
