@@ -39,19 +39,15 @@ def _fastes_command(command: str) -> list[str]:
     return words
 
 
-def _wall(commands: list[list[str]], together: bool) -> float:
+def _wall(commands: list[list[str]], together: bool, env: dict) -> float:
     """Seconds until every command has finished: started together, or one after the other."""
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "env": env}
     start = time.perf_counter()
     if together:
-        running = [
-            subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for c in commands
-        ]
+        running = [subprocess.Popen(c, **quiet) for c in commands]
         codes = [p.wait() for p in running]
     else:
-        codes = [
-            subprocess.run(c, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
-            for c in commands
-        ]
+        codes = [subprocess.run(c, **quiet).returncode for c in commands]
     if any(codes):
         raise SystemExit(f"side_by_side: the command failed (exit {codes}); run it alone to see why")
     return time.perf_counter() - start
