@@ -752,3 +752,13 @@ def es_kwargs(cfg: TrainConfig) -> dict[str, Any]:
             if "es_kwarg" in f.metadata:
                 kwargs[f.metadata["es_kwarg"]] = getattr(section, f.name)
     return kwargs
+
+
+def es_key(kwarg: str) -> str:
+    """The run config key that sets fastes.ES's keyword argument `kwarg` ("sigma" -> "es.sigma"), for
+    messages in the run's terms; `kwarg` itself when no key sets it."""
+    for prefix, section in (("", TrainConfig), ("es.", ESConfig)):
+        for f in dataclasses.fields(section):
+            if f.metadata.get("es_kwarg") == kwarg:
+                return prefix + f.name
+    return kwarg

@@ -29,8 +29,8 @@ from tqdm.auto import tqdm
 from . import defaults, distributed, rundir
 from .callbacks import TENSORBOARD_DIR, Callbacks, TensorBoardCallback
 from .checkpoint import latest_checkpoint, save_checkpoint, write_atomic
-from .config import ConfigError, ESConfig, TrainConfig, dataset_task
-from .errors import FastesError
+from .config import ConfigError, ESConfig, TrainConfig, dataset_task, es_key
+from .errors import FastesError, NonFiniteUpdateError
 from .es import ES, CollectiveError
 from .es_step import PartTimer, es_iteration, evolved_weights, make_es
 from .generation import generate_in_chunks
@@ -482,7 +482,10 @@ def run_phases(run: Run, start: Start) -> tuple[int, dict[str, Any] | None]:
         es, optimizer = _phase_state(run, phase, resumed)
         for step in range(resumed.step, lengths[phase_index]):
             if es is not None:
-                record = es_iteration(run, es, step)
+                try:
+                    record = es_iteration(run, es, step)
+                except NonFiniteUpdateError as error:  # name the run's keys, not fastes.ES's arguments
+                    raise error.renamed(es_key) from None
             else:
                 record = grpo_step(run, optimizer, run.reference, step)
             global_step += 1

@@ -30,6 +30,7 @@ from . import defaults, distributed
 from .analysis.passk import pass_at_k_curve
 from .callbacks import Callbacks
 from .config import REPORT_TO, ConfigError, TrainConfig, load_config
+from .errors import NonFiniteUpdateError
 from .generation import generate_in_chunks
 from .model_sources import resolve_model
 from .models import load_model, save_model
@@ -265,15 +266,18 @@ class ESTrainer:
                 f"resume_from_checkpoint: {resume_from_checkpoint!r}; fastes resumes the run in output_dir "
                 "from its newest checkpoint: pass True"
             )
-        summary = train_loop(
-            self.config,
-            resume=bool(resume_from_checkpoint),
-            overwrite=self.args.overwrite_output_dir,
-            model=None if self.model_path else self.model,
-            tokenizer=self.processing_class,
-            task=self.task,
-            callbacks=self.callbacks,
-        )
+        try:
+            summary = train_loop(
+                self.config,
+                resume=bool(resume_from_checkpoint),
+                overwrite=self.args.overwrite_output_dir,
+                model=None if self.model_path else self.model,
+                tokenizer=self.processing_class,
+                task=self.task,
+                callbacks=self.callbacks,
+            )
+        except NonFiniteUpdateError as error:  # name this config's fields
+            raise error.renamed(self.args.public_name) from None
         if self.model_path:  # the trained weights are in final/, written by the loop
             self.model, self.processing_class = load_model(
                 Path(self.config.out_dir) / "final", dtype=self.config.dtype, device=self.config.device
