@@ -358,6 +358,12 @@ def _check_out_dir(cfg: TrainConfig) -> None:
     _require("\0" not in out, "out_dir", f"contains a NUL byte: {out!r}")
     path = Path(out)
     _require(not path.exists() or path.is_dir(), "out_dir", f"{out!r} exists and is not a directory")
+    existing = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())
+    _require(
+        existing.is_dir(),
+        "out_dir",
+        f"{out!r} would be under {str(existing)!r}, which is a file; choose a path under a directory",
+    )
     from .models import tiny_model_path
 
     if cfg.model and not Path(cfg.model).is_dir():  # a .gguf file or a shipped name: converted into the cache

@@ -349,9 +349,13 @@ def prepare_run(
     """Everything before the first step: check the settings, load the model, choose the automatic
     settings, make the task, check (or start) the run directory, and restore the newest checkpoint on
     resume. Everything that can be checked is checked before the run directory is touched."""
+    for name, value in (("resume", resume), ("overwrite", overwrite)):
+        if not isinstance(value, bool):  # "no" is truthy: a run would be deleted
+            raise ConfigError(f"{name}: must be True or False, got {type(value).__name__} {value!r}")
     if resume and overwrite:
         raise rundir.RunDirError("--resume continues the run in out_dir, --overwrite deletes it: choose one")
     out_dir = Path(cfg.out_dir)
+    distributed.from_writer(lambda: rundir.check_writable(out_dir))  # rank 0 writes; every rank stops
     model, tokenizer, model_dir, in_memory = _load_policy(cfg, given, device)
 
     # Settings left on auto are chosen now, once, by rank 0 for every process (free memory differs between

@@ -35,6 +35,7 @@ from .generation import generate_in_chunks
 from .model_sources import resolve_model
 from .models import load_model, save_model
 from .run import render_prompts
+from .rundir import RUN_FILE
 from .tasks import DatasetTask, Example, Score
 from .train import train as train_loop
 
@@ -80,6 +81,19 @@ class _TrainerConfig:
     SPECIAL: ClassVar[dict[str, str]] = {"progress": "disable_tqdm", "device": "use_cpu"}
     ALGORITHM: ClassVar[str] = ""
 
+    def __post_init__(self) -> None:
+        self.check_types()
+
+    def check_types(self) -> None:
+        """Every field holds a value of its annotated type (a bool a bool: "no" is truthy and would
+        overwrite a run). Run at construction and again when the config is used, since fields can be set
+        afterwards."""
+        for f in fields(self):
+            value, kinds = getattr(self, f.name), _FIELD_TYPES[f.type]
+            if not any(_is(value, kind) for kind in kinds):
+                wanted = " or ".join(_TYPE_WORDS[kind] for kind in kinds)
+                raise ConfigError(f"{f.name}: must be {wanted}, got {type(value).__name__} {value!r}")
+
     @classmethod
     def keys(cls) -> dict[str, str]:
         """{field: TrainConfig key} of the fields that set one key one-to-one (the others: overrides())."""
@@ -104,6 +118,42 @@ class _TrainerConfig:
         names = {v: k for k, v in cls.keys().items()}
         names.update(cls.SPECIAL)
         return names.get(key, key)
+
+
+# The annotations of the config fields (strings, under `from __future__ import annotations`) and the
+# kinds of value each accepts; _is says what a kind is.
+_FIELD_TYPES: dict[str, tuple[str, ...]] = {
+    "str": ("str",),
+    "int": ("int",),
+    "float": ("float",),
+    "bool": ("bool",),
+    "float | None": ("float", "None"),
+    "list[float] | None": ("list[float]", "None"),
+    "str | list[str]": ("str", "list[str]"),
+}
+_TYPE_WORDS = {
+    "str": "a string",
+    "int": "a whole number",
+    "float": "a number",
+    "bool": "True or False",
+    "None": "None",
+    "list[float]": "a list of numbers (one per reward function)",
+    "list[str]": "a list of strings",
+}
+
+
+def _is(value: Any, kind: str) -> bool:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    items = isinstance(value, (list, tuple))
+    return {
+        "str": lambda: isinstance(value, str),
+        "int": lambda: isinstance(value, int) and not isinstance(value, bool),
+        "float": lambda: number,
+        "bool": lambda: isinstance(value, bool),
+        "None": lambda: value is None,
+        "list[float]": lambda: items and all(_is(v, "float") for v in value),
+        "list[str]": lambda: items and all(isinstance(v, str) for v in value),
+    }[kind]()
 
 
 def _report_to(value: str | list[str]) -> str:
@@ -220,6 +270,7 @@ class ESTrainer:
                 f"args: {type(self).__name__} takes a fastes.{self.config_class.__name__}, got "
                 f"{type(self.args).__module__}.{type(self.args).__name__}; build one with the same fields"
             )
+        self.args.check_types()
         if train_dataset is None:
             raise ConfigError("train_dataset: required, rows with a 'prompt' column (a Dataset or a list)")
         self.task = DatasetTask(
@@ -266,6 +317,7 @@ class ESTrainer:
                 f"resume_from_checkpoint: {resume_from_checkpoint!r}; fastes resumes the run in output_dir "
                 "from its newest checkpoint: pass True"
             )
+        self.args.check_types()  # fields set since construction (overwrite_output_dir = "no")
         try:
             summary = train_loop(
                 self.config,
@@ -372,16 +424,38 @@ class ESTrainer:
         run's final/ (the run directory itself holds the run's own config.json, so it cannot take one)."""
         out = Path(self.config.out_dir)
         target = Path(output_dir) if output_dir is not None else out / "final"
-        if target.resolve() == out.resolve():
-            raise ConfigError(
-                f"save_model: {str(target)!r} is the run directory; save to its final/ (the default) or "
-                "another directory"
-            )
+        self._check_save_target(target)
         model, tokenizer = self._loaded()
-        path = save_model(model, tokenizer, target)
+        try:
+            path = save_model(model, tokenizer, target)
+        except OSError as error:  # under a file, read-only, full disk
+            raise ConfigError(
+                f"save_model: cannot write {str(target)!r} ({type(error).__name__}: "
+                f"{error.strerror or error}); choose a writable directory"
+            ) from None
         if distributed.is_writer():
             Callbacks(self.callbacks).fire("on_save", self.state.global_step, path)
         return path
+
+    def _check_save_target(self, target: Path) -> None:
+        """What save_model must never write into (symlinks resolved): the run directory, its checkpoints,
+        another run's directory, and the model the run starts from (a resume needs it unchanged)."""
+        out = Path(self.config.out_dir).resolve()
+        resolved = target.resolve()
+        protected = {out: "the run directory", out / "checkpoints": "the run's checkpoints"}
+        if self.model_path:
+            protected[resolve_model(self.model_path).resolve()] = "the model this run starts from"
+        for path, what in protected.items():
+            if resolved == path or path.name == "checkpoints" and path in resolved.parents:
+                raise ConfigError(
+                    f"save_model: {str(target)!r} is {what}; saving there would overwrite it. Save to the "
+                    "run's final/ (the default) or a new directory"
+                )
+        if (resolved / RUN_FILE).is_file():
+            raise ConfigError(
+                f"save_model: {str(target)!r} holds a fastes run ({RUN_FILE}); saving there would mix a "
+                "model into it. Save to a new directory"
+            )
 
 
 class GRPOTrainer(ESTrainer):
