@@ -399,7 +399,7 @@ def prepare_run(
 
 def _hooks(cfg: TrainConfig, callbacks: list[Any] | None) -> Callbacks:
     """The run's callbacks, after TensorBoard's when cfg.report_to asks for it."""
-    hooks = Callbacks(callbacks)
+    hooks = Callbacks(callbacks, args=cfg, max_steps=sum(phase_lengths(cfg)))
     if cfg.report_to == "tensorboard":
         hooks.callbacks.insert(
             0, TensorBoardCallback(Path(cfg.out_dir) / TENSORBOARD_DIR, every=cfg.logging_steps)

@@ -280,7 +280,7 @@ class ESTrainer:
             eval_dataset=eval_dataset,
             timeout=self.args.reward_timeout,
         )
-        self.callbacks = Callbacks(callbacks).callbacks
+        self.callbacks = Callbacks(callbacks, args=self.args, max_steps=self.args.max_steps).callbacks
         self.processing_class = processing_class
         overrides = self.args.overrides()
         if isinstance(model, (str, Path)):

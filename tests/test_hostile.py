@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,9 @@ import torch
 from safetensors.torch import load_file
 
 import fastes
+import fastes.config
+import fastes.rundir
+import fastes.train
 from fastes import ESConfig, ESTrainer, GRPOConfig, GRPOTrainer
 from fastes.batched import population_batched
 from fastes.errors import NonFiniteUpdateError
@@ -30,9 +34,8 @@ def small(tmp_path: Path, config=ESConfig, **extra):
     """A config of a run of a few seconds on the tiny model, a checkpoint every step."""
     sizes = {"population_size": 4} if config is ESConfig else {"num_generations": 2}
     settings = {"max_steps": 2, "per_device_train_batch_size": 4, "max_completion_length": 4, "save_steps": 1}
-    return config(
-        output_dir=str(tmp_path / "run"), disable_tqdm=True, use_cpu=True, **{**settings, **sizes, **extra}
-    )
+    base = {"output_dir": str(tmp_path / "run"), "disable_tqdm": True, "use_cpu": True}
+    return config(**{**base, **settings, **sizes, **extra})
 
 
 def weight_files(run: Path) -> list[Path]:
@@ -175,3 +178,89 @@ def test_the_cli_names_its_own_flag(tmp_path, capsys):
     assert err.startswith("fastes: ES generation 0:") and "lower es.lr (1e+300)" in err
     assert err.count("\n") == 1
     assert_all_finite(tmp_path / "run")
+
+
+# --- 2. typed fields; nothing deleted or overwritten without an explicit overwrite ---------------------
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("overwrite_output_dir", "no", "overwrite_output_dir: must be True or False, got str 'no'"),
+        ("use_cpu", "yes", "use_cpu: must be True or False, got str 'yes'"),
+        ("disable_tqdm", 1, "disable_tqdm: must be True or False, got int 1"),
+        ("antithetic", "false", "antithetic: must be True or False"),
+        ("max_steps", 2.0, "max_steps: must be a whole number, got float 2.0"),
+        ("learning_rate", "1e-3", "learning_rate: must be a number, got str '1e-3'"),
+        ("report_to", None, "report_to: must be a string or a list of strings, got NoneType None"),
+        (
+            "reward_weights",
+            1.0,
+            r"reward_weights: must be a list of numbers \(one per reward function\) or None",
+        ),
+        ("output_dir", Path("x"), "output_dir: must be a string, got PosixPath"),
+    ],
+)
+def test_every_field_is_type_checked_at_construction_and_before_training(field, value, message, tmp_path):
+    with pytest.raises(fastes.config.ConfigError, match=message):
+        small(tmp_path, **{field: value})
+    args = small(tmp_path)
+    setattr(args, field, value)  # set after construction: caught before any work
+    with pytest.raises(fastes.config.ConfigError, match=message):
+        ESTrainer(MODEL, CORRECT, args=args, train_dataset=ROWS)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_finished_run_survives_an_overwrite_flag_that_is_not_a_bool(tmp_path):
+    ESTrainer(MODEL, CORRECT, args=small(tmp_path, max_steps=1), train_dataset=ROWS).train()
+    before = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()}
+    trainer = ESTrainer(MODEL, CORRECT, args=small(tmp_path, max_steps=1), train_dataset=ROWS)
+    trainer.args.overwrite_output_dir = "no"
+    with pytest.raises(fastes.config.ConfigError, match="overwrite_output_dir: must be True or False"):
+        trainer.train()
+    with pytest.raises(fastes.config.ConfigError, match="overwrite: must be True or False"):
+        fastes.train.train(trainer.config, overwrite="no")
+    assert {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()} == before
+
+
+def test_save_model_never_overwrites_the_run_its_checkpoints_or_the_starting_model(tmp_path):
+    start = tmp_path / "start"
+    shutil.copytree(MODEL, start)
+    (tmp_path / "link").symlink_to(start)
+    trainer = ESTrainer(str(start), CORRECT, args=small(tmp_path, max_steps=1), train_dataset=ROWS)
+    trainer.train()
+    run = tmp_path / "run"
+    other = tmp_path / "other"
+    ESTrainer(MODEL, CORRECT, args=small(other, max_steps=1, save_steps=0), train_dataset=ROWS).train()
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    refused = [
+        (run, "is the run directory"),
+        (run / "checkpoints", "is the run's checkpoints"),
+        (run / "checkpoints" / "step-00000001", "is the run's checkpoints"),
+        (start, "is the model this run starts from"),
+        (tmp_path / "link", "is the model this run starts from"),  # a symlink to it
+        (other / "run", r"holds a fastes run \(run.json\)"),
+        (tmp_path / "run" / "metrics.jsonl" / "x", "cannot write .*NotADirectoryError|cannot write"),
+    ]
+    for target, message in refused:
+        with pytest.raises(fastes.config.ConfigError, match=f"save_model: .*{message}"):
+            trainer.save_model(str(target))
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    assert trainer.save_model(str(tmp_path / "copy")) == tmp_path / "copy"
+
+
+def test_out_dirs_that_cannot_hold_a_run_are_refused_before_any_work(tmp_path, monkeypatch):
+    (tmp_path / "afile").write_text("keep")
+    with pytest.raises(fastes.config.ConfigError, match="would be under .*afile', which is a file"):
+        ESTrainer(
+            MODEL, CORRECT, args=ESConfig(output_dir=str(tmp_path / "afile" / "run")), train_dataset=ROWS
+        )
+
+    def read_only(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    trainer = ESTrainer(MODEL, CORRECT, args=small(tmp_path), train_dataset=ROWS)
+    monkeypatch.setattr(fastes.rundir.tempfile, "TemporaryDirectory", read_only)
+    with pytest.raises(fastes.rundir.RunDirError, match="cannot write in .* \\(Permission denied\\)"):
+        trainer.train()
+    assert not (tmp_path / "run").exists()

@@ -7,8 +7,9 @@ functions as [{"role": "assistant", "content": text}], as in TRL. Every other co
 function as a keyword argument (a list aligned with `completions`), together with `prompts`.
 
 Several reward functions combine as in TRL: reward = sum_i weight_i * r_i, where a function's None (not
-applicable) leaves its term out, and a completion that no function scores gets a non-finite reward, which
-training refuses. Each function's own value is kept in Score.rewards under the function's name.
+applicable) leaves its term out; a completion that no function scores is refused with a RewardFunctionError
+(TRL would give it 0 with a warning). Each function's own value is kept in Score.rewards under the
+function's name (NaN for its None).
 
 Every reward function is called once when the task is built, on an empty completion of each of the first
 training rows: a function that fails, returns the wrong count or a non-number is reported before any work
@@ -29,7 +30,7 @@ from typing import Any
 from ..errors import FastesError, MissingFileError, MissingPackageError
 from .base import Example, Score, Task, check_split
 from .registry import get_task
-from .reward_file import RewardFunction, RewardFunctionError
+from .reward_file import RewardFunction, RewardFunctionError, require_scored
 
 # Names fastes (or TRL) passes to reward functions itself: a column may not take them.
 RESERVED_COLUMNS = ("completions", "prompts", "completion_ids", "trainer_state")
@@ -216,7 +217,7 @@ class DatasetTask(Task):
     def _probe(self) -> None:
         examples = self._splits["train"][:PROBE_ROWS]
         try:
-            self.scores(examples, [""] * len(examples))
+            self._scores(examples, [""] * len(examples))  # None may mean "does not apply" to an empty one
         except RewardFunctionError as error:
             raise RewardFunctionError(
                 f"{error} (found by calling it on an empty completion of the first {len(examples)} training "
@@ -224,6 +225,12 @@ class DatasetTask(Task):
             ) from None
 
     def scores(self, examples: list[Example], completions: list[str]) -> list[Score]:
+        scores = self._scores(examples, completions)
+        require_scored([s.answer for s in scores], examples, self.functions)
+        return scores
+
+    def _scores(self, examples: list[Example], completions: list[str]) -> list[Score]:
+        """Each function's value (NaN for its None) and the weighted sum of those that apply."""
         if not examples:
             return []
         prompts = [ex.prompt for ex in examples]
@@ -265,6 +272,11 @@ def _weights(weights: Sequence[float] | None, count: int) -> list[float]:
     for value in values:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise DatasetError(f"reward_weights: {value!r} is not a finite number")
+    if not any(values):
+        raise DatasetError(
+            f"reward_weights: all {len(values)} weights are 0, so every reward would be 0 and nothing "
+            "could be learned; give at least one function a non-zero weight"
+        )
     return [float(v) for v in values]
 
 
