@@ -141,7 +141,10 @@ def test_docs_list_every_field_with_its_trl_counterpart():
             r"^population_size: must be at least 2, got 1$",
         ),
         (lambda t: ESConfig(output_dir=t, max_completion_length=-1), r"^max_completion_length: must be >= 1"),
-        (lambda t: ESConfig(output_dir=t, learning_rate="fast"), r"^learning_rate: must be a number, got str 'fast'"),
+        (
+            lambda t: ESConfig(output_dir=t, learning_rate="fast"),
+            r"^learning_rate: must be a number, got str",
+        ),
         (lambda t: ESConfig(output_dir=t, report_to="wandb"), r"^report_to: 'wandb' is not supported; use"),
         (lambda t: ESConfig(output_dir=t, report_to=["none", "mlflow"]), r"^report_to: 'mlflow' is not"),
         (lambda t: ESConfig(output_dir=t, logging_steps=0), r"^logging_steps: must be at least 1"),
