@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from safetensors.torch import load_file
 import fastes
 import fastes.config
 import fastes.rundir
+import fastes.tasks
 import fastes.train
 from fastes import ESConfig, ESTrainer, GRPOConfig, GRPOTrainer
 from fastes.batched import population_batched
@@ -263,4 +265,219 @@ def test_out_dirs_that_cannot_hold_a_run_are_refused_before_any_work(tmp_path, m
     monkeypatch.setattr(fastes.rundir.tempfile, "TemporaryDirectory", read_only)
     with pytest.raises(fastes.rundir.RunDirError, match="cannot write in .* \\(Permission denied\\)"):
         trainer.train()
+    assert not (tmp_path / "run").exists()
+
+
+# --- 4. reward values ------------------------------------------------------------------------------------
+
+
+def returning(value_of):
+    """A reward function whose value for each completion is value_of(i)."""
+
+    def reward(completions, **kwargs):
+        return [value_of(i) for i in range(len(completions))]
+
+    return reward
+
+
+@pytest.mark.parametrize(
+    "result, message",
+    [
+        (lambda completions: {c: 1.0 for c in completions}, r"returned dict; it must return a list of 2"),
+        (lambda completions: "1.0" * len(completions), "returned str"),
+        (lambda completions: ["1.0"] * len(completions), r"reward 0 is '1.0' \(str\), not a finite number"),
+        (lambda completions: ["nan"] * len(completions), r"reward 0 is 'nan' \(str\)"),
+        (lambda completions: [math.nan] * len(completions), "reward 0 is nan, not a finite number"),
+        (lambda completions: [0.0, math.inf], "reward 1 is inf, not a finite number"),
+        (lambda completions: [[1.0]] * len(completions), r"reward 0 is \[1.0\] \(list\)"),
+        (lambda completions: {1.0, 2.0}, "returned set"),
+    ],
+    ids=["dict", "str", "strings", "nan string", "nan", "inf", "nested", "set"],
+)
+def test_rewards_that_are_not_numbers_or_none_are_refused_naming_the_function(result, message, tmp_path):
+    def odd(completions, **kwargs):
+        return result(completions)
+
+    with pytest.raises(fastes.tasks.RewardFunctionError, match=f"'odd'.*{message}|odd: .*{message}"):
+        ESTrainer(MODEL, [CORRECT, odd], args=small(tmp_path), train_dataset=ROWS)
+    assert not (tmp_path / "run").exists()
+
+
+NONE_CASES = [
+    ([returning(lambda i: None)], "reward function 'reward' returned None"),
+    ([returning(lambda i: None), returning(lambda i: None)], "every reward function returned None"),
+]
+
+
+@pytest.mark.parametrize("config", [ESConfig, GRPOConfig])
+@pytest.mark.parametrize("functions, message", NONE_CASES, ids=["one function", "two functions"])
+def test_a_completion_no_function_scores_is_refused_the_same_way_everywhere(
+    config, functions, message, tmp_path
+):
+    if len(functions) == 2:
+        functions[1].__name__ = "other"
+    trainer = {ESConfig: ESTrainer, GRPOConfig: GRPOTrainer}[config]
+    with pytest.raises(
+        fastes.tasks.RewardFunctionError, match=f"{message} \\(does not apply\\) for completion 0"
+    ):
+        trainer(MODEL, functions, args=small(tmp_path, config, max_steps=1), train_dataset=ROWS).train()
+    assert_all_finite(tmp_path / "run")
+
+
+def test_none_beside_a_number_leaves_that_term_out(tmp_path):
+    half = returning(lambda i: None if i % 2 else 1.0)
+    task = fastes.tasks.DatasetTask(ROWS, [half, CORRECT], reward_weights=[1.0, 2.0])
+    scores = task.scores(task.split("train")[:2], ["x", "y"])
+    assert [s.answer for s in scores] == [1.0, 0.0]  # 1 * 1.0 + 2 * 0.0; the None's term left out
+
+
+def test_reward_settings_that_cannot_work_are_refused(tmp_path):
+    for timeout in (math.inf, 1e300, 0.0):  # SIGALRM cannot be set past ~1e9 s: inf was an OverflowError
+        with pytest.raises(
+            fastes.tasks.RewardFunctionError, match=r"reward_timeout: must be a number of seconds"
+        ):
+            ESTrainer(MODEL, CORRECT, args=small(tmp_path, reward_timeout=timeout), train_dataset=ROWS)
+    constant = returning(lambda i: 1.0)
+    with pytest.raises(fastes.tasks.DatasetError, match="reward_weights: all 2 weights are 0"):
+        ESTrainer(
+            MODEL, [CORRECT, constant], args=small(tmp_path, reward_weights=[0, 0.0]), train_dataset=ROWS
+        )
+    assert not (tmp_path / "run").exists()
+
+
+REWARD_FILE = """
+import sys
+
+def exits(completions, **kwargs):
+    sys.exit(7)
+
+def nothing(completions, **kwargs):
+    return [None] * len(completions)
+
+def as_dict(completions, **kwargs):
+    return {"a": 1.0}
+
+def fine(completions, **kwargs):
+    return [0.0] * len(completions)
+"""
+
+
+@pytest.mark.parametrize(
+    "function, algorithm, message",
+    [
+        ("exits", "es", r"rewards.py:5: in exits: the function called sys.exit\(7\)"),
+        ("nothing", "es", r"rewards.py:nothing returned None \(does not apply\) for completion 0"),
+        ("nothing", "grpo", r"rewards.py:nothing returned None \(does not apply\) for completion 0"),
+        ("as_dict", "es", "returned dict; it must return a list of"),
+    ],
+)
+def test_the_cli_reports_a_reward_mistake_in_one_line_with_status_2(
+    function, algorithm, message, tmp_path, capsys
+):
+    from fastes import cli
+
+    (tmp_path / "rewards.py").write_text(REWARD_FILE)
+    (tmp_path / "data.jsonl").write_text("".join(f'{{"prompt": "{r["prompt"]}"}}\n' for r in ROWS))
+    args = [
+        "train",
+        "--dataset",
+        str(tmp_path / "data.jsonl"),
+        "--reward",
+        f"{tmp_path / 'rewards.py'}:{function}",
+    ]
+    args += ["--out_dir", str(tmp_path / "run"), "--progress", "false", "--algorithm", algorithm]
+    args += [
+        "--es.iterations",
+        "1",
+        "--es.population",
+        "4",
+        "--grpo.steps",
+        "1",
+        "--grpo.num_generations",
+        "2",
+    ]
+    args += ["--batch_size", "2", "--max_new_tokens", "2"]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fastes: ") and err.count("\n") == 1
+    assert re.search(message, err), err
+    assert_all_finite(tmp_path / "run")
+
+
+# --- 5. callbacks ----------------------------------------------------------------------------------------
+
+
+def test_transformers_callbacks_get_args_state_and_control(tmp_path, capsys):
+    from transformers import PrinterCallback, TrainerCallback, TrainerControl, TrainerState
+
+    class Recording(TrainerCallback):
+        def __init__(self):
+            self.calls = []
+
+        def record(self, event, args, state, control, **kwargs):
+            assert isinstance(state, TrainerState) and isinstance(control, TrainerControl)
+            self.calls.append((event, args, state.global_step, state.max_steps, sorted(kwargs)))
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.record("begin", args, state, control, **kwargs)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.record("step", args, state, control, **kwargs)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.record("log", args, state, control, **kwargs)
+            assert "reward" in logs or "eval_reward" in logs
+
+        def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+            self.record("evaluate", args, state, control, **kwargs)
+            assert "eval_reward" in metrics
+
+        def on_save(self, args, state, control, **kwargs):
+            self.record("save", args, state, control, **kwargs)
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self.record("end", args, state, control, **kwargs)
+
+    recording = Recording()
+    args = small(tmp_path, max_steps=2, save_steps=0, eval_steps=2)
+    trainer = ESTrainer(
+        MODEL,
+        CORRECT,
+        args=args,
+        train_dataset=ROWS,
+        eval_dataset=ROWS[:2],
+        callbacks=[recording, PrinterCallback()],
+    )
+    trainer.train()
+    events = [(event, step) for event, _, step, _, _ in recording.calls]
+    assert events == [
+        ("begin", 0), ("evaluate", 0), ("log", 0),  # the starting model's evaluation
+        ("step", 1), ("log", 1),
+        ("step", 2), ("log", 2), ("evaluate", 2), ("log", 2),
+        ("save", 2), ("end", 2),
+    ]  # fmt: skip
+    assert all(a is args and max_steps == 2 for _, a, _, max_steps, _ in recording.calls)
+    printed = capsys.readouterr().out
+    assert "'reward':" in printed and "'eval_reward':" in printed  # PrinterCallback's on_log
+
+
+@pytest.mark.parametrize(
+    "callbacks, message",
+    [
+        (
+            lambda: [__import__("transformers").PrinterCallback],
+            "PrinterCallback is a class; pass an instance",
+        ),
+        (
+            lambda: __import__("transformers").PrinterCallback(),
+            "must be a list of callbacks, got PrinterCallback",
+        ),
+        (lambda: [object()], "has none of the hooks"),
+        (lambda: "tensorboard", "must be a list of callbacks, got str"),
+    ],
+    ids=["class", "not a list", "no hooks", "a string"],
+)
+def test_anything_else_is_refused_at_construction(callbacks, message, tmp_path):
+    with pytest.raises(fastes.config.ConfigError, match=f"callbacks: .*{message}"):
+        ESTrainer(MODEL, CORRECT, args=small(tmp_path), train_dataset=ROWS, callbacks=callbacks())
     assert not (tmp_path / "run").exists()
