@@ -38,6 +38,7 @@ from .grpo import grpo_step, make_grpo_optimizer
 from .model_sources import resolve_model
 from .models import ModelError, is_character_tokenizer, load_model, save_model
 from .run import Run, reward_parts
+from .sizes import check_sizes
 from .tasks import DatasetTask, Example, Task, available_tasks, get_task
 from .tasks.base import DEFAULT_TEST_PROBLEMS
 
@@ -369,6 +370,8 @@ def prepare_run(
     task = task or make_task(cfg, strict_alphabet=is_character_tokenizer(tokenizer))
     check_task(task, cfg)
     check_world_size(cfg, task)
+    # A step that cannot fit fails now, with its estimate.
+    check_sizes(cfg, model, PHASES[cfg.algorithm], len(task.split("train")))
     hooks = _hooks(cfg, callbacks)  # checked before any work
     identity = rundir.run_identity(
         cfg,

@@ -481,3 +481,47 @@ def test_anything_else_is_refused_at_construction(callbacks, message, tmp_path):
     with pytest.raises(fastes.config.ConfigError, match=f"callbacks: .*{message}"):
         ESTrainer(MODEL, CORRECT, args=small(tmp_path), train_dataset=ROWS, callbacks=callbacks())
     assert not (tmp_path / "run").exists()
+
+
+# --- 3. sizes checked before work starts --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "config, options, message",
+    [
+        (
+            ESConfig,
+            {"population_size": 10**9},
+            r"es.population \* batch_size = 4,000,000,000 completions .* GiB",
+        ),
+        (
+            ESConfig,
+            {"max_completion_length": 10**6},
+            "1000000 tokens do not fit in the model's context of 64",
+        ),
+        (
+            GRPOConfig,
+            {"num_generations": 10**8, "per_device_train_batch_size": 4 * 10**8},
+            r"batch_size \* grpo.num_generations = 400,000,000 completions .* GiB",
+        ),
+    ],
+    ids=["population", "completion length", "grpo group"],
+)
+def test_a_step_that_cannot_fit_fails_at_once_with_its_estimate(config, options, message, tmp_path):
+    trainer = {ESConfig: ESTrainer, GRPOConfig: GRPOTrainer}[config]
+    with pytest.raises(fastes.config.ConfigError, match=message):
+        trainer(MODEL, CORRECT, args=small(tmp_path, config, **options), train_dataset=ROWS).train()
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_step_that_cannot_finish_in_a_day_is_refused(monkeypatch):
+    from fastes import sizes
+    from fastes.config import TrainConfig
+    from fastes.models import load_model
+
+    model, _ = load_model(MODEL)
+    cfg = TrainConfig(max_new_tokens=12)
+    sizes.check_sizes(cfg, model, ("es", "grpo"), train_rows=100)  # the defaults fit
+    monkeypatch.setattr(sizes, "PEAK_FLOPS", {"cpu": 1.0, "cuda": 1.0})
+    with pytest.raises(fastes.config.ConfigError, match=r"generating them takes at least [\d,]+ hours"):
+        sizes.check_sizes(cfg, model, ("es",), train_rows=100)
