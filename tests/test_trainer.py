@@ -156,9 +156,10 @@ def test_docs_list_every_field_with_its_trl_counterpart():
     ],
 )
 def test_config_mistakes_name_the_field_before_any_work(make, message, tmp_path):
-    trainer = GRPOTrainer if "GRPO" in repr(make(str(tmp_path / "run"))) else ESTrainer
-    with pytest.raises(ConfigError, match=message):
-        trainer(MODEL, CORRECT, args=make(str(tmp_path / "run")), train_dataset=ROWS)
+    with pytest.raises(ConfigError, match=message):  # a field of the wrong type: already when built
+        args = make(str(tmp_path / "run"))
+        trainer = GRPOTrainer if isinstance(args, GRPOConfig) else ESTrainer
+        trainer(MODEL, CORRECT, args=args, train_dataset=ROWS)
     assert not (tmp_path / "run").exists()
 
 
