@@ -37,6 +37,7 @@ from .models import load_model, save_model
 from .run import render_prompts
 from .rundir import RUN_FILE
 from .tasks import DatasetTask, Example, Score
+from .tasks.dataset import dataset_rows
 from .train import train as train_loop
 
 _ITS_DEFAULT = object()
@@ -363,6 +364,7 @@ class ESTrainer:
         weighted sum), and per function `<prefix>_rewards/<name>/mean`, `/accuracy` where its values are
         all 0 or 1, and with num_samples = n > 1 sampled completions, `/pass@k` for k = 1, 2, 4 .. n."""
         if eval_dataset is not None:
+            dataset_rows(eval_dataset, "eval_dataset")  # its own name in errors, not train_dataset's
             task = DatasetTask(eval_dataset, self.task.functions, reward_weights=self.task.weights)
             examples = task.split("train")
         else:

@@ -525,3 +525,64 @@ def test_a_step_that_cannot_finish_in_a_day_is_refused(monkeypatch):
     monkeypatch.setattr(sizes, "PEAK_FLOPS", {"cpu": 1.0, "cuda": 1.0})
     with pytest.raises(fastes.config.ConfigError, match=r"generating them takes at least [\d,]+ hours"):
         sizes.check_sizes(cfg, model, ("es",), train_rows=100)
+
+
+# --- 6. one line naming the file, row, column or field ---------------------------------------------------
+
+DATA_FILES = [
+    ("empty.jsonl", b"", r"empty.jsonl: the file is empty"),
+    (
+        "latin.jsonl",
+        b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n',
+        r"latin.jsonl:2: not UTF-8 text \(byte 0xe9\)",
+    ),
+    ("ragged.csv", b"prompt,answer\na,1\nb,2,3\n", r"ragged.csv:3: 3 fields, the header has 2"),
+    ("dup.csv", b"prompt,answer,answer\na,1,2\n", r"dup.csv:1: the header names column 'answer' twice"),
+    ("dol.json", b'{"prompt": ["a", "b"], "answer": ["1", "2"]}', r"dol.json: holds one object of columns"),
+    (
+        "wizard.jsonl",
+        b'{"prompt": [{"role": "user", "content": "a"}]}\n{"prompt": [{"role": "wizard", "content": "b"}]}\n',
+        r"wizard.jsonl row 1: message 0 has role 'wizard'; chat templates know system, user",
+    ),
+]
+
+
+@pytest.mark.parametrize("name, content, message", DATA_FILES, ids=[c[0] for c in DATA_FILES])
+def test_bad_data_files_are_one_line_naming_the_file_and_place(name, content, message, tmp_path, capsys):
+    from fastes import cli
+
+    (tmp_path / name).write_bytes(content)
+    (tmp_path / "rewards.py").write_text(REWARD_FILE)
+    args = ["train", "--dataset", str(tmp_path / name), "--reward", f"{tmp_path / 'rewards.py'}:fine"]
+    assert cli.main([*args, "--out_dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.search(message, err), err
+    assert not (tmp_path / "run").exists()
+
+
+def test_other_messages_name_what_is_wrong(tmp_path, capsys):
+    from fastes import cli
+
+    (tmp_path / "m.gguf").mkdir()
+    assert cli.main(["train", "--model", str(tmp_path / "m.gguf"), "--out_dir", str(tmp_path / "run")]) == 2
+    assert (
+        "m.gguf' is a directory, but a name ending in .gguf is read as a GGUF file" in capsys.readouterr().err
+    )
+    (tmp_path / "afile").write_text("keep")
+    assert cli.main(["train", "--out_dir", str(tmp_path / "afile" / "run")]) == 2
+    assert "out_dir: " in capsys.readouterr().err and (tmp_path / "afile").read_text() == "keep"
+    trainer = ESTrainer(MODEL, CORRECT, args=small(tmp_path), train_dataset=ROWS)
+    with pytest.raises(fastes.tasks.DatasetError, match="eval_dataset is empty"):
+        trainer.evaluate(eval_dataset=[])
+
+
+def test_the_cli_reports_a_mean_reward_as_a_number(tmp_path, capsys):
+    from fastes import cli
+
+    (tmp_path / "rewards.py").write_text("def big(completions, **kw):\n    return [3.5] * len(completions)\n")
+    (tmp_path / "data.jsonl").write_text("".join(f'{{"prompt": "{r["prompt"]}"}}\n' for r in ROWS))
+    args = ["train", "--dataset", str(tmp_path / "data.jsonl"), "--reward", f"{tmp_path / 'rewards.py'}:big"]
+    args += ["--out_dir", str(tmp_path / "run"), "--progress", "false", "--es.iterations", "1"]
+    assert cli.main([*args, "--es.population", "4", "--batch_size", "2", "--max_new_tokens", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "base model mean test reward:    3.5" in out and "%" not in out

@@ -18,7 +18,9 @@ training rows: a function that fails, returns the wrong count or a non-number is
 
 from __future__ import annotations
 
+import csv
 import hashlib
+import io
 import json
 import math
 import random
@@ -37,6 +39,7 @@ RESERVED_COLUMNS = ("completions", "prompts", "completion_ids", "trainer_state")
 DATA_FILES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}  # suffix: builder
 PROBE_ROWS = 2  # training rows each reward function is tried on before any work
 HELD_OUT = 0.2  # share of a data file held out for evaluation when no eval file is given
+ROLES = ("system", "user", "assistant", "tool")  # the message roles of chat templates
 
 
 class DatasetError(FastesError, ValueError):
@@ -106,6 +109,11 @@ def _check_prompt(prompt: Any, where: str) -> None:
             f"{where}: 'prompt' must be text or a list of {{'role': ..., 'content': ...}} messages, "
             f"got {str(prompt)[:80]}"
         )
+    for i, message in enumerate(prompt):
+        if message["role"] not in ROLES:
+            raise DatasetError(
+                f"{where}: message {i} has role {message['role']!r}; chat templates know {', '.join(ROLES)}"
+            )
 
 
 def read_data_file(path: str | Path) -> list[dict[str, Any]]:
@@ -116,6 +124,8 @@ def read_data_file(path: str | Path) -> list[dict[str, Any]]:
         raise DatasetError(f"{path}: unknown data file type; use one of {', '.join(DATA_FILES)}")
     if not path.is_file():
         raise MissingFileError(f"data file {str(path)!r} does not exist")
+    if builder != "parquet":
+        _check_text_file(path, builder)
     try:
         import datasets
     except ImportError:
@@ -134,6 +144,45 @@ def read_data_file(path: str | Path) -> list[dict[str, Any]]:
                 f"{path}: cannot be read as {builder} ({type(error).__name__}: {str(error)[:200]})"
             ) from None
         return data.to_list()
+
+
+def _check_text_file(path: Path, builder: str) -> None:
+    """What the `datasets` library reports badly or not at all, with the file and line: an empty file, a
+    file that is not UTF-8, a CSV header naming a column twice (read as 'answer.1') or a row with more or
+    fewer fields than the header, a .json file holding one object of columns (a dict of lists)."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = error.object[: error.start].count(b"\n") + 1
+        raise DatasetError(
+            f"{path}:{line}: not UTF-8 text (byte {error.object[error.start]:#04x}); save the file as UTF-8"
+        ) from None
+    if not text.strip():
+        raise DatasetError(f"{path}: the file is empty; give it rows, each with a 'prompt'")
+    if builder == "csv":
+        rows = csv.reader(io.StringIO(text))
+        header = next(rows)
+        twice = sorted({c for c in header if header.count(c) > 1})
+        if twice:
+            raise DatasetError(
+                f"{path}:1: the header names column {twice[0]!r} twice; give each column its own name"
+            )
+        for row in rows:
+            if row and len(row) != len(header):
+                raise DatasetError(
+                    f"{path}:{rows.line_num}: {len(row)} fields, the header has {len(header)}; quote fields "
+                    "that hold commas"
+                )
+    elif path.suffix.lower() == ".json":
+        try:
+            whole = json.loads(text)
+        except ValueError:
+            return  # JSON Lines under a .json name: the library reads those
+        if isinstance(whole, dict) and whole and all(isinstance(v, list) for v in whole.values()):
+            raise DatasetError(
+                f"{path}: holds one object of columns ({', '.join(map(repr, list(whole)[:4]))}: lists); "
+                "fastes reads rows: write a list of objects, or one object per line in a .jsonl file"
+            )
 
 
 class DatasetTask(Task):
@@ -192,9 +241,9 @@ class DatasetTask(Task):
     ) -> DatasetTask:
         """The task of a data file and reward functions given as FILE.py:FUNCTION. Without an eval file,
         a seeded 20% of the rows (at least one, of two or more) is held out for evaluation."""
-        rows = read_data_file(path)
+        rows = dataset_rows(read_data_file(path), str(path))  # rows named by their place in the file
         if eval_path:
-            train, test = rows, read_data_file(eval_path)
+            train, test = rows, dataset_rows(read_data_file(eval_path), str(eval_path))
         else:
             order = list(range(len(rows)))
             random.Random(f"dataset:{seed}").shuffle(order)
