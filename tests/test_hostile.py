@@ -7,9 +7,11 @@ Runs use the tiny model for 1-2 steps; the ES-level cases use a few small tensor
 from __future__ import annotations
 
 import functools
+import importlib.util
 import math
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -538,6 +540,12 @@ DATA_FILES = [
     ),
     ("ragged.csv", b"prompt,answer\na,1\nb,2,3\n", r"ragged.csv:3: 3 fields, the header has 2"),
     ("dup.csv", b"prompt,answer,answer\na,1,2\n", r"dup.csv:1: the header names column 'answer' twice"),
+    ("header.csv", b"prompt,answer\n", r"header.csv: the header has no rows below it"),
+    (
+        "cut.jsonl",
+        b'{"prompt": "a"}\n{"prompt": "b',
+        r"cut.jsonl:2: not one JSON object \(Unterminated string",
+    ),
     ("dol.json", b'{"prompt": ["a", "b"], "answer": ["1", "2"]}', r"dol.json: holds one object of columns"),
     (
         "wizard.jsonl",
@@ -586,3 +594,54 @@ def test_the_cli_reports_a_mean_reward_as_a_number(tmp_path, capsys):
     assert cli.main([*args, "--es.population", "4", "--batch_size", "2", "--max_new_tokens", "2"]) == 0
     out = capsys.readouterr().out
     assert "base model mean test reward:    3.5" in out and "%" not in out
+
+
+# --- 8. a fuzz test over the trainer's and the command's inputs -----------------------------------------
+
+_spec = importlib.util.spec_from_file_location(
+    "fuzz_trainer", Path(__file__).resolve().parents[1] / "scripts" / "fuzz_trainer.py"
+)
+fuzz_trainer = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fuzz_trainer)
+
+
+def test_random_datasets_rewards_and_flags_train_or_fail_in_one_line():
+    """Exit 0 with finite weights, or one `fastes:` line with status 2; bystander files never change."""
+    report = fuzz_trainer.run(n=30, seed=3)
+    assert report["findings"] == []
+    assert report["statuses"].get(0, 0) >= 5 and report["statuses"].get(2, 0) >= 5  # both paths reached
+
+
+def test_the_fuzzer_finds_a_traceback_a_lost_file_and_non_finite_weights(tmp_path, monkeypatch):
+    """The harness itself can fail: each kind of finding is reported."""
+    root = tmp_path
+    (root / fuzz_trainer.BYSTANDER).write_text("notes")
+    (root / "run" / "final").mkdir(parents=True)
+    args = ["train", "--out_dir", str(root / "run")]
+
+    def crash(argv):
+        raise KeyError("bug")
+
+    def deletes(argv):
+        (root / fuzz_trainer.BYSTANDER).unlink()
+        return 0
+
+    def writes_nan(argv):
+        from safetensors.torch import save_file
+
+        save_file({"w": torch.tensor([math.nan])}, str(root / "run" / "final" / "model.safetensors"))
+        return 0
+
+    def two_lines(argv):
+        print("fastes: one\nfastes: two", file=sys.stderr)
+        return 2
+
+    for fake, problem in [
+        (crash, "raised KeyError"),
+        (deletes, "changed or deleted"),
+        (writes_nan, "non-finite weights"),
+        (two_lines, "status 2 with stderr"),
+    ]:
+        monkeypatch.setattr(fuzz_trainer.cli, "main", fake)
+        assert problem in fuzz_trainer.check(root, args)[1]
+        (root / fuzz_trainer.BYSTANDER).write_text("notes")

@@ -148,8 +148,9 @@ def read_data_file(path: str | Path) -> list[dict[str, Any]]:
 
 def _check_text_file(path: Path, builder: str) -> None:
     """What the `datasets` library reports badly or not at all, with the file and line: an empty file, a
-    file that is not UTF-8, a CSV header naming a column twice (read as 'answer.1') or a row with more or
-    fewer fields than the header, a .json file holding one object of columns (a dict of lists)."""
+    file that is not UTF-8, a JSON Lines line that is no JSON, a CSV header naming a column twice (read as
+    'answer.1'), without rows, or a row with more or fewer fields than the header, a .json file holding
+    one object of columns (a dict of lists)."""
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as error:
@@ -167,12 +168,25 @@ def _check_text_file(path: Path, builder: str) -> None:
             raise DatasetError(
                 f"{path}:1: the header names column {twice[0]!r} twice; give each column its own name"
             )
+        found = False
         for row in rows:
+            found = found or bool(row)
             if row and len(row) != len(header):
                 raise DatasetError(
                     f"{path}:{rows.line_num}: {len(row)} fields, the header has {len(header)}; quote fields "
                     "that hold commas"
                 )
+        if not found:
+            raise DatasetError(f"{path}: the header has no rows below it; give it rows, each with a 'prompt'")
+    elif path.suffix.lower() == ".jsonl":
+        for number, line in enumerate(text.splitlines(), start=1):
+            try:
+                if line.strip():
+                    json.loads(line)
+            except ValueError as error:
+                raise DatasetError(
+                    f"{path}:{number}: not one JSON object ({error}); write one per line"
+                ) from None
     elif path.suffix.lower() == ".json":
         try:
             whole = json.loads(text)
