@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
+import random
 import re
 import shutil
 import sys
@@ -154,20 +155,35 @@ def test_an_adamw_step_that_overflows_is_undone():
 
 
 TRAINER_ABSURD = [
-    (ESConfig, {"learning_rate": 1e300}, "learning_rate"),
-    (ESConfig, {"learning_rate": 1e-3, "weight_decay": 1e300}, "weight_decay"),
-    (ESConfig, {"sigma": 1e300}, "lower sigma"),
-    (GRPOConfig, {"learning_rate": 1e300}, "lower learning_rate"),
-    (GRPOConfig, {"learning_rate": 1e-3, "weight_decay": 1e300}, "weight_decay"),
-    (GRPOConfig, {"learning_rate": 1e6, "dtype": "float16"}, "step would make"),
+    # What the config can tell is refused when the trainer is built...
+    (ESConfig, {"learning_rate": 1e300}, fastes.config.ConfigError, "^learning_rate: 1e.300 divided by"),
+    (ESConfig, {"learning_rate": 1e-3, "weight_decay": 1e300}, fastes.config.ConfigError, "^weight_decay: "),
+    (GRPOConfig, {"learning_rate": 1e300}, fastes.config.ConfigError, "^learning_rate: 1e.300 .times 10"),
+    (GRPOConfig, {"learning_rate": 1e-3, "weight_decay": 1e300}, fastes.config.ConfigError, "^learning_rate"),
+    # ... what depends on the weights, by the step that would write them.
+    (
+        ESConfig,
+        {"learning_rate": 100.0, "dtype": "float16"},
+        NonFiniteUpdateError,
+        r"lower learning_rate \(100\)",
+    ),
+    (ESConfig, {"weight_decay": 1e9, "dtype": "float16"}, NonFiniteUpdateError, "lower weight_decay"),
+    (ESConfig, {"sigma": 1e300}, NonFiniteUpdateError, "lower sigma"),
+    (GRPOConfig, {"learning_rate": 1e6, "dtype": "float16"}, NonFiniteUpdateError, "step would make"),
 ]
 
 
-@pytest.mark.parametrize("config, options, message", TRAINER_ABSURD)
-def test_absurd_settings_never_reach_a_checkpoint(config, options, message, tmp_path):
+def varied(completions, **kwargs):
+    """Rewards that differ between members (the tiny model's answers often do not): an update to take."""
+    draw = random.Random(len(completions))
+    return [draw.random() for _ in completions]
+
+
+@pytest.mark.parametrize("config, options, error, message", TRAINER_ABSURD)
+def test_absurd_settings_never_reach_a_checkpoint(config, options, error, message, tmp_path):
     trainer = {ESConfig: ESTrainer, GRPOConfig: GRPOTrainer}[config]
-    with pytest.raises(NonFiniteUpdateError, match=message):
-        trainer(MODEL, CORRECT, args=small(tmp_path, config, **options), train_dataset=ROWS).train()
+    with pytest.raises(error, match=message):
+        trainer(MODEL, varied, args=small(tmp_path, config, **options), train_dataset=ROWS).train()
     assert not (tmp_path / "run" / "final").exists()
     assert_all_finite(tmp_path / "run")
 
@@ -179,8 +195,13 @@ def test_the_cli_names_its_own_flag(tmp_path, capsys):
     args += ["--es.population", "4", "--batch_size", "2", "--max_new_tokens", "2", "--eval_size", "1"]
     assert cli.main([*args, "--es.lr", "1e300"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("fastes: ES generation 0:") and "lower es.lr (1e+300)" in err
-    assert err.count("\n") == 1
+    assert err.startswith("fastes: configuration error: es.lr: 1e+300 divided by") and err.count("\n") == 1
+    assert not (tmp_path / "run").exists()
+    # Decay 1 - lr * weight_decay = -999,999 overflows float16 whatever the rewards.
+    assert cli.main([*args, "--es.lr", "1", "--es.weight_decay", "1e6", "--dtype", "float16"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fastes: ES generation 0:") and err.count("\n") == 1
+    assert "lower es.weight_decay (1e+06) or es.lr (1)" in err
     assert_all_finite(tmp_path / "run")
 
 
@@ -306,7 +327,7 @@ def test_rewards_that_are_not_numbers_or_none_are_refused_naming_the_function(re
 
 
 NONE_CASES = [
-    ([returning(lambda i: None)], "reward function 'reward' returned None"),
+    ([returning(lambda i: None)], "test_hostile.py:reward returned None"),
     ([returning(lambda i: None), returning(lambda i: None)], "every reward function returned None"),
 ]
 
