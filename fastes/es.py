@@ -243,7 +243,13 @@ class ES:
     def _largest_weights(self) -> list[list[float]]:
         """max |theta| of every evolved tensor, group by group; refuses weights that are already NaN or inf
         (ES evolves finite weights only). One read of the weights."""
-        largest = [torch.stack([_max_abs(p) for p in g["params"]]).tolist() for g in self.param_groups]
+        largest = [
+            # meta tensors (kernel launches compiled ahead of time) have shapes but no values to bound
+            [0.0] * len(g["params"])
+            if g["params"][0].is_meta
+            else torch.stack(list(map(_max_abs, g["params"]))).tolist()
+            for g in self.param_groups
+        ]
         for group, values in zip(self.param_groups, largest):
             for name, m in zip(group["names"], values):
                 if not math.isfinite(m):
@@ -674,6 +680,9 @@ def checked_step(
     way (torch raises when a step size leaves float32): a gradient optimizer's step cannot be bounded in
     advance, so the tensors are copied first. Raises NonFiniteUpdateError "<where>: ... ; <fix>" (`fix`
     names settings as {lr}, `names` their current names). The optimizer's own state is not restored."""
+    if any(p.is_meta for _, p in named):  # shapes only (ahead-of-time compilation): nothing to check
+        optimizer.step()
+        return
     saved = [p.detach().clone() for _, p in named]
     try:
         optimizer.step()
