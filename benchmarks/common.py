@@ -88,8 +88,25 @@ def device_slug(device: torch.device) -> str:
     return f"{device.type}-{name[:40].rstrip('-')}"
 
 
-def environment(ctx: Context) -> dict:
-    """Date, device, versions and settings: the header of every result file."""
+def load_average() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages now (None where the OS has none): read it before the work,
+    so that it says what else was running rather than what the benchmark itself put on the machine."""
+    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+
+
+def dated_stem(out_dir: Path, name: str, date: str, suffix: str = "", endings=(".json", ".md")) -> str:
+    """`<name>-<date><suffix>`, or `<name>-<date>-2<suffix>`, -3, ... where a file of that stem and one
+    of `endings` exists: a results file is never overwritten in place; a second run the same day gets
+    its own name."""
+    stem, n = f"{name}-{date}{suffix}", 2
+    while any((out_dir / f"{stem}{ending}").exists() for ending in endings):
+        stem, n = f"{name}-{date}-{n}{suffix}", n + 1
+    return stem
+
+
+def environment(ctx: Context, load_at_start: list[float] | None) -> dict:
+    """Date, device, versions and settings: the header of every result file. `load_at_start` is the
+    load average read before the suites ran (`load_average()`)."""
     try:
         import triton
 
@@ -106,7 +123,7 @@ def environment(ctx: Context) -> dict:
         "device_name": device_name(ctx.device),
         "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
-        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "load_average": load_at_start,
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "triton": triton_version,

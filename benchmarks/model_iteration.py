@@ -40,8 +40,9 @@ NOTES = [
     "Noise work: perturb = members x evolved elements at the perturb kernel's predicted rate; virtual = "
     "the virtual_linear kernel's noise (its SASS loop per noise element, tile of 64 rows in decode, 128 "
     "in prefill, regenerated per 128-row tile) beyond the time of the same step without noise; "
-    "low-rank = the factors' normals, the extra (x B) A^T GEMMs and the update's fp32 GEMM on the "
-    "CUDA cores; update = the fused update over 16 directions at its predicted rate.",
+    "low-rank = the factors' normals, the rank-r term's passes over each projection's input and output "
+    "(a product-sum and an addcmul after the base GEMM, at the copy bandwidth) and the update's fp32 GEMM "
+    "on the CUDA cores; update = the fused update over 16 directions at its predicted rate.",
     "'fastes share' = noise work / predicted iteration; 'x floor' = iteration / plain inference of the "
     "same tokens with shared weights (all members in one batch where it fits).",
 ]
@@ -73,6 +74,7 @@ class ModelShape:
     matmul: int  # elements of every matmul weight read per token (a tied lm_head included)
     total: int  # every parameter, stored once
     factor_rows: int  # sum over evolved matrices of (rows + columns): low-rank factor numbers at rank 1
+    input_features: int  # sum over evolved matrices of their columns (the projection's input width)
     kv_bytes_per_token: int  # bf16 keys and values of all layers, one row
 
 
@@ -101,6 +103,7 @@ def shape_of(model: torch.nn.Module, name: str) -> ModelShape:
         matmul=sum(w.numel() for w in matmul),
         total=sum(p.numel() for p in model.parameters()),
         factor_rows=sum(sum(p.shape) for p in evolved),
+        input_features=sum(p.shape[1] for p in evolved),
         kv_bytes_per_token=config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 2,
     )
 
@@ -169,9 +172,14 @@ def virtual_noise_seconds(
 
 
 def lowrank_noise_seconds(model: ModelShape, device, rates: NoiseRates, members: int, tokens: int) -> float:
-    """Low-rank evaluation: the members' factors (normals) and the (x B) A^T GEMMs over `tokens` rows."""
+    """Low-rank evaluation: the members' factors (normals), and the rank-r term over `tokens` rows as
+    fastes.batched.LowRankLinear adds it on a GPU, after the base GEMM: per rank and row of a matrix
+    [out, in], a product-sum over x (read x, write and read the bf16 product: 6 in bytes) and an addcmul
+    into y (read and write it: 4 out bytes), at the copy bandwidth; its FLOPs are negligible."""
     factors = members * RANK * model.factor_rows * rates.fill
-    return factors + 2 * RANK * model.factor_rows * tokens / (device.bf16_tflops * 1e12)
+    outputs = model.factor_rows - model.input_features
+    passes = tokens * RANK * (6 * model.input_features + 4 * outputs)
+    return factors + passes / (device.copy_tb_s * 1e12)
 
 
 def lowrank_update_seconds(model: ModelShape, device, rates: NoiseRates, directions: int) -> float:

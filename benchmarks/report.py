@@ -6,6 +6,8 @@ import json
 import shutil
 from pathlib import Path
 
+from .common import dated_stem
+
 # (suite, name, record field, comparison, threshold, device kinds, which records): the project's targets.
 # They are measured and reported, never asserted.
 TARGETS = [
@@ -457,11 +459,12 @@ def plot_update(records: list[dict], path: Path, title: str) -> bool:
 
 
 def write_results(data: dict, out_dir: Path, slug: str) -> dict[str, Path]:
-    """<slug>-<date>[-quick].json/.md/-update.png and latest-<kind>[-quick].md in `out_dir`."""
+    """<slug>-<date>[-quick].json/.md/-update.png (-<date>-2..., when that run's files exist: never
+    overwritten) and latest-<kind>[-quick].md, a copy of the newest report, in `out_dir`."""
     env = data["environment"]
     out_dir.mkdir(parents=True, exist_ok=True)
     suffix = "-quick" if env["quick"] else ""
-    stem = f"{slug}-{env['date']}{suffix}"
+    stem = dated_stem(out_dir, slug, env["date"], suffix, endings=(".json", ".md", "-update.png"))
     paths = {
         "json": out_dir / f"{stem}.json",
         "md": out_dir / f"{stem}.md",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from .common import Context, device_slug, environment, resolve_device
+from .common import Context, device_slug, environment, load_average, resolve_device
 from .report import evaluate_targets, write_results
 from .suites import run_suites
 
@@ -36,10 +36,11 @@ def run(
         torch.set_num_threads(threads)
     try:
         ctx = Context(torch_device, quick, torch_dtype, backend=backend, threads=threads, log=log)
+        load_at_start = load_average()  # before the suites: what else was running, not the suites' own load
         start = time.perf_counter()
         results = run_suites(ctx, suites)
         data = {
-            "environment": {**environment(ctx), "seconds": time.perf_counter() - start},
+            "environment": {**environment(ctx, load_at_start), "seconds": time.perf_counter() - start},
             "results": results,
             "targets": evaluate_targets(results, ctx.kind),
             "notes": list(notes or []),

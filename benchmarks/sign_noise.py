@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -26,7 +27,7 @@ import fastes
 from fastes import noise, ops
 from fastes.models import load_model, tiny_model_path
 
-from .common import cpu_model, measure
+from .common import cpu_model, dated_stem, load_average, measure
 
 NOISES = noise.NOISES
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -252,11 +253,20 @@ def fmt(s: dict, digits: int = 4) -> str:
     return f"{s['mean']:.{digits}f} +- {s['sd']:.{digits}f}"
 
 
+def _load_line(load: list[float] | None) -> str:
+    """What the machine was doing when the run started: its load average then (read before any work)."""
+    if not load:
+        return ""
+    cores = os.cpu_count()
+    return f"Load average {load[0]:.1f} (1 min) / {load[1]:.1f} (5 min) at the start, on {cores} cores. "
+
+
 def report(results: dict) -> str:
     lines = [
         f"# Gaussian vs Rademacher noise ({results['date']}, {results['device']})",
         "",
-        "Machine shared with other jobs; every ratio is measured in one run, the two noises interleaved.",
+        _load_line(results.get("load_average"))
+        + "Every ratio is measured in one run, the two noises interleaved.",
         "",
         "## CPU throughput (1 thread, fp32; cpu: the compiled CPU backend, torch: the reference)",
         "",
@@ -332,12 +342,14 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(1)
     seeds = [0, 1, 2]
     runs = Path(args.runs)
+    date = datetime.date.today().isoformat()
+    load_at_start = load_average()  # before the countdown runs and the timings
     if args.countdown:
         run_countdown(runs, seeds, COUNTDOWN_ITERATIONS)
-    date = datetime.date.today().isoformat()
     results = {
         "date": date,
         "device": cpu_model(),
+        "load_average": load_at_start,
         "throughput": throughput(args.quick),
         "toy": quality(toy_problem, 3 if args.quick else 200, seeds[:2] if args.quick else seeds),
         "regression": quality(regression, 3 if args.quick else 150, seeds[:2] if args.quick else seeds),
@@ -345,7 +357,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"sign-noise-cpu-{date}"
+    stem = out / dated_stem(out, "sign-noise-cpu", date, endings=(".json", ".md", ".png"))
     stem.with_suffix(".json").write_text(json.dumps(results, indent=1))
     stem.with_suffix(".md").write_text(report(results))
     plot(results, stem.with_suffix(".png"))

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 
 import torch
 
-from . import lowrank, ops
+from . import compiled, ops
 from .es import ES, Member
 from .params import Projection, projections
 
@@ -102,6 +102,13 @@ class VirtualLinear(torch.nn.Module):
 class LowRankLinear(torch.nn.Module):
     """y_m = x_m W^T + scale_m / sqrt(r) * (x_m B_m) A_m^T: the members' rank-r noise is never formed.
 
+    The base projection runs once on all rows (the plain model's own GEMM); the rank-r term is then
+    added into its output in place: per row, a dot product with the member's input factor and an
+    outer-product add of its output factor. On CPU in fp32 that is one call of the compiled library
+    (fastes/csrc/lowrank_cpu.c: one pass over x and y); elsewhere two torch ops per rank (a product-sum
+    and an addcmul, which beat a batched matmul with r columns). The output side is stored pre-scaled,
+    so nothing but the [rows, 1] products is allocated per call.
+
     The factors follow the weight's own layout (eps = A B^T has the weight's shape): for a Conv1D weight
     [in, out], A is the input side and B the output side, so the roles swap.
     """
@@ -112,26 +119,38 @@ class LowRankLinear(torch.nn.Module):
         factors: list[tuple[torch.Tensor, torch.Tensor]],
         scales: list[float],
         transposed: bool = False,
+        backend: str = "auto",
     ) -> None:
         super().__init__()
         self.base = base
         rank = factors[0][0].shape[1]
-        dtype = base.weight.dtype
-        a = torch.stack([a for a, _ in factors]).to(dtype)  # [members, rows of the weight, r]
-        b = torch.stack([b for _, b in factors]).to(dtype)  # [members, columns of the weight, r]
-        self.a, self.b = (b, a) if transposed else (a, b)  # a: output side, b: input side
-        self.scales = (torch.tensor(scales) / rank**0.5).to(device=base.weight.device, dtype=dtype)
+        weight = base.weight
+        a = torch.stack([a for a, _ in factors])  # [members, rows of the weight, r]
+        b = torch.stack([b for _, b in factors])  # [members, columns of the weight, r]
+        out_side, in_side = (b, a) if transposed else (a, b)
+        scale = torch.tensor(scales, dtype=torch.float32, device=a.device) / rank**0.5
+        self.inputs = in_side.transpose(1, 2).to(weight.dtype).contiguous()  # [members, r, in]
+        scaled = out_side.transpose(1, 2) * scale[:, None, None]
+        self.outputs = scaled.to(weight.dtype).contiguous()  # [members, r, out], scale_m / sqrt(r) folded in
+        self.compiled = weight.dtype == torch.float32 and ops.resolve_backend([weight], backend) == "cpu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        members = self.a.shape[0]
+        members, rank, out_features = self.outputs.shape
         if x.shape[0] % members:
             raise ValueError(
                 f"population-batched input must have a multiple of {members} rows (rows grouped "
                 f"by member), got {x.shape[0]}"
             )
-        grouped = x.reshape(members, -1, x.shape[-1])
-        low = torch.bmm(torch.bmm(grouped, self.b), self.a.transpose(1, 2)) * self.scales[:, None, None]
-        return (self.base(grouped) + low).reshape(*x.shape[:-1], self.a.shape[1])
+        flat = x.reshape(-1, x.shape[-1])  # member m's rows are the m-th of `members` equal blocks
+        y = self.base(flat)
+        if self.compiled and flat.dtype == torch.float32:
+            compiled.lowrank_add(flat.contiguous(), y, self.inputs, self.outputs)
+        else:
+            grouped, grouped_y = flat.reshape(members, -1, flat.shape[-1]), y.view(members, -1, out_features)
+            for i in range(rank):
+                projected = (grouped * self.inputs[:, i : i + 1]).sum(-1, keepdim=True)  # [members, rows, 1]
+                grouped_y.addcmul_(projected, self.outputs[:, i : i + 1])
+        return y.view(*x.shape[:-1], out_features)
 
 
 MODES = ("materialised", "virtual", "lowrank")
@@ -160,17 +179,13 @@ def _population_layers(
         if es.noise_type != "lowrank":
             raise ValueError("eval mode 'lowrank' needs ES(noise_type='lowrank')")
         scales = [m.sign * group["sigma"] for m in members]
+        every = list(range(len(group["params"])))
+        by_key = {m.key: es.lowrank_factors(group, every, m.key) for m in members}  # antithetic pairs share
         return [
             LowRankLinear(
-                linear.module,
-                [
-                    lowrank.factors(m.key, tid, p.shape, es.rank, p.device, es.backend, es.noise)
-                    for m in members
-                ],
-                scales,
-                linear.transposed,
+                linear.module, [by_key[m.key][i] for m in members], scales, linear.transposed, es.backend
             )
-            for linear, tid, p in zip(linears, group["ids"], group["params"])
+            for i, linear in enumerate(linears)
         ]
     buffers = [torch.empty((len(members), *p.shape), dtype=p.dtype, device=p.device) for p in group["params"]]
     for index, member in enumerate(members):

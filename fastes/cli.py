@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from . import distributed, pretrain
+from . import cpu_share, distributed, pretrain
 from .config import ConfigError, TrainConfig, flag_help, flag_specs, load_config
 from .distributed import CollectiveError
 from .errors import FastesError
@@ -226,58 +226,44 @@ def cmd_train(args: argparse.Namespace, defaults: dict[str, Any] | None = None) 
 
 def cmd_eval(args: argparse.Namespace) -> dict:
     from . import defaults
-    from .analysis.passk import pass_at_k_curve
-    from .generation import generate_in_chunks
+    from .evaluation import Evaluator, pass_at_k
     from .model_sources import resolve_model
     from .models import is_character_tokenizer, load_model
-    from .run import render_prompts
     from .train import check_task, make_task
 
     # The run's own settings, checked and chosen as a run would: the same prompts, task and verifier.
     given = {key: getattr(args, key) for key in EVAL_SETTINGS if hasattr(args, key)}
+    if args.split == "test":  # a run with eval_size = limit evaluates the same problems
+        given["eval_size"] = args.limit
     cfg = load_config(None, given)
     model, tokenizer = load_model(resolve_model(cfg.model), dtype=args.dtype)
     cfg = defaults.resolve(cfg, model, tokenizer)
     task = make_task(cfg, strict_alphabet=is_character_tokenizer(tokenizer))
     check_task(task, cfg)
     examples = task.split(args.split)[: args.limit]
-    prompts = render_prompts(cfg, tokenizer, examples)
-
-    def complete(rows: list[str], **sampling: Any) -> tuple[list[str], list[int]]:
-        gen = generate_in_chunks(
-            model,
-            tokenizer,
-            rows,
-            rows_per_call=cfg.eval_batch_size,
-            max_new_tokens=cfg.max_new_tokens,
-            **sampling,
-        )
-        return gen.texts, gen.lengths
-
-    texts, lengths = complete(prompts)
-    scores = task.scores(examples, texts)
+    evaluator = Evaluator(cfg, model, tokenizer)
+    greedy = evaluator.greedy(task, examples)
+    rates = greedy.metrics()
     result: dict[str, Any] = {
         "task": cfg.task,
         "prompt_style": cfg.prompt_style,
         "examples": len(examples),
-        "greedy_accuracy": sum(s.answer for s in scores) / len(examples),
-        "format_rate": sum(s.format for s in scores) / len(examples),
-        "mean_completion_tokens": sum(lengths) / len(examples),
+        "greedy_accuracy": rates["accuracy"],
+        "format_rate": rates["format"],
+        "mean_completion_tokens": sum(greedy.lengths) / len(examples),
         "max_new_tokens": cfg.max_new_tokens,
     }
-    for example, prompt, text, score in list(zip(examples, prompts, texts, scores))[: args.show]:
+    if "lenient_accuracy" in rates:
+        result["lenient_accuracy"] = rates["lenient_accuracy"]
+    shown = zip(examples, evaluator.prompts(examples[: args.show]), greedy.texts, greedy.scores)
+    for example, prompt, text, score in shown:
         verdict = f"format {score.format:g}, answer {score.answer:g}"
         print(f"--- prompt:\n{prompt}\n--- completion:\n{text}\n--- expected {example.answer!r}: {verdict}\n")
     if args.samples > 1:
-        sampled, _ = complete(
-            prompts, temperature=args.temperature, seed=args.seed, num_return_sequences=args.samples
+        counts = evaluator.correct_counts(
+            task, examples, samples=args.samples, temperature=args.temperature, seed=args.seed
         )
-        k = args.samples
-        correct = [
-            sum(s.answer for s in task.scores([ex] * k, sampled[i * k : (i + 1) * k]))
-            for i, ex in enumerate(examples)
-        ]
-        result["pass_at_k"] = {str(n): v for n, v in pass_at_k_curve(correct, k).items()}
+        result["pass_at_k"] = pass_at_k(counts, args.samples)
     print(json.dumps(result, indent=2))
     return result
 
@@ -290,10 +276,31 @@ def cmd_experiment(args: argparse.Namespace) -> dict:
             "fastes experiment runs in one process (its arms and analyses are not split over processes); "
             "start it without torchrun"
         )
-    metrics = run_experiment(
-        args.preset, args.out, model=args.model, overwrite=args.overwrite, seed=args.seed
-    )
-    print(f"\nreport: {Path(args.out) / 'report.md'}   metrics: {Path(args.out) / 'metrics.json'}")
+    try:
+        metrics = run_experiment(
+            args.preset,
+            args.out,
+            model=args.model,
+            overwrite=args.overwrite,
+            seed=args.seed,
+            stages=args.stages,
+        )
+    except KeyboardInterrupt:
+        raise Interrupted(
+            f"interrupted; what was finished is kept in {args.out / 'progress.json'}. Run the same command "
+            "again to continue"
+        ) from None
+    if metrics["missing_stages"]:
+        missing = ", ".join(metrics["missing_stages"])
+        print(f"\nmetrics: {args.out / 'metrics.json'} (stages not finished yet: {missing})")
+        for name, model in metrics["models"].items():
+            passes, top = model["pass_at_k"], str(metrics["preset"]["passk_samples"])
+            print(
+                f"- {name}: greedy accuracy {model['greedy_accuracy']:.3f}, format {model['format_rate']:.3f}"
+                f", Pass@1 {passes['1']:.3f}, Pass@{top} {passes[top]:.3f}"
+            )
+        return metrics
+    print(f"\nreport: {args.out / 'report.md'}   metrics: {args.out / 'metrics.json'}")
     for finding in metrics["findings"]:
         print(f"- {finding['claim']}: {finding['verdict']}")
     return metrics
@@ -342,20 +349,37 @@ def build_parser() -> argparse.ArgumentParser:
     pretrain.add_arguments(sub.add_parser("pretrain", help="supervised pretraining of the tiny model"))
 
     exp = sub.add_parser("experiment", help="ES vs GRPO vs GRPO then ES at equal budgets, with a report")
-    exp.add_argument("--preset", default="tiny", choices=["tiny", "quick"], help="quick: a smoke run")
+    exp.add_argument(
+        "--preset",
+        default="tiny",
+        choices=["tiny", "quick", "smollm2", "smollm2-quick"],
+        help="quick: a smoke run; smollm2: SmolLM2-135M-Instruct (bash scripts/setup.sh real)",
+    )
     exp.add_argument("--out", type=Path, default=Path("runs/experiment"), help="the report directory")
-    exp.add_argument("--model", default=None, help="a local HF model directory (default: the tiny model)")
+    exp.add_argument(
+        "--model",
+        default=None,
+        help="a local HF model directory (default: the preset's model, else the tiny one)",
+    )
     exp.add_argument(
         "--overwrite", action="store_true", help="replace what is already in --out (says what it deletes)"
     )
     exp.add_argument(
         "--seed", type=int, default=None, help="training seed of every arm (default: the preset's, 0)"
     )
+    exp.add_argument(
+        "--stages",
+        default=None,
+        help="run only these stages, comma-separated: es, grpo, grpo_es, evaluate, sparsity, sweep "
+        "(default: all; the report is written once every stage is done)",
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(_normalise_flags(sys.argv[1:] if argv is None else argv))
+    if argv is None:  # a fastes process (not a test calling main): share the cores with the others
+        cpu_share.register()
     try:
         if args.command == "demo":
             # The demo's own directory holds only its previous run, so running it again replaces that

@@ -61,7 +61,8 @@ def _int32(value: int) -> int:
 # The compiled library: built once per machine, cached on disk, called through ctypes
 # ---------------------------------------------------------------------------------------------------
 
-SOURCE = Path(__file__).with_name("csrc") / "noise_cpu.c"
+# The noise contract, and the low-rank population forward's rank-r term (fastes.batched.LowRankLinear)
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("noise_cpu.c", "lowrank_cpu.c"))
 # No -ffast-math: the uniforms, the log's exponent split and the angle reduction rely on exact IEEE
 # arithmetic; -ffp-contract=off leaves the source's explicit fmaf calls as the only fused multiply-adds,
 # so the normals are the same bits on every CPU.
@@ -78,6 +79,10 @@ _SIGNATURES = {
     "fastes_perturb_f32": [_POINTER, _POINTER, _I64, _I64, _I64, _U32, _POINTER, _I64, _FLOAT],
     "fastes_update_f32": [_POINTER, _POINTER, _I64, _I64, _I64, _U32, _POINTER, _POINTER, _I64, _I64]
     + [_FLOAT, _FLOAT],
+    # (x, y, b, a, rows per member, in, out, rank, first row, end row): lowrank_cpu.c
+    "fastes_lowrank_add_f32": [_POINTER] * 4 + [_I64] * 6,
+    # (w, a, b transposed, columns, a's columns, decay, first row, end row): lowrank_cpu.c
+    "fastes_lowrank_update_f32": [_POINTER] * 3 + [_I64, _I64, _FLOAT, _I64, _I64],
 }
 
 _library: ctypes.CDLL | None = None
@@ -117,12 +122,12 @@ def _cpu_identity() -> str:
 
 
 def _build(compiler: str) -> Path:
-    """Compile SOURCE for this machine (or reuse the cached build): the path of the shared library.
+    """Compile SOURCES for this machine (or reuse the cached build): the path of the shared library.
 
     Falls back to portable flags when the native ones are refused. The file is written under a
     temporary name and renamed, so processes building at the same time never load a partial file.
     """
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in SOURCES)
     arch = _ARCH_FLAGS.get(platform.machine(), [])
     errors = []
     for flags in ([*_FLAGS, *arch], _FLAGS) if arch else (_FLAGS,):
@@ -134,7 +139,10 @@ def _build(compiler: str) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.tmp")
         done = subprocess.run(
-            [compiler, *flags, str(SOURCE), "-o", str(partial)], capture_output=True, text=True, timeout=300
+            [compiler, *flags, *map(str, SOURCES), "-o", str(partial)],
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         if done.returncode == 0:
             os.replace(partial, path)
@@ -188,14 +196,17 @@ _MIN_BLOCKS_PER_THREAD = 2048  # below this, starting a thread costs more than i
 _pool: ThreadPoolExecutor | None = None
 
 
-def _parallel(call: Callable[[int, int], None], n_blocks: int) -> None:
-    """call(lo, hi) over lane blocks [0, n_blocks) in up to torch.get_num_threads() contiguous ranges.
+def _parallel(
+    call: Callable[[int, int], None], n_blocks: int, min_per_thread: int = _MIN_BLOCKS_PER_THREAD
+) -> None:
+    """call(lo, hi) over lane blocks (or other units of work) [0, n_blocks) in up to
+    torch.get_num_threads() contiguous ranges of at least `min_per_thread`.
 
     ctypes releases the GIL during a foreign call, so Python threads run the library in parallel; the
     calling thread takes the first range itself.
     """
     global _pool
-    threads = min(torch.get_num_threads(), n_blocks // _MIN_BLOCKS_PER_THREAD)
+    threads = min(torch.get_num_threads(), n_blocks // min_per_thread)
     if threads <= 1:
         call(0, n_blocks)
         return
@@ -419,6 +430,18 @@ def normal(
     return _stream_chunks("normal", key, tensor_id, numel, offset, stream)
 
 
+def normals(key: Key, tensor_ids: Sequence[int], numels: Sequence[int], stream: int) -> list[torch.Tensor]:
+    """normal(key, tensor_ids[i], numels[i], stream=stream) for every i, in as few library calls as the
+    chunk plan packs them into (small tensors share a call): one call per tensor costs more than its noise."""
+    keys = round_keys(key)
+    out = [torch.empty(numel, dtype=torch.float32) for numel in numels]
+    for piece in plan(numels, tensor_ids):
+        lanes = _run("normal", piece.table, stream, keys, piece.lanes // 4)
+        for index, start, n, lane in piece.parts:
+            out[index][start : start + n] = lanes[lane : lane + n]
+    return out
+
+
 def words(
     key: Key, tensor_id: int, numel: int, *, offset: int = 0, stream: int = noise.STREAM_NOISE
 ) -> torch.Tensor:
@@ -533,3 +556,41 @@ def es_update(
                 flat.copy_(noise.stochastic_round(new, param.dtype, u[lane : lane + n]))
             else:
                 flat.copy_(new)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The low-rank population forward's rank-r term
+# ---------------------------------------------------------------------------------------------------
+
+_LOWRANK_MIN_FLOPS_PER_THREAD = 1 << 20  # below this, a thread costs more than it saves
+
+
+def lowrank_add(x: torch.Tensor, y: torch.Tensor, inputs: torch.Tensor, outputs: torch.Tensor) -> None:
+    """y[row] += sum_i (x[row] . inputs[m, i]) outputs[m, i] in place, m the row's member (rows grouped
+    by member, fp32, contiguous): x [rows, in], y [rows, out], inputs [members, r, in], outputs
+    [members, r, out]. See csrc/lowrank_cpu.c."""
+    library = _load()
+    members, rank, in_features = inputs.shape
+    rows, out_features = y.shape
+    pointers = (x.data_ptr(), y.data_ptr(), inputs.data_ptr(), outputs.data_ptr())
+    sizes = (rows // members, in_features, out_features, rank)
+
+    def call(lo: int, hi: int) -> None:
+        library.fastes_lowrank_add_f32(*pointers, *sizes, lo, hi)
+
+    per_row = 2 * rank * (in_features + out_features)
+    _parallel(call, rows, max(1, _LOWRANK_MIN_FLOPS_PER_THREAD // per_row))
+
+
+def lowrank_update(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, decay: float) -> None:
+    """w = w * decay + a @ b.T in place, one pass over w (fp32, contiguous): w [rows, cols], a [rows, K],
+    b [cols, K]. See csrc/lowrank_cpu.c."""
+    library = _load()
+    rows, cols = w.shape
+    a, bt = a.contiguous(), b.T.contiguous()
+    pointers = (w.data_ptr(), a.data_ptr(), bt.data_ptr())
+
+    def call(lo: int, hi: int) -> None:
+        library.fastes_lowrank_update_f32(*pointers, cols, a.shape[1], decay, lo, hi)
+
+    _parallel(call, rows, max(1, _LOWRANK_MIN_FLOPS_PER_THREAD // (2 * a.shape[1] * cols)))

@@ -276,6 +276,21 @@ class ES:
                     )
         self._perturbation_checked = self.generation
 
+    def lowrank_factors(
+        self, group: dict, indices: list[int], key: tuple[int, int]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Member `key`'s low-rank factors (A, B) of the tensors `indices` of param group `group`."""
+        params = [group["params"][i] for i in indices]
+        return lowrank.all_factors(
+            key,
+            [group["ids"][i] for i in indices],
+            [p.shape for p in params],
+            self.rank,
+            params[0].device,
+            self.backend,
+            self.noise,
+        )
+
     def perturb_into(self, group: dict, destinations: list[torch.Tensor], member: Member) -> None:
         """Write `member`'s perturbed weights of param group `group` into `destinations`."""
         scale = member.sign * group["sigma"]
@@ -483,16 +498,18 @@ class ES:
                     backend=self.backend,
                     **options,
                 )
-            for p, tid, grad in zip(params, group["ids"], grads):
-                if self._is_lowrank(p):
+            low = [i for i, p in enumerate(params) if self._is_lowrank(p)]
+            if low:  # every direction's factors of every low-rank tensor, two noise calls a direction
+                per_key = [self.lowrank_factors(group, low, key) for key in keys]
+                for n, i in enumerate(low):
+                    pairs = [factors[n] for factors in per_key]
                     lowrank.update(
-                        p,
-                        tid,
-                        keys,
+                        params[i],
+                        group["ids"][i],
+                        pairs,
                         direction_weights,
                         rank=self.rank,
-                        grad=grad,
-                        noise_kind=self.noise,
+                        grad=grads[i],
                         backend=self.backend,
                         **options,
                     )

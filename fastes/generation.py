@@ -23,7 +23,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from . import noise
+from . import cpu_share, noise
 
 STREAM_SAMPLING = 4  # the Philox stream of sampling uniforms (0-3 are the ES noise streams)
 
@@ -77,6 +77,7 @@ def generate(
 
     if not prompts:
         return Generation(texts=[], completion_ids=[], prompt_ids=[])
+    cpu_share.share_cores()  # a registered fastes command takes its share of the cores (at most 1/s)
 
     # A chat template already writes the special tokens it wants (e.g. <bos>), so don't add them twice.
     add_special = not getattr(tokenizer, "chat_template", None)

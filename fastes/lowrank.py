@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import noise, ops
+from . import compiled, noise, ops
 
 Key = tuple[int, int]
 
@@ -34,16 +34,37 @@ def factors(
     Gaussian factors are normals on streams 2 and 3; Rademacher ("sign") factors are +-1 on streams
     5 and 6, so that their product has entries in {-r, ..., r} / sqrt(r), again of unit variance.
     """
-    out_features, in_features = shape
+    return all_factors(key, [tensor_id], [shape], rank, device, backend, noise_kind)[0]
+
+
+def all_factors(
+    key: Key,
+    tensor_ids: Sequence[int],
+    shapes: Sequence[torch.Size],
+    rank: int,
+    device: torch.device,
+    backend: str = "auto",
+    noise_kind: str = "gaussian",
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`factors(key, tensor_ids[i], shapes[i], ...)` for every i: the A factors of all tensors in one
+    noise call and the B factors in another (a model has hundreds of small factors; a call each costs
+    more than the noise)."""
+    a_sizes = [shape[0] * rank for shape in shapes]
+    b_sizes = [shape[1] * rank for shape in shapes]
     if noise.check_noise(noise_kind) == "rademacher":  # signs cost nothing to make: the reference
-        streams = (noise.STREAM_LOWRANK_SIGN_A, noise.STREAM_LOWRANK_SIGN_B)
-        a = noise.rademacher(key, tensor_id, out_features * rank, stream=streams[0], device=device)
-        b = noise.rademacher(key, tensor_id, in_features * rank, stream=streams[1], device=device)
+        a = [
+            noise.rademacher(key, t, n, stream=noise.STREAM_LOWRANK_SIGN_A, device=device)
+            for t, n in zip(tensor_ids, a_sizes)
+        ]
+        b = [
+            noise.rademacher(key, t, n, stream=noise.STREAM_LOWRANK_SIGN_B, device=device)
+            for t, n in zip(tensor_ids, b_sizes)
+        ]
     else:
         options = {"device": device, "backend": backend}
-        a = ops.normal(key, tensor_id, out_features * rank, stream=noise.STREAM_LOWRANK_A, **options)
-        b = ops.normal(key, tensor_id, in_features * rank, stream=noise.STREAM_LOWRANK_B, **options)
-    return a.view(out_features, rank), b.view(in_features, rank)
+        a = ops.normals(key, tensor_ids, a_sizes, stream=noise.STREAM_LOWRANK_A, **options)
+        b = ops.normals(key, tensor_ids, b_sizes, stream=noise.STREAM_LOWRANK_B, **options)
+    return [(x.view(shape[0], rank), y.view(shape[1], rank)) for x, y, shape in zip(a, b, shapes)]
 
 
 def noise_matrix(
@@ -80,7 +101,7 @@ def perturb(
 def update(
     param: torch.Tensor,
     tensor_id: int,
-    keys: Sequence[Key],
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
     weights: Sequence[float],
     *,
     coef: float,
@@ -89,25 +110,29 @@ def update(
     rounding_key: Key | None = None,
     grad: torch.Tensor | None = None,
     backend: str = "auto",
-    noise_kind: str = "gaussian",
 ) -> None:
     """theta = theta * decay + coef * sum_j w_j A_j B_j^T / sqrt(r), as one [out, P r] x [P r, in] GEMM.
 
+    `pairs` are the directions' factors (A_j, B_j) of this tensor (`factors`), in the order of `weights`.
     With `grad`, coef * sum is written there instead; `rounding_key` rounds 16-bit results
-    stochastically (uniforms from the rounding stream, as the full-rank update). The factors come from
-    `backend` (fastes.ops); the uniforms are exact on every backend, so the reference computes them.
+    stochastically (uniforms from the rounding stream, as the full-rank update). An fp32 weight is
+    updated in place: on the compiled CPU backend in one pass over it (fastes/csrc/lowrank_cpu.c),
+    elsewhere by a GEMM with beta = decay.
     """
-    pairs = [factors(key, tensor_id, param.shape, rank, param.device, backend, noise_kind) for key in keys]
-    scale = torch.tensor(list(weights), dtype=torch.float32, device=param.device).repeat_interleave(rank)
-    a_all = torch.cat([a for a, _ in pairs], dim=1) * scale  # [out, P r], column j*r+i scaled by w_j
+    # column j*r+i of A is scaled by coef w_j / sqrt(r), so that one GEMM gives the whole step
+    scale = torch.tensor(list(weights), dtype=torch.float32, device=param.device) * (coef / math.sqrt(rank))
+    a_all = torch.cat([a for a, _ in pairs], dim=1) * scale.repeat_interleave(rank)  # [out, P r]
     b_all = torch.cat([b for _, b in pairs], dim=1)  # [in, P r]
-    step = coef / math.sqrt(rank) * (a_all @ b_all.T)
     if grad is not None:
-        grad.copy_(step.to(grad.dtype))
-        return
-    new = param.to(torch.float32) * decay + step
-    if rounding_key is not None and param.dtype != torch.float32:
-        u = noise.uniform(rounding_key, tensor_id, param.numel(), device=param.device).view(param.shape)
-        param.copy_(noise.stochastic_round(new, param.dtype, u))
+        grad.copy_((a_all @ b_all.T).to(grad.dtype))
+    elif param.dtype == torch.float32 and ops.resolve_backend([param], backend) == "cpu":
+        compiled.lowrank_update(param, a_all, b_all, decay)
+    elif param.dtype == torch.float32:
+        param.addmm_(a_all, b_all.T, beta=decay)
     else:
-        param.copy_(new.to(param.dtype))
+        new = torch.addmm(param.to(torch.float32), a_all, b_all.T, beta=decay)
+        if rounding_key is not None:
+            u = noise.uniform(rounding_key, tensor_id, param.numel(), device=param.device).view(param.shape)
+            param.copy_(noise.stochastic_round(new, param.dtype, u))
+        else:
+            param.copy_(new.to(param.dtype))

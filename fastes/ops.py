@@ -433,3 +433,21 @@ def normal(
             launch_fill(out, key, tensor_id, offset, stream, False)
         return out
     return noise.normal(key, tensor_id, numel, offset=offset, stream=stream, device=device)
+
+
+def normals(
+    key: Key,
+    tensor_ids: Sequence[int],
+    numels: Sequence[int],
+    *,
+    stream: int,
+    device: torch.device | str = "cpu",
+    backend: str = "auto",
+) -> list[torch.Tensor]:
+    """`normal(key, tensor_ids[i], numels[i])` for several tensors: one compiled call for many on CPU."""
+    if resolve_backend([torch.empty(0, device=device)], backend) == "cpu":
+        return compiled.normals(key, tensor_ids, numels, stream)
+    return [
+        normal(key, tid, numel, stream=stream, device=device, backend=backend)
+        for tid, numel in zip(tensor_ids, numels)
+    ]

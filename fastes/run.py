@@ -17,7 +17,7 @@ import torch
 from . import distributed, rundir
 from .callbacks import Callbacks
 from .config import TrainConfig
-from .models import format_prompt
+from .evaluation import render_prompts
 from .tasks import DatasetTask, Example, Score, Task
 
 
@@ -44,14 +44,6 @@ class Run:
 
     def prompts(self, examples: list[Example]) -> list[str]:
         return render_prompts(self.cfg, self.tokenizer, examples)
-
-
-def render_prompts(cfg: TrainConfig, tokenizer: Any, examples: list[Example]) -> list[str]:
-    """The model's input text for each example: its prompt with the run's chat template and system prompt."""
-    return [
-        format_prompt(tokenizer, ex.prompt, chat_template=cfg.chat_template, system_prompt=cfg.system_prompt)
-        for ex in examples
-    ]
 
 
 def batch_for(run: Run, phase: str, step: int) -> list[Example]:

@@ -33,7 +33,7 @@ from .config import ConfigError, ESConfig, TrainConfig, dataset_task, es_key
 from .errors import FastesError, NonFiniteUpdateError
 from .es import ES, CollectiveError
 from .es_step import PartTimer, es_iteration, evolved_weights, make_es
-from .generation import generate_in_chunks
+from .evaluation import Evaluator, rates
 from .grpo import grpo_step, make_grpo_optimizer
 from .model_sources import resolve_model
 from .models import ModelError, is_character_tokenizer, load_model, save_model
@@ -48,30 +48,15 @@ GRPO_CHECKSUM_EVERY = 10  # GRPO steps between the cross-process weight checks (
 
 @torch.no_grad()
 def evaluate(run: Run, examples: list[Example]) -> dict[str, Any]:
-    """Greedy accuracy and format rate of the current weights on `examples` (shared by the processes),
-    and which examples it solves (1.0 / 0.0 each, in order)."""
+    """Greedy accuracy, format rate and (instruct forms) lenient accuracy of the current weights on
+    `examples` (shared by the processes), and which examples it solves (1.0 / 0.0 each, in order)."""
     rank, world = distributed.rank_and_world()
     mine = examples[rank::world]
-    gen = generate_in_chunks(
-        run.model,
-        run.tokenizer,
-        run.prompts(mine),
-        rows_per_call=run.cfg.eval_batch_size,
-        max_new_tokens=run.cfg.max_new_tokens,
-    )
-    scored = run.task.scores(mine, gen.texts)  # one call, as training scores a whole population's rows
-    correct = [s.answer for s in scored]
-    fmt = sum(s.format for s in scored)
-    lenient_score = getattr(run.task, "lenient_score", None)  # instruct forms read answers leniently too
-    lenient = 0.0
-    if lenient_score is not None:
-        lenient = sum(lenient_score(ex, text).answer for ex, text in zip(mine, gen.texts))
-    every = distributed.gather_strided(torch.tensor(correct, dtype=torch.float64), len(examples)).tolist()
-    answer, fmt, lenient = distributed.all_sum([sum(correct), fmt, lenient]).tolist()
-    result = {"accuracy": answer / len(examples), "format": fmt / len(examples), "correct": every}
-    if lenient_score is not None:
-        result["lenient_accuracy"] = lenient / len(examples)
-    return {**result, "record": _eval_record(result, reward_parts(run.task, scored))}
+    greedy = Evaluator(run.cfg, run.model, run.tokenizer).greedy(run.task, mine)
+    every = distributed.gather_strided(torch.tensor(greedy.correct, dtype=torch.float64), len(examples))
+    totals = distributed.all_sum(greedy.totals()).tolist()
+    result = {**rates(totals, len(examples), greedy.lenient is not None), "correct": every.tolist()}
+    return {**result, "record": _eval_record(result, reward_parts(run.task, greedy.scores))}
 
 
 def _eval_record(result: dict[str, Any], parts: dict[str, float]) -> dict[str, float]:

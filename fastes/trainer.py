@@ -31,10 +31,9 @@ from .analysis.passk import pass_at_k_curve
 from .callbacks import Callbacks
 from .config import REPORT_TO, ConfigError, TrainConfig, load_config
 from .errors import NonFiniteUpdateError
-from .generation import generate_in_chunks
+from .evaluation import Evaluator
 from .model_sources import resolve_model
 from .models import load_model, save_model
-from .run import render_prompts
 from .rundir import RUN_FILE
 from .tasks import DatasetTask, Example, Score
 from .tasks.dataset import dataset_rows
@@ -409,17 +408,9 @@ class ESTrainer:
         temperature: float,
     ) -> list[Score]:
         """Scores of n completions per example (row i * n + j: sample j of example i)."""
-        gen = generate_in_chunks(
-            model,
-            tokenizer,
-            render_prompts(self.config, tokenizer, examples),
-            rows_per_call=self.config.eval_batch_size,
-            max_new_tokens=self.config.max_new_tokens,
-            temperature=temperature,
-            seed=self.config.seed if n > 1 else None,
-            num_return_sequences=n,
-        )
-        return task.scores([ex for ex in examples for _ in range(n)], gen.texts)
+        evaluator = Evaluator(self.config, model, tokenizer)
+        seed = self.config.seed if n > 1 else None
+        return evaluator.scores(task, examples, samples=n, temperature=temperature, seed=seed)
 
     def save_model(self, output_dir: str | Path | None = None) -> Path:
         """Write the current model and tokenizer as a Hugging Face directory: output_dir, by default the

@@ -6,12 +6,16 @@ The Triton kernels are tested under the interpreter on CPU tensors. TRITON_INTER
 
 import os
 import sys
+from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"
 
+import gguf  # noqa: E402  (the test extra installs it, with accelerate, which transformers needs for GGUF)
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from fastes.model_sources import resolve_model  # noqa: E402
 from fastes.models import build_tiny_model, build_tokenizer  # noqa: E402
 
 # The models under test are tiny: a second thread costs more in synchronisation than it gives, and on a
@@ -26,6 +30,69 @@ def tiny():
     torch.manual_seed(0)
     tokenizer = build_tokenizer()
     return build_tiny_model("tiny", tokenizer).eval(), tokenizer
+
+
+HIDDEN, LAYERS, HEADS, FFN = 16, 2, 2, 32
+# A byte-level BPE vocabulary: enough for prompts of digits, lowercase letters and punctuation.
+CHARS = [chr(c) for c in range(32, 127)]
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
+    """A random Llama in GGUF (fp32 tensors, gpt2-style tokenizer with a chat template)."""
+    rng = np.random.default_rng(seed)
+    tokens = SPECIAL + [c.replace(" ", "\u0120") for c in CHARS] + ["an"]  # one merge: a file has some
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(128)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(HEADS)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3] * len(SPECIAL) + [1] * (len(CHARS) + 1))
+    writer.add_token_merges(["a n"])
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(0)
+    writer.add_chat_template(TEMPLATE)
+
+    def tensor(name: str, *shape: int) -> None:
+        writer.add_tensor(name, (0.1 * rng.standard_normal(shape)).astype(np.float32))
+
+    tensor("token_embd.weight", len(tokens), HIDDEN)
+    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+    for i in range(LAYERS):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            tensor(f"blk.{i}.{name}.weight", HIDDEN, HIDDEN)
+        tensor(f"blk.{i}.ffn_gate.weight", FFN, HIDDEN)
+        tensor(f"blk.{i}.ffn_up.weight", FFN, HIDDEN)
+        tensor(f"blk.{i}.ffn_down.weight", HIDDEN, FFN)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="session")
+def chat_llama(tmp_path_factory) -> Path:
+    """A random-weight Llama with a chat template (write_tiny_gguf), converted once into a Hugging Face
+    directory as fastes converts any .gguf: the stand-in for SmolLM2 in the real-model plumbing tests."""
+    root = tmp_path_factory.mktemp("chat_llama")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FASTES_CACHE_DIR", str(root / "cache"))
+        return resolve_model(str(write_tiny_gguf(root / "chat-llama.gguf")))
 
 
 # The two noise distributions (docs/noise.md): the per-op tests run for both. Sign arithmetic is exact

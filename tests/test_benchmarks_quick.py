@@ -92,4 +92,30 @@ def test_comparison_benchmark_quick_mode_writes_its_report(tmp_path):
         assert all(len(c) == 4 for curves in results[problem]["curves"].values() for c in curves)  # 3 steps
     report = stem.with_suffix(".md").read_text()
     assert "| README toy" in report and "Countdown: not run" in report
+    assert "Machine shared" not in report  # what was observed, not a literal
+    assert f"Load average {results['load_average'][0]:.1f} (1 min)" in report
     assert stem.with_suffix(".png").stat().st_size > 0 and stem.with_suffix(".json").exists()
+
+
+def test_the_load_average_is_read_before_the_suites_run(monkeypatch):
+    """The report says 'load average ... at the start': it must not be the suites' own load."""
+    import os
+
+    import benchmarks.runner as runner
+
+    ran = []
+    monkeypatch.setattr(os, "getloadavg", lambda: (7.0, 7.0, 7.0) if ran else (0.25, 0.5, 0.75))
+    monkeypatch.setattr(runner, "run_suites", lambda ctx, suites: ran.append(1) or {})
+    data, _ = runner.run(quick=True, device="cpu", log=lambda _: None)
+    assert ran and data["environment"]["load_average"] == [0.25, 0.5, 0.75]
+
+
+def test_a_second_run_the_same_day_gets_its_own_dated_files(tmp_path):
+    from benchmarks.common import dated_stem
+
+    assert dated_stem(tmp_path, "cpu-x", "2026-12-03") == "cpu-x-2026-12-03"
+    (tmp_path / "cpu-x-2026-12-03.md").write_text("first run")
+    assert dated_stem(tmp_path, "cpu-x", "2026-12-03") == "cpu-x-2026-12-03-2"
+    (tmp_path / "cpu-x-2026-12-03-2-update.png").write_bytes(b"")
+    assert dated_stem(tmp_path, "cpu-x", "2026-12-03", endings=(".md", "-update.png")) == "cpu-x-2026-12-03-3"
+    assert dated_stem(tmp_path, "cpu-x", "2026-12-03", "-quick") == "cpu-x-2026-12-03-quick"

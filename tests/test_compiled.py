@@ -81,6 +81,18 @@ def test_normals_within_contract_tolerance(seed, offset, numel):
     assert (fast - ref).abs().max().item() <= 1e-6
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+def test_many_tensors_normals_in_shared_calls_equal_each_tensors(seed):
+    """compiled.normals packs small tensors into shared calls and cuts large ones at CHUNK: each tensor's
+    normals are still its own stream's, bit for bit against one call per tensor."""
+    key = noise.member_key(seed, 3, 0)
+    numels = [1, 5, 4099, compiled.CHUNK + 3, 70, 2 * compiled.CHUNK]
+    ids = [noise.tensor_id(f"t{i}") for i in range(len(numels))]
+    together = compiled.normals(key, ids, numels, noise.STREAM_LOWRANK_A)
+    for tid, numel, values in zip(ids, numels, together):
+        assert torch.equal(values, compiled.normal(key, tid, numel, stream=noise.STREAM_LOWRANK_A))
+
+
 def test_docs_test_vectors():
     """docs/noise.md section 12: member_key(42, 0, 0), tensor model.layers.0.mlp.up_proj.weight."""
     key, tid = noise.member_key(42, 0, 0), 0xB16528AF

@@ -120,7 +120,11 @@ def test_script_model_step_measures_and_predicts_the_noise_of_each_mode(tmp_path
     assert [(s["step"], s["status"]) for s in read(tmp_path, "script")["steps"]] == [("model", "passed")]
     record = read(tmp_path, "model")
     names = [c["name"] for c in record["checks"]]
-    assert names[0] == "model virtual logits vs materialised" and len(names) == 4
+    assert names[:2] == [
+        "model virtual logits vs materialised",
+        "model lowrank logits vs lowrank materialised",
+    ]
+    assert len(names) == 5 and facts_ratio_is_positive(record)
     facts = record["facts"]["model"]
     assert facts["name"] == "Qwen2.5-0.5B" and facts["overrides"]["hidden_size"] == 32  # --small
     for mode in ("materialised", "virtual", "lowrank"):
@@ -128,6 +132,24 @@ def test_script_model_step_measures_and_predicts_the_noise_of_each_mode(tmp_path
         assert facts["measured"][mode]["build_s"] > 0 and facts["measured"][mode]["update_s"] > 0
     # The tiny model's shape is what was predicted for: its evolved weights, not Qwen2.5-0.5B's.
     assert facts["shape"]["evolved"] == 32 * 32 * 2 + 2 * 16 * 32 + 3 * 64 * 32
+
+
+def facts_ratio_is_positive(record: dict) -> bool:
+    return record["facts"]["model"]["lowrank_forward_over_plain"] > 0
+
+
+@pytest.mark.slow
+def test_model_step_fails_when_low_rank_members_miss_their_noise(tmp_path, monkeypatch):
+    from fastes.batched import LowRankLinear
+
+    real = LowRankLinear.__init__
+
+    def without_noise(self, base, factors, scales, *args, **kwargs):
+        real(self, base, factors, [0.0] * len(scales), *args, **kwargs)
+
+    monkeypatch.setattr(LowRankLinear, "__init__", without_noise)
+    assert run(tmp_path, "model") == 1
+    assert read(tmp_path, "model")["failed"] == ["model lowrank logits vs lowrank materialised"]
 
 
 @pytest.mark.slow

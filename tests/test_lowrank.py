@@ -7,7 +7,7 @@ import torch
 from conftest import NOISE_KINDS
 
 import fastes
-from fastes import lowrank, noise
+from fastes import compiled, lowrank, noise
 from fastes.batched import LowRankLinear, population_batched
 
 
@@ -39,17 +39,43 @@ def test_low_rank_sign_factors():
     ) == {-1.0, 1.0}
 
 
-def test_update_equals_the_plain_formula():
-    w = torch.randn(6, 5)
-    before = w.clone()
-    keys = [noise.member_key(0, 0, j) for j in range(3)]
-    weights = [0.5, -1.0, 2.0]
-    lowrank.update(w, 7, keys, weights, coef=0.1, decay=0.9, rank=2)
-    expected = before.double() * 0.9
-    for key, weight in zip(keys, weights):
-        a, b = lowrank.factors(key, 7, w.shape, 2, "cpu")
-        expected += 0.1 * weight * (a.double() @ b.double().T) / math.sqrt(2)
-    torch.testing.assert_close(w.double(), expected, rtol=0, atol=1e-5)
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("shape", [(6, 5), (1, 1), (33, 700), (900, 1200)])
+def test_update_equals_the_plain_formula(backend, shape):
+    """The fp32 update in place (one pass over the weight in the compiled library; a GEMM with beta =
+    decay elsewhere) against the naive sum, over odd sizes, a row longer than the library's column tile,
+    enough rows for two threads, and several seeds."""
+    for seed in (0, 1, 2):
+        torch.manual_seed(seed)
+        w = torch.randn(shape)
+        before = w.clone()
+        keys = [noise.member_key(seed, 0, j) for j in range(3)]
+        weights = [0.5, -1.0, 2.0]
+        pairs = [lowrank.factors(key, 7, w.shape, 2, "cpu") for key in keys]
+        lowrank.update(w, 7, pairs, weights, coef=0.1, decay=0.9, rank=2, backend=backend)
+        expected = before.double() * 0.9
+        for (a, b), weight in zip(pairs, weights):
+            expected += 0.1 * weight * (a.double() @ b.double().T) / math.sqrt(2)
+        torch.testing.assert_close(w.double(), expected, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("noise_kind", NOISE_KINDS)
+def test_all_factors_equal_each_tensors_own(backend, noise_kind):
+    """Many tensors' factors from one call per side are each tensor's factors, whatever else is drawn."""
+    shapes = [torch.Size(s) for s in ((33, 70), (1, 5), (128, 3), (7, 7), (300, 1000))]
+    ids = [noise.tensor_id(f"w{i}") for i in range(len(shapes))]
+    for seed, rank in ((0, 1), (5, 3)):
+        key = noise.member_key(seed, 4, 1)
+        together = lowrank.all_factors(key, ids, shapes, rank, torch.device("cpu"), backend, noise_kind)
+        for tid, shape, (a, b) in zip(ids, shapes, together):
+            own_a, own_b = lowrank.factors(key, tid, shape, rank, torch.device("cpu"), "torch", noise_kind)
+            assert a.shape == (shape[0], rank) and b.shape == (shape[1], rank)
+            if noise_kind == "rademacher":
+                assert torch.equal(a, own_a) and torch.equal(b, own_b)
+            else:
+                torch.testing.assert_close(a, own_a)
+                torch.testing.assert_close(b, own_b)
 
 
 @torch.no_grad()
@@ -73,6 +99,69 @@ def test_factored_forward_equals_materialised_low_rank_weights(tiny, noise_kind)
         materialised = model(**grouped).logits
     torch.testing.assert_close(factored, torch.cat(expected), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(materialised, torch.cat(expected), rtol=1e-4, atol=1e-4)
+
+
+def rank_term_reference(x, weight, bias, factors, scales):
+    """x W^T + b + scale_m / sqrt(r) (x B_m) A_m^T for member m's rows, in float64: the naive formula."""
+    members = len(factors)
+    rows = x.double().reshape(members, -1, x.shape[-1])
+    out = []
+    for m, ((a, b), scale) in enumerate(zip(factors, scales)):
+        eps = a.double() @ b.double().T / math.sqrt(a.shape[1])
+        out.append(rows[m] @ (weight.double() + scale * eps).T + (0 if bias is None else bias.double()))
+    return torch.cat(out)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize(
+    ("path", "dtype"), [("compiled", torch.float32), ("torch", torch.float32), ("torch", torch.bfloat16)]
+)
+@pytest.mark.parametrize("rank", [1, 3])
+@pytest.mark.parametrize(
+    ("members", "rows", "in_features", "out_features"), [(1, 1, 5, 3), (3, 5, 37, 53), (4, 2, 64, 17)]
+)
+def test_low_rank_layer_equals_the_formula(path, dtype, rank, members, rows, in_features, out_features):
+    """LowRankLinear's two ways of adding the rank-r term (the compiled CPU library in fp32, torch ops
+    elsewhere) against the naive per-member formula, over odd sizes, ranks, dtypes and seeds."""
+    if path == "compiled" and not compiled.available():
+        pytest.skip("no C compiler here: the compiled CPU library cannot be built")
+    for seed in (0, 1, 2):
+        torch.manual_seed(seed)
+        base = torch.nn.Linear(in_features, out_features, bias=seed != 1).to(dtype)
+        factors = [(torch.randn(out_features, rank), torch.randn(in_features, rank)) for _ in range(members)]
+        scales = torch.randn(members).tolist()
+        layer = LowRankLinear(base, factors, scales)
+        layer.compiled = path == "compiled"
+        x = torch.randn(members * rows, 2, in_features).to(dtype)  # [batch, positions, in]
+        expected = rank_term_reference(x, base.weight, base.bias, factors, scales)
+        got = layer(x)
+        assert got.shape == (members * rows, 2, out_features) and got.dtype == dtype
+        # bf16 rounds the base output and the sum once each: errors scale with the largest output
+        atol = 1e-5 if dtype == torch.float32 else 1e-2 * float(expected.abs().max())
+        rtol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.double().reshape(-1, out_features), expected, rtol=rtol, atol=atol)
+
+
+@torch.no_grad()
+@pytest.mark.skipif(
+    not compiled.available(), reason="no C compiler here: the compiled CPU library cannot be built"
+)
+def test_compiled_rank_term_does_not_depend_on_the_thread_split():
+    torch.manual_seed(3)
+    members, rows, size = 2, 600, 576  # enough rows for two threads
+    x, y = torch.randn(members * rows, size), torch.randn(members * rows, size)
+    inputs, outputs = torch.randn(members, 2, size), torch.randn(members, 2, size)
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            out = y.clone()
+            compiled.lowrank_add(x, out, inputs, outputs)
+            results.append(out)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0], results[1]) and not torch.equal(results[0], y)
 
 
 def test_modes_refuse_the_other_noise_type(tiny):

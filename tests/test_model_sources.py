@@ -4,12 +4,10 @@ found by name. The GGUF is a tiny random Llama written here with the `gguf` pack
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-import gguf  # noqa: E402  (the test extra installs it, with accelerate, which transformers needs for GGUF)
-import numpy as np
 import pytest
 import torch
+from conftest import write_tiny_gguf
 from transformers import AutoModelForCausalLM
 
 from fastes import model_sources
@@ -18,58 +16,6 @@ from fastes.errors import MissingFileError, MissingPackageError
 from fastes.model_sources import SHIPPED_MODELS, resolve_model
 from fastes.models import load_model
 from fastes.train import train
-
-HIDDEN, LAYERS, HEADS, FFN = 16, 2, 2, 32
-# A byte-level BPE vocabulary: enough for prompts of digits, lowercase letters and punctuation.
-CHARS = [chr(c) for c in range(32, 127)]
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
-    """A random Llama in GGUF (fp32 tensors, gpt2-style tokenizer with a chat template)."""
-    rng = np.random.default_rng(seed)
-    tokens = SPECIAL + [c.replace(" ", "\u0120") for c in CHARS] + ["an"]  # one merge: a file has some
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(LAYERS)
-    writer.add_context_length(128)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(FFN)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(HEADS)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_vocab_size(len(tokens))
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3] * len(SPECIAL) + [1] * (len(CHARS) + 1))
-    writer.add_token_merges(["a n"])
-    writer.add_bos_token_id(0)
-    writer.add_eos_token_id(2)
-    writer.add_pad_token_id(0)
-    writer.add_chat_template(TEMPLATE)
-
-    def tensor(name: str, *shape: int) -> None:
-        writer.add_tensor(name, (0.1 * rng.standard_normal(shape)).astype(np.float32))
-
-    tensor("token_embd.weight", len(tokens), HIDDEN)
-    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
-    for i in range(LAYERS):
-        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(HIDDEN, dtype=np.float32))
-        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(HIDDEN, dtype=np.float32))
-        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
-            tensor(f"blk.{i}.{name}.weight", HIDDEN, HIDDEN)
-        tensor(f"blk.{i}.ffn_gate.weight", FFN, HIDDEN)
-        tensor(f"blk.{i}.ffn_up.weight", FFN, HIDDEN)
-        tensor(f"blk.{i}.ffn_down.weight", HIDDEN, FFN)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 @pytest.fixture

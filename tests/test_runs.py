@@ -552,15 +552,15 @@ def test_version_help_and_flag_spellings(capsys):
 
 
 def test_experiment_overwrite_says_what_it_replaces(tmp_path, capsys):
-    from fastes.experiment.run import _check_out
+    from fastes.experiment.run import _read_out, _start
 
     (tmp_path / "runs").mkdir()
     (tmp_path / "report.md").write_text("old")
-    with pytest.raises(ConfigError, match=r"is not empty \(report.md, runs/\)"):
-        _check_out(tmp_path, overwrite=False)
-    _check_out(tmp_path, overwrite=True)
-    assert "replacing the experiment in" in capsys.readouterr().out
-    _check_out(tmp_path / "new", overwrite=False)  # a new directory needs no --overwrite
+    with pytest.raises(ConfigError, match=r"is not empty \(report.md, runs/\) and holds no experiment"):
+        _read_out(tmp_path, {}, overwrite=False)
+    _start(tmp_path, _read_out(tmp_path, {}, overwrite=True), overwrite=True)
+    assert "replacing the experiment in" in capsys.readouterr().out and not (tmp_path / "runs").exists()
+    assert _read_out(tmp_path / "new", {}, overwrite=False).done == {}  # a new directory needs no --overwrite
 
 
 # --- multi-process faults -----------------------------------------------------------------------------------

@@ -21,35 +21,36 @@ Everything goes into one directory: metrics.json, report.md (read that first) an
 
     fastes experiment --preset tiny     # the built-in tiny model on 2 CPU cores
     fastes experiment --preset quick    # a smoke run of every stage, about a minute
+    fastes experiment --preset smollm2  # SmolLM2-135M-Instruct (smollm2-quick: every stage, small budgets)
     fastes experiment --model DIR       # any local HF causal LM (the sweep then uses that model alone)
+    fastes experiment --preset smollm2 --seed 1 --stages es,grpo,evaluate   # a subset of the stages
 
-Read in this order: budget.py (presets, equal budgets), arms.py (training the arms and the sweep),
-measure.py and evaluate.py (measurements), findings.py (the paper's claims, checked), plots.py and
-report.py (the output), run.py (the whole run).
+Stopped with Ctrl-C or killed, the same command continues: finished arms and evaluations are recorded
+in progress.json and not redone.
+
+Read in this order: budget.py (presets, equal budgets, what each stage costs), arms.py (training the
+arms and the sweep), evaluate.py (measurements, through fastes.evaluation, the one evaluation path),
+findings.py (the paper's claims, checked), plots.py and report.py (the output), progress.py (what is
+finished), run.py (the whole run).
 """
 
-from .arms import Context, train_arms, train_in_segments, train_overrides
+from .arms import Context, make_context, train_arm, train_in_segments, train_overrides
 from .budget import (
     ARMS,
     LABELS,
     MODELS,
     PRESETS,
+    STAGES,
     BudgetPlan,
     Preset,
+    Speed,
+    estimate_seconds,
     plan_budget,
     segment_ends,
     sweep_iterations,
 )
 from .evaluate import MASK_KINDS, evaluate_models, gain_retained_curves
 from .findings import findings, paired_difference, paired_standard_error
-from .measure import (
-    completion_entropy,
-    corpus_perplexity,
-    correct_counts,
-    greedy_correct,
-    sampled_entropy,
-    sampled_kl,
-)
 from .plots import PLOTS, write_plots
 from .report import write_report
 from .run import run_experiment
@@ -61,25 +62,23 @@ __all__ = [
     "MODELS",
     "PLOTS",
     "PRESETS",
+    "STAGES",
     "BudgetPlan",
     "Context",
     "Preset",
-    "completion_entropy",
-    "corpus_perplexity",
-    "correct_counts",
+    "Speed",
+    "estimate_seconds",
     "evaluate_models",
     "findings",
     "gain_retained_curves",
-    "greedy_correct",
+    "make_context",
     "paired_difference",
     "paired_standard_error",
     "plan_budget",
     "run_experiment",
-    "sampled_entropy",
-    "sampled_kl",
     "segment_ends",
     "sweep_iterations",
-    "train_arms",
+    "train_arm",
     "train_in_segments",
     "train_overrides",
     "write_plots",

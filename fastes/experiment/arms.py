@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,32 +24,41 @@ import numpy as np
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..config import load_config
-from ..models import format_prompt, load_model, num_params, tiny_model_path
+from .. import defaults
+from ..config import TrainConfig, load_config
+from ..evaluation import Evaluator
+from ..models import is_character_tokenizer, load_model, num_params, tiny_model_path
+from ..rundir import RUN_FILE
 from ..tasks import Task
-from ..train import train
+from ..train import make_task, train
 from .budget import BudgetPlan, Preset, segment_ends, sweep_iterations
-from .measure import greedy_correct, sampled_entropy
+from .progress import Progress
 
 
 @dataclass
 class Context:
-    """What every stage needs: the preset, where to write, the base model and the task."""
+    """What every stage needs: the preset, where to write, the base model, the settings every run and
+    measurement shares (cfg, automatic settings resolved for the base model), the task and the progress."""
 
     preset: Preset
     out_dir: Path
     base_path: Path
     device: str
-    task: Task
     plan: BudgetPlan
     progress: bool
-    timings: dict[str, float]
+    cfg: TrainConfig
+    task: Task
+    done: Progress
 
     def load(self, path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
         return load_model(path, dtype=self.preset.dtype, device=self.device)
 
-    def bar(self, total: int, desc: str) -> tqdm:
-        return tqdm(total=total, desc=desc, disable=not self.progress)
+    def evaluator(self, path: str | Path) -> Evaluator:
+        """The model in `path` measured with the experiment's run settings (one evaluation path)."""
+        return Evaluator(self.cfg, *self.load(path))
+
+    def bar(self, total: int, desc: str, initial: int = 0) -> tqdm:
+        return tqdm(total=total, initial=initial, desc=desc, disable=not self.progress)
 
     def show(self, path: str | Path) -> str:
         """A model directory as the report names it: relative to the experiment directory when inside
@@ -62,32 +70,63 @@ class Context:
             return str(path.resolve().relative_to(self.out_dir.resolve()))
         return str(path)
 
-    def timed(self, name: str, start: float) -> None:
-        """Record the seconds since `start` as stage `name`'s time."""
-        self.timings[name] = round(time.perf_counter() - start, 1)
 
-
-def train_overrides(ctx: Context, algorithm: str, model: Path, out_dir: Path) -> dict[str, Any]:
-    """The TrainConfig overrides shared by every training run of the experiment."""
-    p = ctx.preset
+def shared_settings(preset: Preset, device: str) -> dict[str, Any]:
+    """The TrainConfig keys every run and every measurement of the experiment shares: the task, how its
+    prompts are written and answered, the reward, the test problems."""
+    p = preset
     return {
-        "algorithm": algorithm,
-        "model": str(model),
         "task": p.task,
         "seed": p.seed,
-        "out_dir": str(out_dir),
-        "batch_size": p.grpo_batch if algorithm == "grpo" else p.es_batch,
+        "prompt_style": p.prompt_style,
+        "chat_template": p.chat_template,
+        "system_prompt": p.system_prompt,
+        "instruction": p.instruction,
         "max_new_tokens": p.max_new_tokens,
         "format_weight": p.format_weight,
         "eval_size": p.eval_size,
+        "eval_batch_size": p.generation_batch,
         "dtype": p.dtype,
-        "device": ctx.device,
+        "device": device,
+    }
+
+
+def make_context(
+    preset: Preset,
+    out_dir: Path,
+    base_path: Path,
+    device: str,
+    plan: BudgetPlan,
+    progress: bool,
+    done: Progress,
+) -> Context:
+    """The Context of an experiment: its shared settings resolved for the base model as a run resolves
+    them (fastes.defaults), and its task built as a run builds it (fastes.train.make_task)."""
+    model, tokenizer = load_model(base_path, dtype=preset.dtype, device=device)
+    given = load_config(None, {**shared_settings(preset, device), "model": str(base_path)})
+    cfg = defaults.resolve(given, model, tokenizer)
+    task = make_task(cfg, strict_alphabet=is_character_tokenizer(tokenizer))
+    return Context(preset, out_dir, base_path, device, plan, progress, cfg, task, done)
+
+
+def train_overrides(ctx: Context, algorithm: str, model: Path, out_dir: Path) -> dict[str, Any]:
+    """The TrainConfig overrides of one training run of the experiment: the shared settings with the
+    prompt settings chosen for the base model, and the algorithm's own."""
+    p = ctx.preset
+    return {
+        **shared_settings(p, ctx.device),
+        "prompt_style": ctx.cfg.prompt_style,
+        "algorithm": algorithm,
+        "model": str(model),
+        "out_dir": str(out_dir),
+        "batch_size": p.grpo_batch if algorithm == "grpo" else p.es_batch,
         "progress": False,
         "es.population": p.population,
         "es.sigma": p.sigma,
         "es.lr": p.es_lr,
         "grpo.num_generations": p.num_generations,
         "grpo.lr": p.grpo_lr,
+        "grpo.temperature": p.temperature,
     }
 
 
@@ -101,53 +140,55 @@ def train_in_segments(
     every: int,
     probe: Callable[[Path], float],
     *,
+    done: Progress,
+    key: str,
     extra_ends: tuple[int, ...] = (),
     on_end: Callable[[int, Path], None] | None = None,
     bar: tqdm | None = None,
 ) -> list[tuple[int, float]]:
     """Train one single-phase run ("es" or "grpo") for `length` steps, pausing at segment_ends to probe.
 
-    Each segment after the first resumes from the previous one's checkpoint, which train() continues
-    exactly. probe(model_dir) is called on the model at every segment end and on_end(step, model_dir)
-    after it. Returns [(step, probe value)] for every segment end.
+    Each segment continues the run from its newest checkpoint, which train() does exactly. probe(model_dir)
+    is called on the model at every segment end and on_end(step, model_dir) after it; each end's probe is
+    recorded in `done` under "<key>:<end>", and a segment already recorded there (by an earlier start of
+    the experiment) is not trained again. Returns [(step, probe value)] for every segment end.
     """
     run_dir = Path(overrides["out_dir"])
-    shutil.rmtree(run_dir, ignore_errors=True)  # a stale checkpoint must never be resumed
     ends = segment_ends(length, every, extra_ends)
-    key = "es.iterations" if overrides["algorithm"] == "es" else "grpo.steps"
-    probes, done = [], 0
-    for index, end in enumerate(ends):
-        cfg = load_config(
-            None,
-            {**overrides, key: end, "eval_every": every, "checkpoint_every": math.gcd(*ends)},
-        )
-        train(cfg, resume=index > 0)
-        probes.append((end, probe(run_dir / "final")))
-        if on_end is not None:
-            on_end(end, run_dir / "final")
+    step_key = "es.iterations" if overrides["algorithm"] == "es" else "grpo.steps"
+    probes, trained = [], 0
+    for end in ends:
+        value = done.get(f"{key}:{end}")
+        if value is None:
+            started = (run_dir / RUN_FILE).is_file()
+            if not started:  # nothing to continue: whatever an interrupted start left is replaced
+                shutil.rmtree(run_dir, ignore_errors=True)
+            cfg = load_config(
+                None,
+                {**overrides, step_key: end, "eval_every": every, "checkpoint_every": math.gcd(*ends)},
+            )
+            train(cfg, resume=started)
+            value = probe(run_dir / "final")
+            if on_end is not None:
+                on_end(end, run_dir / "final")
+            done.put(f"{key}:{end}", value)
+        probes.append((end, value))
         if bar is not None:
-            bar.update(end - done)
+            bar.update(end - trained)
             last = read_metrics(run_dir)[-1]
             bar.set_postfix(reward=f"{last['reward']:.3f}", test=f"{last.get('test_accuracy', math.nan):.3f}")
-        done = end
+        trained = end
     return probes
 
 
 def entropy_probe(ctx: Context) -> Callable[[Path], float]:
     """probe(model_dir): the entropy of that model on its own samples of the preset's probe prompts."""
     p = ctx.preset
-    tokenizer = ctx.load(ctx.base_path)[1]
-    prompts = [format_prompt(tokenizer, ex.prompt) for ex in ctx.task.split("test")[: p.probe_prompts]]
+    examples = ctx.task.split("test")[: p.probe_prompts]
 
     def probe(model_dir: Path) -> float:
-        model, tokenizer = ctx.load(model_dir)
-        return sampled_entropy(
-            model,
-            tokenizer,
-            prompts,
-            samples=p.probe_samples,
-            max_new_tokens=p.max_new_tokens,
-            seed=p.seed + 7,
+        return ctx.evaluator(model_dir).entropy(
+            examples, samples=p.probe_samples, temperature=p.temperature, seed=p.seed + 7
         )
 
     return probe
@@ -165,51 +206,55 @@ def _arm_result(
     }
 
 
-def train_arms(ctx: Context) -> dict[str, dict[str, Any]]:
-    """Train ES, GRPO and GRPO -> ES from the base model; per arm its probes, metrics and model dir.
+def train_arm(ctx: Context, arm: str) -> dict[str, Any]:
+    """Train one arm (ES, GRPO, or GRPO -> ES from the GRPO arm's half-way model): its probes, metrics and
+    model dir. GRPO -> ES needs the GRPO arm trained first.
 
     Probes are (training completions so far, entropy of the policy on its own samples of the probe
     prompts), at every probe_every ES iterations and every GRPO step count of as many completions.
     """
     p, plan, runs = ctx.preset, ctx.plan, ctx.out_dir / "runs"
     probe = entropy_probe(ctx)
-    base_probe = (0, probe(ctx.base_path))
+    base_probe = (0, ctx.done.once("probe:base", probe, ctx.base_path))
     half_grpo, half_es = plan.arm_lengths()["grpo_es"]
     half_model = runs / "grpo" / "half"
+    if arm == "es":
+        with ctx.bar(plan.es_iterations, "train ES") as bar:
+            overrides = train_overrides(ctx, "es", ctx.base_path, runs / "es")
+            probes = train_in_segments(
+                overrides, plan.es_iterations, p.probe_every, probe, done=ctx.done, key="probe:es", bar=bar
+            )
+        return _arm_result(runs / "es", probes, plan.es_samples_per_iteration, base_probe)
+    if arm == "grpo":
 
-    def snapshot(step: int, model_dir: Path) -> None:
-        if step == half_grpo:  # where GRPO -> ES switches to ES
-            shutil.rmtree(half_model, ignore_errors=True)
-            shutil.copytree(model_dir, half_model)
+        def snapshot(step: int, model_dir: Path) -> None:
+            if step == half_grpo:  # where GRPO -> ES switches to ES
+                shutil.rmtree(half_model, ignore_errors=True)
+                shutil.copytree(model_dir, half_model)
 
-    arms: dict[str, dict[str, Any]] = {}
-    start = time.perf_counter()
-    with ctx.bar(plan.es_iterations, "train ES") as bar:
-        overrides = train_overrides(ctx, "es", ctx.base_path, runs / "es")
-        probes = train_in_segments(overrides, plan.es_iterations, p.probe_every, probe, bar=bar)
-    arms["es"] = _arm_result(runs / "es", probes, plan.es_samples_per_iteration, base_probe)
-    ctx.timed("train_es", start)
-
-    start = time.perf_counter()
-    grpo_every = max(1, round(p.probe_every * plan.es_samples_per_iteration / plan.grpo_samples_per_step))
-    with ctx.bar(plan.grpo_steps, "train GRPO") as bar:
-        overrides = train_overrides(ctx, "grpo", ctx.base_path, runs / "grpo")
-        probes = train_in_segments(
-            overrides, plan.grpo_steps, grpo_every, probe, extra_ends=(half_grpo,), on_end=snapshot, bar=bar
-        )
-    arms["grpo"] = _arm_result(runs / "grpo", probes, plan.grpo_samples_per_step, base_probe)
-    ctx.timed("train_grpo", start)
-
-    start = time.perf_counter()
+        grpo_every = max(1, round(p.probe_every * plan.es_samples_per_iteration / plan.grpo_samples_per_step))
+        with ctx.bar(plan.grpo_steps, "train GRPO") as bar:
+            overrides = train_overrides(ctx, "grpo", ctx.base_path, runs / "grpo")
+            probes = train_in_segments(
+                overrides,
+                plan.grpo_steps,
+                grpo_every,
+                probe,
+                done=ctx.done,
+                key="probe:grpo",
+                extra_ends=(half_grpo,),
+                on_end=snapshot,
+                bar=bar,
+            )
+        return _arm_result(runs / "grpo", probes, plan.grpo_samples_per_step, base_probe)
     with ctx.bar(half_es, "train GRPO->ES (ES phase)") as bar:
         overrides = train_overrides(ctx, "es", half_model, runs / "grpo_es")
-        probes = train_in_segments(overrides, half_es, p.probe_every, probe, bar=bar)
-    half_samples = plan.samples(half_grpo, 0)
-    half_probe = (half_samples, dict(arms["grpo"]["probes"])[half_samples])
-    arms["grpo_es"] = _arm_result(runs / "grpo_es", probes, plan.es_samples_per_iteration, half_probe)
-    arms["grpo_es"]["start_model"] = str(half_model)
-    ctx.timed("train_grpo_es", start)
-    return arms
+        probes = train_in_segments(
+            overrides, half_es, p.probe_every, probe, done=ctx.done, key="probe:grpo_es", bar=bar
+        )
+    half_probe = (plan.samples(half_grpo, 0), ctx.done.get(f"probe:grpo:{half_grpo}"))
+    result = _arm_result(runs / "grpo_es", probes, plan.es_samples_per_iteration, half_probe)
+    return {**result, "start_model": str(half_model)}
 
 
 def training_curves(arms: dict[str, dict[str, Any]], plan: BudgetPlan) -> dict[str, dict[str, Any]]:
@@ -248,7 +293,6 @@ def training_curves(arms: dict[str, dict[str, Any]], plan: BudgetPlan) -> dict[s
 def _small_model(ctx: Context) -> Path:
     """The built-in "small" model, pretrained once into the experiment directory and reused after, with
     the shipped tiny model's data recipe (its style_mix), so that the two sizes differ only in size."""
-    from ..models import tiny_model_path
     from ..pretrain import pretrain
 
     recipe = json.loads((tiny_model_path() / "pretrain.json").read_text())
@@ -268,7 +312,7 @@ def _sweep_run(ctx: Context, path: Path, population: int, run_dir: Path) -> dict
     """One ES run of the sweep (population members, sweep_budget completions) and its results."""
     p = ctx.preset
     iterations = sweep_iterations(p.sweep_budget, population, p.sweep_batch)
-    shutil.rmtree(run_dir, ignore_errors=True)
+    shutil.rmtree(run_dir, ignore_errors=True)  # a run stopped half-way starts again
     overrides = {
         **train_overrides(ctx, "es", path, run_dir),
         "batch_size": p.sweep_batch,
@@ -280,9 +324,7 @@ def _sweep_run(ctx: Context, path: Path, population: int, run_dir: Path) -> dict
     }
     cfg = load_config(None, overrides)
     train(cfg)
-    trained, tokenizer = ctx.load(run_dir / "final")
     examples = ctx.task.split("test")[: p.eval_size]
-    kwargs = {"max_new_tokens": p.max_new_tokens, "rows_per_call": p.generation_batch}
     metrics = read_metrics(run_dir)
     steps = [m for m in metrics if "reward" in m]
     tail = steps[-max(1, len(steps) // 5) :]
@@ -293,29 +335,33 @@ def _sweep_run(ctx: Context, path: Path, population: int, run_dir: Path) -> dict
         "test_accuracy": metrics[-1]["test_accuracy"],
         "test_reward": cfg.format_weight * metrics[-1]["test_format"] + metrics[-1]["test_accuracy"],
         "train_reward": float(np.mean([m["reward"] for m in tail])),
-        "greedy_correct": greedy_correct(trained, tokenizer, ctx.task, examples, **kwargs),  # paired tests
+        # per prompt, for paired tests
+        "greedy_correct": ctx.evaluator(run_dir / "final").greedy(ctx.task, examples).correct,
     }
 
 
 def population_sweep(ctx: Context, custom_model: bool) -> dict[str, Any]:
     """ES with N members for every N of the preset, each run given sweep_budget training completions.
 
-    Sizes: the built-in tiny and small models, or the given model alone. Per (size, N): iterations,
-    final greedy test accuracy and test reward (format_weight x format + answer), and the mean
-    population reward over the last fifth of the iterations.
+    Sizes: those of the preset ("tiny" and "small": the built-in family, "model": the experiment's own
+    model), or the given model alone (custom_model). Per (size, N): iterations, final greedy test
+    accuracy and test reward (format_weight x format + answer), and the mean population reward over the
+    last fifth of the iterations. Each finished run is recorded, and not run again on a continued start.
     """
     p = ctx.preset
-    sizes = {"model": ctx.base_path} if custom_model else {}
-    for size in () if custom_model else p.sweep_sizes:
-        sizes[size] = ctx.base_path if size == "tiny" else _small_model(ctx)
+    sizes: dict[str, Path] = {}
+    for size in ("model",) if custom_model else p.sweep_sizes:
+        sizes[size] = ctx.base_path if size in ("model", "tiny") else _small_model(ctx)
     results: dict[str, Any] = {}
     with ctx.bar(len(sizes) * len(p.sweep_populations), "population sweep") as bar:
         for size, path in sizes.items():
-            model, _ = ctx.load(path)
-            results[size] = {"model_dir": ctx.show(path), "params": num_params(model), "runs": {}}
+            results[size] = {"model_dir": ctx.show(path), "params": num_params(ctx.load(path)[0]), "runs": {}}
             for population in p.sweep_populations:
-                run = _sweep_run(ctx, path, population, ctx.out_dir / "sweep" / size / f"N{population}")
-                results[size]["base_accuracy"] = run.pop("base_accuracy")
-                results[size]["runs"][str(population)] = run
+                run_dir = ctx.out_dir / "sweep" / size / f"N{population}"
+                run = ctx.done.once(f"sweep:{size}:{population}", _sweep_run, ctx, path, population, run_dir)
+                results[size]["base_accuracy"] = run["base_accuracy"]
+                results[size]["runs"][str(population)] = {
+                    k: v for k, v in run.items() if k != "base_accuracy"
+                }
                 bar.update(1)
     return results

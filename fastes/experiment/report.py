@@ -101,6 +101,8 @@ def _summary(metrics: dict[str, Any]) -> list[str]:
     command = f"fastes experiment --preset {p['name']}" + (
         f" --model {metrics['model']}" if metrics["custom_model"] else ""
     )
+    if p["seed"]:
+        command += f" --seed {p['seed']}"
     return [
         f"# ES vs GRPO at equal sample budgets ({p['name']} preset)",
         "",
@@ -144,17 +146,38 @@ def _setup(metrics: dict[str, Any]) -> list[str]:
         f"{p['format_weight']:g} x format + answer, greedy test accuracy on {p['eval_size']} test prompts.",
         f"- ES: population {p['population']} (antithetic), {p['es_batch']} prompts per iteration, sigma "
         f"{p['sigma']:g}, lr {p['es_lr']:g}, centered-rank shaping, greedy decoding.",
-        f"- GRPO: {p['grpo_batch']} prompts x {p['num_generations']} generations per step, temperature 1, "
+        f"- Prompts: {_prompts(metrics)}.",
+        f"- GRPO: {p['grpo_batch']} prompts x {p['num_generations']} generations per step, temperature "
+        f"{p['temperature']:g}, "
         f"lr {p['grpo_lr']:g} (AdamW), DAPO loss, no KL term.",
         f"- GRPO->ES: GRPO for half the GRPO budget (the GRPO arm's model at step "
         f"{curves['grpo_es']['grpo_steps']}), then ES for half the ES iterations.",
-        f"- Evaluation: Pass@K from {p['passk_samples']} samples at T=1 on {p['passk_prompts']} test "
-        f"prompts; entropy probe: {p['probe_samples']} samples of each of {p['probe_prompts']} test "
-        f"prompts at every evaluation point; held-out tasks {', '.join(models['base']['heldout_accuracy'])} "
-        f"({p['heldout_size']} test prompts each; perplexity of their solutions given the prompts, "
-        f"KL on {p['kl_samples']} samples per prompt).",
+        f"- Evaluation: Pass@K (unbiased estimator) from {p['passk_samples']} samples at "
+        f"T={p['temperature']:g} on {p['passk_prompts']} test prompts; entropy probe: {p['probe_samples']} "
+        f"samples of each of {p['probe_prompts']} test prompts at every evaluation point; held-out tasks "
+        f"{', '.join(models['base']['heldout_accuracy'])} ({p['heldout_size']} test prompts each, KL on "
+        f"{p['kl_samples']} samples per prompt); perplexity "
+        + (
+            "of fastes' general-English corpus (fastes/assets/general_text.txt)."
+            if p["perplexity_corpus"] == "text"
+            else "of the held-out tasks' solutions given their prompts."
+        ),
         "",
     ]
+
+
+def _prompts(metrics: dict[str, Any]) -> str:
+    """How the run wrote its prompts (the same for training and every measurement)."""
+    settings = metrics["prompt_settings"]
+    text = f"{settings['prompt_style']} style, chat template {settings['chat_template']}"
+    text += (
+        f", system prompt {settings['system_prompt']!r}"
+        if settings["system_prompt"]
+        else ", no system prompt"
+    )
+    if settings["instruction"]:
+        text += f", instruction {settings['instruction']!r}"
+    return text + f", at most {settings['max_new_tokens']} new tokens"
 
 
 def _budgets(metrics: dict[str, Any]) -> list[str]:
@@ -183,11 +206,13 @@ def _budgets(metrics: dict[str, Any]) -> list[str]:
 def _results(metrics: dict[str, Any]) -> list[str]:
     models, top = metrics["models"], str(metrics["preset"]["passk_samples"])
     heldout = list(models["base"]["heldout_accuracy"])
-    header = ["model", "greedy acc", "Pass@1", f"Pass@{top}", *heldout, "held-out ppl", "KL to base"]
+    header = ["model", "greedy acc", "format", "lenient acc", "Pass@1", f"Pass@{top}", *heldout]
     rows = [
         [
             LABELS[n],
             f"{m['greedy_accuracy']:.3f}",
+            f"{m['format_rate']:.3f}",
+            "-" if m["lenient_accuracy"] is None else f"{m['lenient_accuracy']:.3f}",
             f"{m['pass_at_k']['1']:.3f}",
             f"{m['pass_at_k'][top]:.3f}",
             *(f"{v:.3f}" for v in m["heldout_accuracy"].values()),
@@ -201,9 +226,11 @@ def _results(metrics: dict[str, Any]) -> list[str]:
     return [
         "## Results",
         "",
-        table([*header, "||delta||/||theta||", "entropy"], rows),
+        table([*header, "perplexity", "KL to base", "||delta||/||theta||", "entropy"], rows),
         "",
-        "Entropy: mean token entropy (nats) of the model on its own T=1 samples of the probe prompts.",
+        "Format: share of greedy answers in the verifiable format; lenient acc: answers read leniently "
+        "(instruct forms: the last number when none is stated). Entropy: mean token entropy (nats) of the "
+        "model on its own samples of the probe prompts.",
         "",
     ]
 
@@ -329,7 +356,9 @@ def _plots(metrics: dict[str, Any]) -> list[str]:
 def _caveats(metrics: dict[str, Any]) -> list[str]:
     p = metrics["preset"]
     se_greedy = standard_error(metrics["models"]["base"]["greedy_accuracy"], p["eval_size"])
-    if metrics["custom_model"]:
+    if p["model"] and not metrics["custom_model"]:
+        about_models = f"- One model (`{metrics['model']}`) with the {p['name']} preset's settings."
+    elif metrics["custom_model"]:
         about_models = (
             f"- One model (`{metrics['model']}`) with the {p['name']} preset's settings, which were tuned "
             "for the built-in tiny model, not for this one."

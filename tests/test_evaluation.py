@@ -1,0 +1,199 @@
+"""One evaluation path (fastes/evaluation.py): every face renders an example's prompt the same way, and
+`fastes eval` of a finished run's final/ with the run's settings reproduces the run's own test figures,
+on the built-in tiny model and on a random-weight Llama with a chat template (conftest.chat_llama)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from fastes import ESConfig, ESTrainer, cli, evaluation
+from fastes.config import load_config
+from fastes.evaluation import general_text_corpus, heldout_tasks
+from fastes.experiment import PRESETS, make_context, plan_budget
+from fastes.experiment.progress import Progress
+from fastes.models import tiny_model_path
+from fastes.tasks import get_task
+from fastes.train import train
+
+TASK = "arithmetic:max_operand=20,operations=+-,n_train=40,n_test=20"
+
+
+@pytest.fixture
+def rendered(monkeypatch):
+    """Every prompt list that reaches generation through the evaluation path, call by call."""
+    calls: list[list[str]] = []
+    real = evaluation.generate_in_chunks
+
+    def spy(model, tokenizer, prompts, **options):
+        calls.append(list(prompts))
+        return real(model, tokenizer, prompts, **options)
+
+    monkeypatch.setattr(evaluation, "generate_in_chunks", spy)
+    return calls
+
+
+def _run_face(model: Path, out: Path, rendered: list, **settings) -> list[str]:
+    """The prompts a run evaluates its base on (its first generation: the base evaluation)."""
+    rendered.clear()
+    cfg = load_config(
+        None,
+        {
+            "model": str(model),
+            "task": TASK,
+            "out_dir": str(out),
+            "eval_size": 2,
+            "batch_size": 1,
+            "max_new_tokens": 2,
+            "progress": False,
+            "es.iterations": 1,
+            "es.population": 2,
+            **settings,
+        },
+    )
+    train(cfg)
+    return rendered[0]
+
+
+def _eval_face(model: Path, rendered: list, capsys, **settings) -> list[str]:
+    rendered.clear()
+    flags = [f"--{key}={value}" for key, value in settings.items()]
+    argv = ["eval", "--model", str(model), "--task", TASK, "--limit", "2", "--samples", "1", *flags]
+    assert cli.main([*argv, "--max_new_tokens", "2"]) == 0
+    capsys.readouterr()
+    return rendered[0]
+
+
+def _study_face(model: Path, out: Path, rendered: list, **settings) -> list[str]:
+    rendered.clear()
+    preset = replace(PRESETS["smollm2-quick"], model=str(model), task=TASK, max_new_tokens=2, **settings)
+    plan = plan_budget(preset.es_iterations, preset.population, preset.es_batch, 4, 8)
+    ctx = make_context(preset, out, model, "cpu", plan, False, Progress(out, {}))
+    ctx.evaluator(model).greedy(ctx.task, ctx.task.split("test")[:2])
+    return rendered[0]
+
+
+def _trainer_face(model: Path, out: Path, rendered: list, prompts: list[str]) -> list[str]:
+    """ESTrainer takes rows of prompts: the instruct form's prompt texts, as a user would pass them."""
+    rendered.clear()
+    rows = [{"prompt": prompt} for prompt in prompts]
+    trainer = ESTrainer(
+        model=str(model),
+        reward_funcs=lambda completions, **columns: [0.0] * len(completions),
+        args=ESConfig(output_dir=str(out), max_completion_length=2, disable_tqdm=True),
+        train_dataset=rows,
+        eval_dataset=rows,
+    )
+    trainer.evaluate()
+    return rendered[0]
+
+
+def test_every_face_renders_an_example_the_same_way(chat_llama, tmp_path, rendered, capsys):
+    examples = get_task(TASK, style="instruct").split("test")[:2]
+    assert examples[0].prompt.startswith("Calculate ") and '"Answer:"' in examples[0].prompt
+    expected = [f"<|im_start|>user\n{ex.prompt}<|im_end|>\n<|im_start|>assistant\n" for ex in examples]
+    faces = {
+        "run": _run_face(chat_llama, tmp_path / "run", rendered),
+        "fastes eval": _eval_face(chat_llama, rendered, capsys),
+        "ESTrainer.evaluate": _trainer_face(
+            chat_llama, tmp_path / "trainer", rendered, [e.prompt for e in examples]
+        ),
+        "study": _study_face(chat_llama, tmp_path / "study", rendered),
+    }
+    for face, prompts in faces.items():
+        assert prompts == expected, face
+
+    # The run's own prompt settings reach every face that takes them (ESTrainer takes rows as written).
+    settings = {"system_prompt": "Be brief.", "instruction": 'Put the number after "Answer:".'}
+    faces = {
+        "run": _run_face(chat_llama, tmp_path / "run2", rendered, **settings),
+        "fastes eval": _eval_face(chat_llama, rendered, capsys, **settings),
+        "study": _study_face(chat_llama, tmp_path / "study2", rendered, **settings),
+    }
+    question = examples[0].prompt.rpartition(" and write")[0]
+    first = (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n"
+        f'{question}. Put the number after "Answer:".<|im_end|>\n<|im_start|>assistant\n'
+    )
+    for face, prompts in faces.items():
+        assert prompts[0] == first, face
+
+
+def _summary_and_eval(model: Path, out: Path, capsys, settings: dict) -> tuple[dict, dict]:
+    cfg = load_config(
+        None,
+        {
+            "model": str(model),
+            "out_dir": str(out),
+            "eval_size": 12,
+            "batch_size": 4,
+            "progress": False,
+            "es.iterations": 2,
+            "es.population": 4,
+            "es.sigma": 0.05,
+            **settings,
+        },
+    )
+    train(cfg)
+    summary = json.loads((out / "summary.json").read_text())
+    flags = [f"--{key}={value}" for key, value in settings.items()]
+    code = cli.main(["eval", "--model", str(out / "final"), "--limit", "12", "--samples", "1", *flags])
+    out_text = capsys.readouterr().out
+    assert code == 0
+    return summary, json.loads(out_text[out_text.index("{") :])
+
+
+def test_eval_of_a_finished_run_reproduces_its_summary_tiny_model(tmp_path, capsys):
+    settings = {"model": str(tiny_model_path()), "task": "countdown"}
+    summary, result = _summary_and_eval(tiny_model_path(), tmp_path / "run", capsys, settings)
+    assert summary["final_test_accuracy"] > 0  # a figure that can disagree
+    assert result["greedy_accuracy"] == summary["final_test_accuracy"]
+    assert result["format_rate"] == summary["final_test_format"]
+
+
+def test_eval_of_a_finished_run_reproduces_its_summary_chat_llama(chat_llama, tmp_path, capsys):
+    # A reward that differs between completions of a random model, so the accuracy is not simply 0.
+    rows = [{"prompt": f"Tell Me Something About {i}!"} for i in range(30)]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (tmp_path / "rewards.py").write_text(
+        "def variety(completions, **columns):\n    return [len(set(c)) / 10 for c in completions]\n"
+    )
+    settings = {
+        "task": f"jsonl:{tmp_path / 'prompts.jsonl'}",
+        "reward": f"{tmp_path / 'rewards.py'}:variety",
+        "system_prompt": "Answer in one word.",
+        "max_new_tokens": 6,
+    }
+    summary, result = _summary_and_eval(chat_llama, tmp_path / "run", capsys, settings)
+    assert summary["final_test_accuracy"] > 0
+    assert result["greedy_accuracy"] == summary["final_test_accuracy"]
+    assert result["prompt_style"] == "instruct"
+
+
+def test_eval_reports_the_lenient_reading_of_an_instruct_form(capsys):
+    args = ["eval", "--task", "arithmetic", "--prompt_style", "instruct", "--limit", "3", "--samples", "1"]
+    assert cli.main(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert 0 <= result["lenient_accuracy"] <= 1 and result["lenient_accuracy"] >= result["greedy_accuracy"]
+
+
+def test_heldout_tasks_are_asked_in_the_runs_style():
+    cfg = load_config(None, {"prompt_style": "instruct"})
+    tasks = heldout_tasks(cfg, ("countdown", "compare"), 250)
+    for name, task in tasks.items():
+        examples = task.split("test")
+        assert len(examples) >= 250, name
+        assert '"Answer:"' in examples[0].prompt and hasattr(task, "lenient_score"), name
+    plain = heldout_tasks(load_config(None, {"prompt_style": "plain"}), ("compare",), 10)["compare"]
+    assert "Answer" not in plain.split("test")[0].prompt
+
+
+def test_the_general_text_corpus():
+    pairs = general_text_corpus()
+    assert len(pairs) >= 10
+    for context, continuation in pairs:
+        assert context.endswith(".") and continuation.startswith(" ") and len(continuation) > 80
+        assert context.isascii() and continuation.isascii()
