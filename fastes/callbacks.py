@@ -8,12 +8,14 @@ A callback is any object with some of these methods, called by the process that 
     on_save(global_step, path)          after a checkpoint or the final model directory is written
     on_train_end(global_step)           after the last step
 
-They are fastes' own hooks, simpler than transformers' TrainerCallback (which takes args, state, control).
+A transformers.TrainerCallback (PrinterCallback, your subclass) works too: its hooks are called as
+transformers' Trainer calls them, (args, state, control, **kwargs), from these (TrainerCallbackAdapter).
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,14 +29,31 @@ NOT_CURVES = ("global_step", "step", "phase")  # record keys that are no metric
 class Callbacks:
     """The callbacks of one run, each hook called on each of them in order."""
 
-    def __init__(self, callbacks: list[Any] | None = None) -> None:
-        self.callbacks = list(callbacks or [])
-        for callback in self.callbacks:
-            if not any(callable(getattr(callback, hook, None)) for hook in HOOKS):
+    def __init__(self, callbacks: list[Any] | None = None, *, args: Any = None, max_steps: int = 0) -> None:
+        """Checked here, before any work. transformers.TrainerCallback instances are wrapped in a
+        TrainerCallbackAdapter that hands them `args` (the trainer's config) and a TrainerState of
+        `max_steps` steps."""
+        if callbacks is not None and not isinstance(callbacks, (list, tuple)):
+            raise ConfigError(
+                f"callbacks: must be a list of callbacks, got {type(callbacks).__name__}; pass "
+                f"callbacks=[{type(callbacks).__name__}(...)]"
+            )
+        self.callbacks = []
+        trainer_callback = _trainer_callback_class()
+        for callback in callbacks or []:
+            if isinstance(callback, type):
                 raise ConfigError(
-                    f"callbacks: {callback!r} has none of the hooks {', '.join(HOOKS)}; give it at least one "
-                    "(transformers' TrainerCallback objects are not supported)"
+                    f"callbacks: {callback.__name__} is a class; pass an instance of it: "
+                    f"{callback.__name__}()"
                 )
+            if trainer_callback is not None and isinstance(callback, trainer_callback):
+                callback = TrainerCallbackAdapter(callback, args, max_steps)
+            elif not any(callable(getattr(callback, hook, None)) for hook in HOOKS):
+                raise ConfigError(
+                    f"callbacks: {callback!r} has none of the hooks {', '.join(HOOKS)}; give it at least "
+                    "one, or make it a transformers.TrainerCallback"
+                )
+            self.callbacks.append(callback)
 
     def fire(self, hook: str, *args: Any) -> None:
         for callback in self.callbacks:
@@ -50,6 +69,55 @@ class Callbacks:
             self.fire("on_step_end", step, {k: v for k, v in record.items() if k not in evaluation})
         if evaluation:
             self.fire("on_evaluate", step, evaluation)
+
+
+def _trainer_callback_class() -> type | None:
+    """transformers.TrainerCallback when transformers is loaded (an instance of it implies it is)."""
+    module = sys.modules.get("transformers.trainer_callback")
+    return getattr(module, "TrainerCallback", None)
+
+
+class TrainerCallbackAdapter:
+    """A transformers.TrainerCallback driven by fastes' hooks. Each of its hooks is called as transformers'
+    Trainer calls it, (args, state, control, **kwargs): `args` the trainer's config (TRL's field names),
+    `state` a transformers.TrainerState that follows the run (global_step, max_steps, log_history),
+    `control` a transformers.TrainerControl. A step calls on_step_end, then on_log(logs=its metrics); an
+    evaluation on_evaluate(metrics=eval_*), then on_log. Hooks without a fastes counterpart (on_step_begin,
+    on_epoch_*, on_optimizer_step, on_predict...) are not called, and control's flags are not acted on:
+    a run takes its configured number of steps."""
+
+    def __init__(self, callback: Any, args: Any, max_steps: int) -> None:
+        from transformers.trainer_callback import TrainerControl, TrainerState
+
+        self.callback, self.args = callback, args
+        self.state = TrainerState(max_steps=max_steps)
+        self.control = TrainerControl()
+
+    def _call(self, event: str, global_step: int, **kwargs: Any) -> None:
+        self.state.global_step = global_step
+        getattr(self.callback, event)(self.args, self.state, self.control, **kwargs)
+
+    def _log(self, global_step: int, logs: dict[str, Any]) -> None:
+        self.state.log_history.append({**logs, "step": global_step})
+        self._call("on_log", global_step, logs=dict(logs))
+
+    def on_train_begin(self, global_step: int) -> None:
+        self._call("on_train_begin", global_step)
+
+    def on_step_end(self, global_step: int, metrics: dict[str, Any]) -> None:
+        self._call("on_step_end", global_step)
+        self._log(global_step, {k: v for k, v in metrics.items() if k not in NOT_CURVES})
+
+    def on_evaluate(self, global_step: int, metrics: dict[str, Any]) -> None:
+        evaluation = {f"eval_{k.removeprefix('test_')}": v for k, v in metrics.items()}
+        self._call("on_evaluate", global_step, metrics=evaluation)
+        self._log(global_step, evaluation)
+
+    def on_save(self, global_step: int, path: Path) -> None:
+        self._call("on_save", global_step)
+
+    def on_train_end(self, global_step: int) -> None:
+        self._call("on_train_end", global_step)
 
 
 class TensorBoardCallback:

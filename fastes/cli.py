@@ -190,6 +190,12 @@ def cmd_train(args: argparse.Namespace, defaults: dict[str, Any] | None = None) 
         print(f"\nno held-out rows, so no evaluation. trained model: {summary['model_dir']}")
         return summary
     gain, se, n = summary["test_gain"], summary["test_gain_se"], summary["test_problems"]
+    if cfg.task == "dataset" or cfg.reward:  # the mean of your reward functions: any number, no percentage
+        print(f"\nbase model mean test reward:    {base:.4g}")
+        print(f"trained model mean test reward: {final:.4g}")
+        print(f"gain: {gain:+.4g} (+- {se:.2g}, paired standard error on {n} test rows)")
+        print(f"trained model: {summary['model_dir']}   metrics: {cfg.out_dir}/metrics.jsonl")
+        return summary
     print(f"\nbase model test accuracy:    {base:.1%}")
     print(f"trained model test accuracy: {final:.1%}")
     if summary["base_test_format"] is not None:

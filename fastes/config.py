@@ -28,6 +28,7 @@ NOISE_TYPES = ("auto", "full", "lowrank")
 PROMPT_STYLES = ("auto", "instruct", "plain")
 CHAT_TEMPLATE_MODES = ("auto", "on", "off")
 REPORT_TO = ("none", "tensorboard")
+FLOAT32_MAX = 3.4028234663852886e38
 MAX_SEED = 2**32  # seeds are in [0, 2^32): ES takes up to 2^64, GRPO samples with seed * 1_000_003 + step
 
 
@@ -358,6 +359,12 @@ def _check_out_dir(cfg: TrainConfig) -> None:
     _require("\0" not in out, "out_dir", f"contains a NUL byte: {out!r}")
     path = Path(out)
     _require(not path.exists() or path.is_dir(), "out_dir", f"{out!r} exists and is not a directory")
+    existing = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())
+    _require(
+        existing.is_dir(),
+        "out_dir",
+        f"{out!r} would be under {str(existing)!r}, which is a file; choose a path under a directory",
+    )
     from .models import tiny_model_path
 
     if cfg.model and not Path(cfg.model).is_dir():  # a .gguf file or a shipped name: converted into the cache
@@ -618,6 +625,19 @@ def _check_es(es: ESConfig) -> None:
     _require(es.sigma > 0 and math.isfinite(es.sigma), "es.sigma", f"must be > 0, got {es.sigma}")
     _require(es.lr >= 0 and math.isfinite(es.lr), "es.lr", f"must be >= 0, got {es.lr}")
     _require(es.weight_decay >= 0, "es.weight_decay", f"must be >= 0, got {es.weight_decay}")
+    # The update computes in float32 (fastes.ES refuses a step that would overflow; these never fit).
+    coef = es.lr / (es.population * es.sigma)
+    _require(
+        coef <= FLOAT32_MAX,
+        "es.lr",
+        f"{es.lr:g} divided by population * sigma is {coef:.3g}, beyond float32's range where the update "
+        "is computed; lower it, or raise sigma",
+    )
+    _require(
+        es.lr * es.weight_decay <= FLOAT32_MAX,
+        "es.weight_decay",
+        f"{es.weight_decay:g} times the learning rate {es.lr:g} is beyond float32's range; lower either",
+    )
     from .shaping import SHAPINGS
 
     _require(es.shaping in SHAPINGS, "es.shaping", f"{es.shaping!r} is not one of {SHAPINGS}")
@@ -660,6 +680,13 @@ def _check_grpo(g: GRPOConfig) -> None:
     _require(g.loss_type in LOSS_TYPES, "grpo.loss_type", f"{g.loss_type!r} is not one of {LOSS_TYPES}")
     _require(g.max_grad_norm > 0, "grpo.max_grad_norm", f"must be > 0, got {g.max_grad_norm}")
     _require(g.weight_decay >= 0, "grpo.weight_decay", f"must be >= 0, got {g.weight_decay}")
+    # AdamW's first step is lr / (1 - beta1) = 10 lr, taken in float32 (fastes.grpo refuses the rest).
+    _require(
+        10 * g.lr <= FLOAT32_MAX and g.lr * g.weight_decay <= FLOAT32_MAX,
+        "grpo.lr",
+        f"{g.lr:g} (times 10 in AdamW's first step, or times the weight decay {g.weight_decay:g}) is beyond "
+        "float32's range; lower it or the weight decay",
+    )
     _require(g.num_iterations >= 1, "grpo.num_iterations", f"must be at least 1, got {g.num_iterations}")
     _require(g.epsilon_high >= 0, "grpo.epsilon_high", f"must be >= 0 (0 = epsilon), got {g.epsilon_high}")
     _require(
@@ -752,3 +779,13 @@ def es_kwargs(cfg: TrainConfig) -> dict[str, Any]:
             if "es_kwarg" in f.metadata:
                 kwargs[f.metadata["es_kwarg"]] = getattr(section, f.name)
     return kwargs
+
+
+def es_key(kwarg: str) -> str:
+    """The run config key that sets fastes.ES's keyword argument `kwarg` ("sigma" -> "es.sigma"), for
+    messages in the run's terms; `kwarg` itself when no key sets it."""
+    for prefix, section in (("", TrainConfig), ("es.", ESConfig)):
+        for f in dataclasses.fields(section):
+            if f.metadata.get("es_kwarg") == kwarg:
+                return prefix + f.name
+    return kwarg

@@ -90,7 +90,7 @@ def resolve(
         cfg.max_new_tokens = INSTRUCT_NEW_TOKENS if cfg.prompt_style == "instruct" else PLAIN_NEW_TOKENS
     memory = available_memory(cfg.device)
     if cfg.eval_batch_size == 0:
-        cfg.eval_batch_size = max(1, min(EVAL_ROWS, int(MEMORY_SHARE * memory // _row_bytes(model, cfg))))
+        cfg.eval_batch_size = max(1, min(EVAL_ROWS, int(MEMORY_SHARE * memory // row_bytes(model, cfg))))
     es = cfg.es
     cuda = cfg.device.startswith("cuda")
     if es.noise_type == "auto":
@@ -114,7 +114,7 @@ def resolve(
     return cfg
 
 
-def _row_bytes(model: torch.nn.Module, cfg: TrainConfig) -> int:
+def row_bytes(model: torch.nn.Module, cfg: TrainConfig) -> int:
     """Rough memory of one generated row: its KV cache over the longest sequence, and two logit rows."""
     config = model.config
     layers = getattr(config, "num_hidden_layers", 1)

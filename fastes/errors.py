@@ -4,6 +4,10 @@ The `fastes` command prints any FastesError as one line, `fastes: <message>`, an
 the message names the key or file and says how to fix it.
 """
 
+from __future__ import annotations
+
+from collections.abc import Callable
+
 
 class FastesError(Exception):
     """Bad input that the user can fix; the message names the key or file and the fix."""
@@ -15,3 +19,19 @@ class MissingFileError(FastesError, FileNotFoundError):
 
 class MissingPackageError(FastesError, ImportError):
     """An optional package that a chosen setting needs is not installed."""
+
+
+class NonFiniteUpdateError(FastesError, ValueError):
+    """A perturbation or an update that would make weights NaN or inf, refused before it was applied (or
+    undone): the weights are as they were. The message names the settings to change; each face (fastes.ES,
+    the run config, the trainer) has its own names for them, so `template` refers to them as {lr},
+    {sigma}, ... and `renamed` gives the same error in another face's names."""
+
+    def __init__(self, template: str, names: dict[str, str] | None = None) -> None:
+        self.template = template
+        self.names = dict(names or {})
+        super().__init__(template.format_map(self.names))
+
+    def renamed(self, name: Callable[[str], str]) -> NonFiniteUpdateError:
+        """The same error with each setting's current name n shown as name(n)."""
+        return NonFiniteUpdateError(self.template, {k: name(v) for k, v in self.names.items()})

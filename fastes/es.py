@@ -24,6 +24,7 @@ import torch
 
 from . import distributed, lowrank, noise, ops
 from .distributed import DEFAULT_TIMEOUT, CollectiveError
+from .errors import NonFiniteUpdateError
 from .noise import NOISES
 from .shaping import SHAPINGS, shape_rewards
 
@@ -50,7 +51,7 @@ RUN_OPTIONS = (
 # Options that a resumed ES must have been built with: the state is refused rather than taken.
 _MUST_MATCH = ("noise",)
 
-__all__ = ["ES", "CollectiveError", "Member", "RUN_OPTIONS", "replay", "saved_options"]
+__all__ = ["ES", "CollectiveError", "Member", "RUN_OPTIONS", "checked_step", "replay", "saved_options"]
 
 
 class Member:
@@ -174,6 +175,7 @@ class ES:
         )
         self._buffers: list[list[torch.Tensor]] | None = None
         self._applied: list[list[torch.Tensor]] | None = None
+        self._perturbation_checked = -1  # the generation _check_perturbation last passed
 
     # --- parameters -------------------------------------------------------------------------------
 
@@ -225,11 +227,54 @@ class ES:
     def members(self) -> Iterator[Member]:
         """This process's members of the current generation (all of them without torch.distributed)."""
         rank, world = distributed.rank_and_world()
+        self._check_perturbation()
         for index in range(rank, self.population, world):
             yield Member(self, index)
 
     def _is_lowrank(self, p: torch.Tensor) -> bool:
         return self.noise_type == "lowrank" and p.dim() == 2
+
+    def _eps_bound(self, p: torch.Tensor) -> float:
+        """The largest |eps| of p's noise; low-rank: r products of two factors, divided by sqrt(r)."""
+        if self._is_lowrank(p):
+            return math.sqrt(self.rank) * noise.max_abs(self.noise) ** 2
+        return noise.max_abs(self.noise)
+
+    def _largest_weights(self) -> list[list[float]]:
+        """max |theta| of every evolved tensor, group by group; refuses weights that are already NaN or inf
+        (ES evolves finite weights only). One read of the weights."""
+        largest = [
+            # meta tensors (kernel launches compiled ahead of time) have shapes but no values to bound
+            [0.0] * len(g["params"])
+            if g["params"][0].is_meta
+            else torch.stack(list(map(_max_abs, g["params"]))).tolist()
+            for g in self.param_groups
+        ]
+        for group, values in zip(self.param_groups, largest):
+            for name, m in zip(group["names"], values):
+                if not math.isfinite(m):
+                    raise NonFiniteUpdateError(
+                        f"ES generation {self.generation}: the weights of {_quoted(name)} are already NaN or "
+                        "inf; ES evolves finite weights only: start from a model without NaN or inf"
+                    )
+        return largest
+
+    def _check_perturbation(self) -> None:
+        """Before a generation's first member: theta +- sigma eps must stay finite for every member
+        (one read of the weights per generation, next to the N perturbations)."""
+        if self._perturbation_checked == self.generation:
+            return
+        for group, largest in zip(self.param_groups, self._largest_weights()):
+            for name, p, m in zip(group["names"], group["params"], largest):
+                reach = m + group["sigma"] * self._eps_bound(p)
+                if not reach <= _limit(p.dtype):
+                    raise NonFiniteUpdateError(
+                        f"ES generation {self.generation}: {{sigma}} = {group['sigma']:g} would perturb "
+                        f"{_quoted(name)} ({p.dtype}, |weight| up to {m:.3g}) to |weight| {reach:.3g}, "
+                        f"beyond what {p.dtype} holds; lower {{sigma}}. The weights were not changed",
+                        {"sigma": "sigma"},
+                    )
+        self._perturbation_checked = self.generation
 
     def lowrank_factors(
         self, group: dict, indices: list[int], key: tuple[int, int]
@@ -356,21 +401,91 @@ class ES:
             )
         return finite
 
+    def _update_options(self, group: dict, n_members: int) -> dict[str, Any]:
+        """coef and decay of the kernels for `group`: theta * decay + coef * sum_j w_j eps_j (apply mode),
+        or grad = coef * sum_j w_j eps_j (gradient mode)."""
+        if self.inner is not None:
+            return {"coef": -1.0 / (n_members * group["sigma"]), "decay": 1.0}
+        return {
+            "coef": group["lr"] / (n_members * group["sigma"]),
+            "decay": 1.0 - group["lr"] * group["weight_decay"],
+        }
+
+    def _check_update(self, direction_weights: list[float], n_members: int) -> None:
+        """Refuse, before any weight is written, an update that could make a weight (or a gradient) NaN or
+        inf: |decay| max|theta| + |coef| sum_j |w_j| max|eps| must stay within the dtype (the kernels take
+        coef and decay as fp32). A bound, so an update is refused only where it might overflow."""
+        where = f"ES generation {self.generation}"
+        if not all(math.isfinite(w) and abs(w) <= _limit(torch.float32) for w in direction_weights):
+            raise NonFiniteUpdateError(
+                f"{where}: the shaped rewards overflow float32 (rewards near the float maximum with "
+                f"{{shaping}} = {self.shaping!r}); scale the rewards down or use {{shaping}} = "
+                "'centered_rank'. The weights were not changed",
+                {"shaping": "shaping"},
+            )
+        total = math.fsum(abs(w) for w in direction_weights)
+        names = {"lr": "lr", "sigma": "sigma", "weight_decay": "weight_decay"}
+        for group, largest in zip(self.param_groups, self._largest_weights()):
+            options = self._update_options(group, n_members)
+            coef, decay = abs(options["coef"]), abs(options["decay"])
+            lr, sigma, wd = (f"{group[k]:g}" for k in ("lr", "sigma", "weight_decay"))
+            if coef > _limit(torch.float32):
+                size, fix = (
+                    "{lr} / (population * {sigma})",
+                    f"lower {{lr}} ({lr}) or raise {{sigma}} ({sigma})",
+                )
+                if self.inner is not None:  # the gradient estimate's scale
+                    size, fix = "1 / (population * {sigma})", f"raise {{sigma}} ({sigma})"
+                raise NonFiniteUpdateError(
+                    f"{where}: the step size {size} = {coef:.3g} is beyond float32's range; {fix}. The "
+                    "weights were not changed",
+                    names,
+                )
+            if decay > _limit(torch.float32):
+                raise NonFiniteUpdateError(
+                    f"{where}: the decay factor 1 - {{lr}} * {{weight_decay}} = {-decay:.3g} is beyond "
+                    f"float32's range; lower {{weight_decay}} ({wd}) or {{lr}} ({lr}). The weights were not "
+                    "changed",
+                    names,
+                )
+            for name, p, m in zip(group["names"], group["params"], largest):
+                step = coef * total * self._eps_bound(p)
+                reach = step if self.inner is not None else decay * m + step
+                if reach <= _limit(p.dtype):
+                    continue
+                if self.inner is not None:
+                    fix = f"raise {{sigma}} ({sigma})"
+                elif decay * m > step:
+                    fix = f"lower {{weight_decay}} ({wd}) or {{lr}} ({lr})"
+                else:
+                    fix = f"lower {{lr}} ({lr}) or raise {{sigma}} ({sigma})"
+                what = "its gradient estimate" if self.inner is not None else "the updated weights"
+                raise NonFiniteUpdateError(
+                    f"{where}: the update would make {_quoted(name)} ({p.dtype}) NaN or inf: {what} could "
+                    f"reach {reach:.3g}, beyond what {p.dtype} holds; {fix}. The weights were not changed",
+                    names,
+                )
+
+    def _inner_step(self) -> None:
+        """Gradient mode: the inner optimizer's step, undone when it would make a weight NaN or inf."""
+        named = [(n, p) for g in self.param_groups for n, p in zip(g["names"], g["params"])]
+        where = f"ES generation {self.generation}"
+        checked_step(self.inner, named, where, "lower the inner optimizer's learning rate", {})
+        self.inner.zero_grad(set_to_none=True)
+
     def _update(self, direction_weights: list[float], n_members: int) -> None:
+        self._check_update(direction_weights, n_members)
         keys = [noise.member_key(self.seed, self.generation, j) for j in range(self.directions)]
         rounding = noise.rounding_key(self.seed, self.generation) if self.stochastic_rounding else None
         for group in self.param_groups:
             params = group["params"]
+            options = self._update_options(group, n_members)
             if self.inner is not None:  # gradient mode: -1/(N sigma) sum_i w_i eps_i into .grad
                 grads = [_grad_buffer(p) for p in params]
-                options = {"coef": -1.0 / (n_members * group["sigma"]), "decay": 1.0, "rounding_key": None}
+                options["rounding_key"] = None
             else:
                 grads = [None] * len(params)
-                options = {
-                    "coef": group["lr"] / (n_members * group["sigma"]),
-                    "decay": 1.0 - group["lr"] * group["weight_decay"],
-                    "rounding_key": rounding,
-                }
+                options["rounding_key"] = rounding
             full = [i for i, p in enumerate(params) if not self._is_lowrank(p)]
             if full:  # the fused kernel: one launch per dtype for every full-rank tensor
                 ops.es_update(
@@ -399,8 +514,7 @@ class ES:
                         **options,
                     )
         if self.inner is not None:
-            self.inner.step()
-            self.inner.zero_grad(set_to_none=True)
+            self._inner_step()
 
     # --- state ------------------------------------------------------------------------------------
 
@@ -570,6 +684,62 @@ def _as_groups(params: Iterable) -> list[dict]:
     if any(isinstance(p, dict) for p in params):
         raise TypeError("params must be all tensors / (name, tensor) pairs, or all param-group dicts")
     return [{"params": params}]
+
+
+def checked_step(
+    optimizer: torch.optim.Optimizer,
+    named: list[tuple[str, torch.Tensor]],
+    where: str,
+    fix: str,
+    names: dict[str, str],
+) -> None:
+    """optimizer.step() on the tensors `named`, undone when it makes one NaN or inf or overflows on the
+    way (torch raises when a step size leaves float32): a gradient optimizer's step cannot be bounded in
+    advance, so the tensors are copied first. Raises NonFiniteUpdateError "<where>: ... ; <fix>" (`fix`
+    names settings as {lr}, `names` their current names). The optimizer's own state is not restored."""
+    if any(p.is_meta for _, p in named):  # shapes only (ahead-of-time compilation): nothing to check
+        optimizer.step()
+        return
+    saved = [p.detach().clone() for _, p in named]
+    try:
+        optimizer.step()
+        overflow = None
+    except RuntimeError as error:
+        overflow = error
+    bad = [name for name, p in named if not bool(torch.isfinite(p).all())]
+    if overflow is None and not bad:
+        return
+    with torch.no_grad():
+        for (_, p), before in zip(named, saved):
+            p.copy_(before)
+    if overflow is not None and "overflow" not in str(overflow):
+        raise overflow  # not a number too large: not this check's to explain
+    what = "overflow float32"
+    if bad:
+        what = f"make {_quoted(bad[0])} NaN or inf" + (
+            f" ({len(bad)} tensors in all)" if len(bad) > 1 else ""
+        )
+    raise NonFiniteUpdateError(
+        f"{where}: the optimizer's step would {what}; {fix}. The weights were left as they were", names
+    ) from None
+
+
+def _max_abs(p: torch.Tensor) -> torch.Tensor:
+    """max |p| as an fp32 scalar tensor (NaN if p holds one): aminmax reads p once, 8x faster on CPU than
+    an inf-norm (19 ms against 150 ms for 106M fp32 weights on 2 cores)."""
+    low, high = torch.aminmax(p.detach())
+    return torch.maximum(-low, high).float()
+
+
+def _limit(dtype: torch.dtype) -> float:
+    """Half the largest finite value of `dtype`: what a bound on |weight| must stay under (the half is a
+    margin for rounding up, stochastic rounding included)."""
+    return torch.finfo(dtype).max / 2
+
+
+def _quoted(name: str) -> str:
+    """A tensor name inside a NonFiniteUpdateError template (whose {placeholders} name settings)."""
+    return repr(name).replace("{", "{{").replace("}", "}}")
 
 
 def _plain_tensors(entries: list) -> list[torch.Tensor]:

@@ -21,6 +21,7 @@ import torch
 
 from . import distributed
 from .analysis.entropy import token_entropy
+from .es import checked_step
 from .generation import Generation, eos_token_ids, generate
 from .run import Run, batch_for, reward_parts
 from .tasks import Score
@@ -281,13 +282,22 @@ def update(run: Run, optimizer, reference, batch: Batch, adv: torch.Tensor, wher
         loss.backward()
         distributed.sum_gradients(run.model.parameters(), where=where)
         grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), g.max_grad_norm)
-        optimizer.step()
+        finite_step(run.model, optimizer, where)
         parts = [loss.detach(), measured["low_clipped"], measured["high_clipped"], measured["kl"]]
         totals += distributed.all_sum([float(x) for x in parts], where=where)
         grad_norms += float(grad_norm)  # the same on every process: the gradients were summed
     run.model.eval()
     loss, low, high, kl = totals.tolist()
     return Fit(loss, low, high, kl, grad_norms, entropy_sum)
+
+
+def finite_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, where: str) -> None:
+    """optimizer.step(), refused when it would make a weight NaN or inf (fastes.es.checked_step): the
+    weights are put back and the run stops with one line naming the settings."""
+    group = optimizer.param_groups[0]
+    fix = f"lower {{lr}} ({group['lr']:g}) or {{weight_decay}} ({group['weight_decay']:g})"
+    named = [(name, p) for name, p in model.named_parameters() if p.grad is not None]
+    checked_step(optimizer, named, where, fix, {"lr": "grpo.lr", "weight_decay": "grpo.weight_decay"})
 
 
 # --- 4. log -----------------------------------------------------------------------------------------

@@ -52,6 +52,11 @@ def check_model_spec(spec: str) -> None:
     if spec in SHIPPED_MODELS:
         shipped_model_file(spec)
     elif spec.endswith(".gguf"):
+        if Path(spec).is_dir():
+            raise MissingFileError(
+                f"{spec!r} is a directory, but a name ending in .gguf is read as a GGUF file; give a .gguf "
+                "file, or rename the directory if it is a model directory"
+            )
         if not Path(spec).is_file():
             raise MissingFileError(f"GGUF file {spec!r} does not exist")
     elif not Path(spec).is_dir():

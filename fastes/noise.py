@@ -12,6 +12,7 @@ products wrap modulo 2^64, which keeps both 32-bit words of every product exact 
 from __future__ import annotations
 
 import hashlib
+import math
 
 import torch
 
@@ -257,6 +258,15 @@ def perturbation_stream(kind: str) -> int:
 def elements_per_block(kind: str) -> int:
     """How many elements of distribution `kind` one Philox block gives: 4 normals or 128 signs."""
     return SIGN_BLOCK if kind == "rademacher" else 4
+
+
+def max_abs(kind: str) -> float:
+    """The largest |eps| noise of distribution `kind` can take: signs 1; normals the Box-Muller radius of
+    the smallest uniform, 2^-24 (5.77), plus 1% for the GPUs' approximate log and sqrt. ES refuses a step
+    that this bound says could overflow the weights, before taking it."""
+    if check_noise(kind) == "rademacher":
+        return 1.0
+    return 1.01 * math.sqrt(-2.0 * math.log(_UNIFORM_SCALE))
 
 
 def check_noise(kind: str) -> str:

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -111,6 +112,19 @@ def saved_identity(out_dir: str | Path) -> dict[str, Any] | None:
         raise RunDirError(
             f"{path} is damaged ({error}); the run cannot be identified. Restore it, or start a new "
             "run with --overwrite"
+        ) from None
+
+
+def check_writable(out_dir: Path) -> None:
+    """Before any work: the run directory can be created and written. A directory is made and removed in
+    its nearest existing ancestor (permissions, a read-only file system, /proc: only trying tells)."""
+    existing = next(p for p in (out_dir.absolute(), *out_dir.absolute().parents) if p.exists())
+    try:
+        tempfile.TemporaryDirectory(dir=existing, prefix=".fastes-probe-").cleanup()
+    except OSError as error:
+        raise RunDirError(
+            f"out_dir {str(out_dir)!r}: cannot write in {str(existing)!r} ({error.strerror or error}); "
+            "choose a directory you can write to"
         ) from None
 
 

@@ -29,8 +29,8 @@ from tqdm.auto import tqdm
 from . import defaults, distributed, rundir
 from .callbacks import TENSORBOARD_DIR, Callbacks, TensorBoardCallback
 from .checkpoint import latest_checkpoint, save_checkpoint, write_atomic
-from .config import ConfigError, ESConfig, TrainConfig, dataset_task
-from .errors import FastesError
+from .config import ConfigError, ESConfig, TrainConfig, dataset_task, es_key
+from .errors import FastesError, NonFiniteUpdateError
 from .es import ES, CollectiveError
 from .es_step import PartTimer, es_iteration, evolved_weights, make_es
 from .evaluation import Evaluator, rates
@@ -38,6 +38,7 @@ from .grpo import grpo_step, make_grpo_optimizer
 from .model_sources import resolve_model
 from .models import ModelError, is_character_tokenizer, load_model, save_model
 from .run import Run, reward_parts
+from .sizes import check_sizes
 from .tasks import DatasetTask, Example, Task, available_tasks, get_task
 from .tasks.base import DEFAULT_TEST_PROBLEMS
 
@@ -334,9 +335,13 @@ def prepare_run(
     """Everything before the first step: check the settings, load the model, choose the automatic
     settings, make the task, check (or start) the run directory, and restore the newest checkpoint on
     resume. Everything that can be checked is checked before the run directory is touched."""
+    for name, value in (("resume", resume), ("overwrite", overwrite)):
+        if not isinstance(value, bool):  # "no" is truthy: a run would be deleted
+            raise ConfigError(f"{name}: must be True or False, got {type(value).__name__} {value!r}")
     if resume and overwrite:
         raise rundir.RunDirError("--resume continues the run in out_dir, --overwrite deletes it: choose one")
     out_dir = Path(cfg.out_dir)
+    distributed.from_writer(lambda: rundir.check_writable(out_dir))  # rank 0 writes; every rank stops
     model, tokenizer, model_dir, in_memory = _load_policy(cfg, given, device)
 
     # Settings left on auto are chosen now, once, by rank 0 for every process (free memory differs between
@@ -350,6 +355,8 @@ def prepare_run(
     task = task or make_task(cfg, strict_alphabet=is_character_tokenizer(tokenizer))
     check_task(task, cfg)
     check_world_size(cfg, task)
+    # A step that cannot fit fails now, with its estimate.
+    check_sizes(cfg, model, PHASES[cfg.algorithm], len(task.split("train")))
     hooks = _hooks(cfg, callbacks)  # checked before any work
     identity = rundir.run_identity(
         cfg,
@@ -380,7 +387,7 @@ def prepare_run(
 
 def _hooks(cfg: TrainConfig, callbacks: list[Any] | None) -> Callbacks:
     """The run's callbacks, after TensorBoard's when cfg.report_to asks for it."""
-    hooks = Callbacks(callbacks)
+    hooks = Callbacks(callbacks, args=cfg, max_steps=sum(phase_lengths(cfg)))
     if cfg.report_to == "tensorboard":
         hooks.callbacks.insert(
             0, TensorBoardCallback(Path(cfg.out_dir) / TENSORBOARD_DIR, every=cfg.logging_steps)
@@ -467,7 +474,10 @@ def run_phases(run: Run, start: Start) -> tuple[int, dict[str, Any] | None]:
         es, optimizer = _phase_state(run, phase, resumed)
         for step in range(resumed.step, lengths[phase_index]):
             if es is not None:
-                record = es_iteration(run, es, step)
+                try:
+                    record = es_iteration(run, es, step)
+                except NonFiniteUpdateError as error:  # name the run's keys, not fastes.ES's arguments
+                    raise error.renamed(es_key) from None
             else:
                 record = grpo_step(run, optimizer, run.reference, step)
             global_step += 1

@@ -30,10 +30,13 @@ from . import defaults, distributed
 from .analysis.passk import pass_at_k_curve
 from .callbacks import Callbacks
 from .config import REPORT_TO, ConfigError, TrainConfig, load_config
+from .errors import NonFiniteUpdateError
 from .evaluation import Evaluator
 from .model_sources import resolve_model
 from .models import load_model, save_model
+from .rundir import RUN_FILE
 from .tasks import DatasetTask, Example, Score
+from .tasks.dataset import dataset_rows
 from .train import train as train_loop
 
 _ITS_DEFAULT = object()
@@ -78,6 +81,19 @@ class _TrainerConfig:
     SPECIAL: ClassVar[dict[str, str]] = {"progress": "disable_tqdm", "device": "use_cpu"}
     ALGORITHM: ClassVar[str] = ""
 
+    def __post_init__(self) -> None:
+        self.check_types()
+
+    def check_types(self) -> None:
+        """Every field holds a value of its annotated type (a bool a bool: "no" is truthy and would
+        overwrite a run). Run at construction and again when the config is used, since fields can be set
+        afterwards."""
+        for f in fields(self):
+            value, kinds = getattr(self, f.name), _FIELD_TYPES[f.type]
+            if not any(_is(value, kind) for kind in kinds):
+                wanted = " or ".join(_TYPE_WORDS[kind] for kind in kinds)
+                raise ConfigError(f"{f.name}: must be {wanted}, got {type(value).__name__} {value!r}")
+
     @classmethod
     def keys(cls) -> dict[str, str]:
         """{field: TrainConfig key} of the fields that set one key one-to-one (the others: overrides())."""
@@ -102,6 +118,42 @@ class _TrainerConfig:
         names = {v: k for k, v in cls.keys().items()}
         names.update(cls.SPECIAL)
         return names.get(key, key)
+
+
+# The annotations of the config fields (strings, under `from __future__ import annotations`) and the
+# kinds of value each accepts; _is says what a kind is.
+_FIELD_TYPES: dict[str, tuple[str, ...]] = {
+    "str": ("str",),
+    "int": ("int",),
+    "float": ("float",),
+    "bool": ("bool",),
+    "float | None": ("float", "None"),
+    "list[float] | None": ("list[float]", "None"),
+    "str | list[str]": ("str", "list[str]"),
+}
+_TYPE_WORDS = {
+    "str": "a string",
+    "int": "a whole number",
+    "float": "a number",
+    "bool": "True or False",
+    "None": "None",
+    "list[float]": "a list of numbers (one per reward function)",
+    "list[str]": "a list of strings",
+}
+
+
+def _is(value: Any, kind: str) -> bool:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    items = isinstance(value, (list, tuple))
+    return {
+        "str": lambda: isinstance(value, str),
+        "int": lambda: isinstance(value, int) and not isinstance(value, bool),
+        "float": lambda: number,
+        "bool": lambda: isinstance(value, bool),
+        "None": lambda: value is None,
+        "list[float]": lambda: items and all(_is(v, "float") for v in value),
+        "list[str]": lambda: items and all(isinstance(v, str) for v in value),
+    }[kind]()
 
 
 def _report_to(value: str | list[str]) -> str:
@@ -218,6 +270,7 @@ class ESTrainer:
                 f"args: {type(self).__name__} takes a fastes.{self.config_class.__name__}, got "
                 f"{type(self.args).__module__}.{type(self.args).__name__}; build one with the same fields"
             )
+        self.args.check_types()
         if train_dataset is None:
             raise ConfigError("train_dataset: required, rows with a 'prompt' column (a Dataset or a list)")
         self.task = DatasetTask(
@@ -227,7 +280,7 @@ class ESTrainer:
             eval_dataset=eval_dataset,
             timeout=self.args.reward_timeout,
         )
-        self.callbacks = Callbacks(callbacks).callbacks
+        self.callbacks = Callbacks(callbacks, args=self.args, max_steps=self.args.max_steps).callbacks
         self.processing_class = processing_class
         overrides = self.args.overrides()
         if isinstance(model, (str, Path)):
@@ -264,15 +317,19 @@ class ESTrainer:
                 f"resume_from_checkpoint: {resume_from_checkpoint!r}; fastes resumes the run in output_dir "
                 "from its newest checkpoint: pass True"
             )
-        summary = train_loop(
-            self.config,
-            resume=bool(resume_from_checkpoint),
-            overwrite=self.args.overwrite_output_dir,
-            model=None if self.model_path else self.model,
-            tokenizer=self.processing_class,
-            task=self.task,
-            callbacks=self.callbacks,
-        )
+        self.args.check_types()  # fields set since construction (overwrite_output_dir = "no")
+        try:
+            summary = train_loop(
+                self.config,
+                resume=bool(resume_from_checkpoint),
+                overwrite=self.args.overwrite_output_dir,
+                model=None if self.model_path else self.model,
+                tokenizer=self.processing_class,
+                task=self.task,
+                callbacks=self.callbacks,
+            )
+        except NonFiniteUpdateError as error:  # name this config's fields
+            raise error.renamed(self.args.public_name) from None
         if self.model_path:  # the trained weights are in final/, written by the loop
             self.model, self.processing_class = load_model(
                 Path(self.config.out_dir) / "final", dtype=self.config.dtype, device=self.config.device
@@ -306,6 +363,7 @@ class ESTrainer:
         weighted sum), and per function `<prefix>_rewards/<name>/mean`, `/accuracy` where its values are
         all 0 or 1, and with num_samples = n > 1 sampled completions, `/pass@k` for k = 1, 2, 4 .. n."""
         if eval_dataset is not None:
+            dataset_rows(eval_dataset, "eval_dataset")  # its own name in errors, not train_dataset's
             task = DatasetTask(eval_dataset, self.task.functions, reward_weights=self.task.weights)
             examples = task.split("train")
         else:
@@ -359,16 +417,38 @@ class ESTrainer:
         run's final/ (the run directory itself holds the run's own config.json, so it cannot take one)."""
         out = Path(self.config.out_dir)
         target = Path(output_dir) if output_dir is not None else out / "final"
-        if target.resolve() == out.resolve():
-            raise ConfigError(
-                f"save_model: {str(target)!r} is the run directory; save to its final/ (the default) or "
-                "another directory"
-            )
+        self._check_save_target(target)
         model, tokenizer = self._loaded()
-        path = save_model(model, tokenizer, target)
+        try:
+            path = save_model(model, tokenizer, target)
+        except OSError as error:  # under a file, read-only, full disk
+            raise ConfigError(
+                f"save_model: cannot write {str(target)!r} ({type(error).__name__}: "
+                f"{error.strerror or error}); choose a writable directory"
+            ) from None
         if distributed.is_writer():
             Callbacks(self.callbacks).fire("on_save", self.state.global_step, path)
         return path
+
+    def _check_save_target(self, target: Path) -> None:
+        """What save_model must never write into (symlinks resolved): the run directory, its checkpoints,
+        another run's directory, and the model the run starts from (a resume needs it unchanged)."""
+        out = Path(self.config.out_dir).resolve()
+        resolved = target.resolve()
+        protected = {out: "the run directory", out / "checkpoints": "the run's checkpoints"}
+        if self.model_path:
+            protected[resolve_model(self.model_path).resolve()] = "the model this run starts from"
+        for path, what in protected.items():
+            if resolved == path or path.name == "checkpoints" and path in resolved.parents:
+                raise ConfigError(
+                    f"save_model: {str(target)!r} is {what}; saving there would overwrite it. Save to the "
+                    "run's final/ (the default) or a new directory"
+                )
+        if (resolved / RUN_FILE).is_file():
+            raise ConfigError(
+                f"save_model: {str(target)!r} holds a fastes run ({RUN_FILE}); saving there would mix a "
+                "model into it. Save to a new directory"
+            )
 
 
 class GRPOTrainer(ESTrainer):

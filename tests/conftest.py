@@ -5,6 +5,7 @@ The Triton kernels are tested under the interpreter on CPU tensors. TRITON_INTER
 """
 
 import os
+import sys
 from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"
@@ -126,3 +127,22 @@ def correlation(a, b):
 def is_timing(key: str) -> bool:
     """Metrics that measure time: different on every run, so left out when two runs are compared."""
     return key in ("seconds", "tokens_per_second") or key.startswith("time/")
+
+
+def python_steps(function, *args):
+    """(result, the number of Python lines executed by function(*args), nested calls included): a measure
+    of work that does not depend on the machine's load, for bounds that a timing would make flaky."""
+    steps = 0
+
+    def count(frame, event, arg):
+        nonlocal steps
+        steps += event == "line"
+        return count
+
+    previous = sys.gettrace()
+    sys.settrace(count)
+    try:
+        result = function(*args)
+    finally:
+        sys.settrace(previous)
+    return result, steps

@@ -9,11 +9,13 @@ independent evaluator; this file does not repeat them.
 from __future__ import annotations
 
 import importlib.util
+import math
 import time
 from fractions import Fraction
 from pathlib import Path
 
 import pytest
+from conftest import python_steps
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -48,19 +50,24 @@ HOSTILE = st.one_of(
 )
 
 
-SLOW_INPUT_SECONDS = 1.0  # 0.25 s failed once on a 2-core machine loaded by five jobs
+# Work bounds in Python lines executed (conftest.python_steps), the same on any machine: a verifier may
+# walk its input once (reverse.score compares it character by character), anything more is a blow-up.
+STEPS_BASE, STEPS_PER_CHAR = 5_000, 2
 
 
 def run_all(text: str) -> None:
-    """Every entry point on `text`: no exception, every invariant, a bounded time, no audit event."""
+    """Every entry point on `text`: no exception, every invariant, a bounded amount of work, no audit
+    event; a call still running after 5 s (a hang) is interrupted and fails as an exception."""
     fuzz._install_audit_hook()
-    results, elapsed, events = fuzz.call_all(POINTS, text, hard_seconds=5.0)
+    results, _, events = fuzz.call_all(POINTS, text, hard_seconds=5.0)
     assert events == [], f"audit events while scoring: {events}"
-    for (name, result, error), (_, _, check) in zip(results, POINTS):
+    for (name, result, error), (_, call, check) in zip(results, POINTS):
         assert error is None, f"{name} raised {error!r}"
         assert check(result, text) is None, f"{name}: {check(result, text)}"
-    # A guard against super-linear blow-ups (a hang is cut at 5 s), loose enough for a loaded CI machine.
-    assert elapsed < SLOW_INPUT_SECONDS, f"{elapsed:.3f} s for {len(text)} characters"
+        _, steps = python_steps(call, text)
+        assert steps <= STEPS_BASE + STEPS_PER_CHAR * len(text), (
+            f"{name}: {steps} lines for {len(text)} chars"
+        )
 
 
 @SETTINGS
@@ -170,10 +177,11 @@ def test_the_fuzzer_finds_exceptions_slowness_and_code_execution():
 
 
 def test_fast_fuzz_run_of_five_thousand_inputs():
-    report = fuzz.run(n=5_000, seed=1)
+    # No time bound per input here (a loaded machine is slow, not wrong): the work bound is run_all's, the
+    # time per input is measured by `python scripts/fuzz_verifiers.py` (docs/reliability.md).
+    report = fuzz.run(n=5_000, seed=1, max_seconds=math.inf)
     assert report["failures"] == [] and fuzz.ok(report)
     assert report["exceptions"] == report["invariant_violations"] == 0 and report["audit_events"] == {}
-    assert report["max_seconds"] < SLOW_INPUT_SECONDS
     assert set(report["inputs_by_kind"]) == set(fuzz.WEIGHTS)  # every generator ran
     assert report["accepted"]["parse_expression(answer)"] > 100  # and the accepting paths were reached
     assert report["longest_input_chars"] >= 1_000_000

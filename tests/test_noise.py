@@ -570,7 +570,10 @@ def test_rounding_keys_are_separate_from_member_keys():
     rounding = {noise.rounding_key(s, g) for s in range(3) for g in range(3)}
     assert len(rounding) == 9
     assert not members & rounding
-    assert noise.rounding_key(4, 5) == noise.rounding_key(4, 5)
+    # Known answers: the derivation is pinned, since changing it would change every stochastically
+    # rounded run (and a resumed one would no longer continue its own).
+    assert noise.rounding_key(4, 5) == (3203830248, 1863408598)
+    assert noise.rounding_key(0, 0) == (2335709391, 1908116445)
 
 
 @pytest.mark.parametrize(

@@ -472,7 +472,7 @@ REWARD_CASES = [
     ("1-D for group_zscore", "group_zscore", f64([1.0, 2.0, 3.0, 4.0]), ValueError, r"\[members, prompts\]"),
     ("strings", "centered_rank", ["a", "b", "c", "d"], (TypeError, ValueError), None),
     ("None", "centered_rank", None, (TypeError, ValueError), None),
-    ("z-score overflow", "zscore", f64([1e308, 1e308, -1e308, -1e308]), ValueError, "must be finite"),
+    ("z-score overflow", "zscore", f64([1e308, 1e308, -1e308, -1e308]), ValueError, "rewards overflow"),
 ]
 
 
@@ -543,11 +543,11 @@ def test_model_level_bad_inputs():
     half_meta = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2, device="meta"))
     with pytest.raises(ValueError, match="several devices"):
         fastes.ES(fastes.linear_weights(half_meta), sigma=0.1, lr=0.1, population=2)
-    # Defined: ES does not inspect weight values. A NaN weight stays NaN, and restore is still exact.
+    # Defined: ES evolves finite weights only; NaN weights are refused before the first member and kept.
     nan = torch.full((4,), float("nan"))
     es = fastes.ES([("w", nan)], sigma=0.1, lr=0.0, population=2)
-    with next(es.members()):
-        pass
+    with pytest.raises(fastes.errors.NonFiniteUpdateError, match="'w' are already NaN or inf"):
+        next(es.members())
     assert torch.isnan(nan).all()
 
 

@@ -70,8 +70,8 @@ def test_the_function_gets_completions_prompts_and_columns(files):
     "function,message",
     [
         ("broken", r"rewards.py:11: in broken: ZeroDivisionError: float division by zero"),
-        ("short", r"returned list of length 1; it must return 3 numbers"),
-        ("words", r"reward 0 is 'yes', not a number"),
+        ("short", r"returned list of length 1; it must return a list of 3 numbers"),
+        ("words", r"reward 0 is 'yes' \(str\), not a finite number"),
     ],
 )
 def test_failures_name_the_file_and_line(files, function, message):
@@ -147,5 +147,5 @@ def test_non_finite_rewards_are_refused(files, algorithm):
         None,
         common(root, task, rewards, algorithm=algorithm, eval_size=1, **options, reward=f"{rewards}:nan"),
     )
-    with pytest.raises(ValueError, match="non-finite reward"):
+    with pytest.raises(RewardFunctionError, match=r"rewards.py:nan returned None \(does not apply\) for"):
         train(cfg)

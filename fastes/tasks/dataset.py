@@ -7,8 +7,9 @@ functions as [{"role": "assistant", "content": text}], as in TRL. Every other co
 function as a keyword argument (a list aligned with `completions`), together with `prompts`.
 
 Several reward functions combine as in TRL: reward = sum_i weight_i * r_i, where a function's None (not
-applicable) leaves its term out, and a completion that no function scores gets a non-finite reward, which
-training refuses. Each function's own value is kept in Score.rewards under the function's name.
+applicable) leaves its term out; a completion that no function scores is refused with a RewardFunctionError
+(TRL would give it 0 with a warning). Each function's own value is kept in Score.rewards under the
+function's name (NaN for its None).
 
 Every reward function is called once when the task is built, on an empty completion of each of the first
 training rows: a function that fails, returns the wrong count or a non-number is reported before any work
@@ -17,7 +18,9 @@ training rows: a function that fails, returns the wrong count or a non-number is
 
 from __future__ import annotations
 
+import csv
 import hashlib
+import io
 import json
 import math
 import random
@@ -29,13 +32,14 @@ from typing import Any
 from ..errors import FastesError, MissingFileError, MissingPackageError
 from .base import Example, Score, Task, check_split
 from .registry import get_task
-from .reward_file import RewardFunction, RewardFunctionError
+from .reward_file import RewardFunction, RewardFunctionError, require_scored
 
 # Names fastes (or TRL) passes to reward functions itself: a column may not take them.
 RESERVED_COLUMNS = ("completions", "prompts", "completion_ids", "trainer_state")
 DATA_FILES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}  # suffix: builder
 PROBE_ROWS = 2  # training rows each reward function is tried on before any work
 HELD_OUT = 0.2  # share of a data file held out for evaluation when no eval file is given
+ROLES = ("system", "user", "assistant", "tool")  # the message roles of chat templates
 
 
 class DatasetError(FastesError, ValueError):
@@ -105,6 +109,11 @@ def _check_prompt(prompt: Any, where: str) -> None:
             f"{where}: 'prompt' must be text or a list of {{'role': ..., 'content': ...}} messages, "
             f"got {str(prompt)[:80]}"
         )
+    for i, message in enumerate(prompt):
+        if message["role"] not in ROLES:
+            raise DatasetError(
+                f"{where}: message {i} has role {message['role']!r}; chat templates know {', '.join(ROLES)}"
+            )
 
 
 def read_data_file(path: str | Path) -> list[dict[str, Any]]:
@@ -115,6 +124,8 @@ def read_data_file(path: str | Path) -> list[dict[str, Any]]:
         raise DatasetError(f"{path}: unknown data file type; use one of {', '.join(DATA_FILES)}")
     if not path.is_file():
         raise MissingFileError(f"data file {str(path)!r} does not exist")
+    if builder != "parquet":
+        _check_text_file(path, builder)
     try:
         import datasets
     except ImportError:
@@ -133,6 +144,59 @@ def read_data_file(path: str | Path) -> list[dict[str, Any]]:
                 f"{path}: cannot be read as {builder} ({type(error).__name__}: {str(error)[:200]})"
             ) from None
         return data.to_list()
+
+
+def _check_text_file(path: Path, builder: str) -> None:
+    """What the `datasets` library reports badly or not at all, with the file and line: an empty file, a
+    file that is not UTF-8, a JSON Lines line that is no JSON, a CSV header naming a column twice (read as
+    'answer.1'), without rows, or a row with more or fewer fields than the header, a .json file holding
+    one object of columns (a dict of lists)."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = error.object[: error.start].count(b"\n") + 1
+        raise DatasetError(
+            f"{path}:{line}: not UTF-8 text (byte {error.object[error.start]:#04x}); save the file as UTF-8"
+        ) from None
+    if not text.strip():
+        raise DatasetError(f"{path}: the file is empty; give it rows, each with a 'prompt'")
+    if builder == "csv":
+        rows = csv.reader(io.StringIO(text))
+        header = next(rows)
+        twice = sorted({c for c in header if header.count(c) > 1})
+        if twice:
+            raise DatasetError(
+                f"{path}:1: the header names column {twice[0]!r} twice; give each column its own name"
+            )
+        found = False
+        for row in rows:
+            found = found or bool(row)
+            if row and len(row) != len(header):
+                raise DatasetError(
+                    f"{path}:{rows.line_num}: {len(row)} fields, the header has {len(header)}; quote fields "
+                    "that hold commas"
+                )
+        if not found:
+            raise DatasetError(f"{path}: the header has no rows below it; give it rows, each with a 'prompt'")
+    elif path.suffix.lower() == ".jsonl":
+        for number, line in enumerate(text.splitlines(), start=1):
+            try:
+                if line.strip():
+                    json.loads(line)
+            except ValueError as error:
+                raise DatasetError(
+                    f"{path}:{number}: not one JSON object ({error}); write one per line"
+                ) from None
+    elif path.suffix.lower() == ".json":
+        try:
+            whole = json.loads(text)
+        except ValueError:
+            return  # JSON Lines under a .json name: the library reads those
+        if isinstance(whole, dict) and whole and all(isinstance(v, list) for v in whole.values()):
+            raise DatasetError(
+                f"{path}: holds one object of columns ({', '.join(map(repr, list(whole)[:4]))}: lists); "
+                "fastes reads rows: write a list of objects, or one object per line in a .jsonl file"
+            )
 
 
 class DatasetTask(Task):
@@ -191,9 +255,9 @@ class DatasetTask(Task):
     ) -> DatasetTask:
         """The task of a data file and reward functions given as FILE.py:FUNCTION. Without an eval file,
         a seeded 20% of the rows (at least one, of two or more) is held out for evaluation."""
-        rows = read_data_file(path)
+        rows = dataset_rows(read_data_file(path), str(path))  # rows named by their place in the file
         if eval_path:
-            train, test = rows, read_data_file(eval_path)
+            train, test = rows, dataset_rows(read_data_file(eval_path), str(eval_path))
         else:
             order = list(range(len(rows)))
             random.Random(f"dataset:{seed}").shuffle(order)
@@ -216,7 +280,7 @@ class DatasetTask(Task):
     def _probe(self) -> None:
         examples = self._splits["train"][:PROBE_ROWS]
         try:
-            self.scores(examples, [""] * len(examples))
+            self._scores(examples, [""] * len(examples))  # None may mean "does not apply" to an empty one
         except RewardFunctionError as error:
             raise RewardFunctionError(
                 f"{error} (found by calling it on an empty completion of the first {len(examples)} training "
@@ -224,6 +288,12 @@ class DatasetTask(Task):
             ) from None
 
     def scores(self, examples: list[Example], completions: list[str]) -> list[Score]:
+        scores = self._scores(examples, completions)
+        require_scored([s.answer for s in scores], examples, self.functions)
+        return scores
+
+    def _scores(self, examples: list[Example], completions: list[str]) -> list[Score]:
+        """Each function's value (NaN for its None) and the weighted sum of those that apply."""
         if not examples:
             return []
         prompts = [ex.prompt for ex in examples]
@@ -265,6 +335,11 @@ def _weights(weights: Sequence[float] | None, count: int) -> list[float]:
     for value in values:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise DatasetError(f"reward_weights: {value!r} is not a finite number")
+    if not any(values):
+        raise DatasetError(
+            f"reward_weights: all {len(values)} weights are 0, so every reward would be 0 and nothing "
+            "could be learned; give at least one function a non-zero weight"
+        )
     return [float(v) for v in values]
 
 

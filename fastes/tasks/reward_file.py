@@ -11,8 +11,10 @@ other keys: the columns. Every line has the same columns; each is passed to the 
 aligned with `completions` (the completion's own row's value), together with `prompts`.
 
 The function runs with a per-call time limit (`timeout` seconds, on the main thread); whatever it raises
-is reported with its file and line. It must return one number per completion; None or NaN count as
-non-finite rewards, which ES (nonfinite policy) and GRPO refuse with a message, as for any reward.
+(sys.exit included) is reported with its file and line. It must return a list of one finite number per
+completion, or None where it does not apply (TRL's convention); anything else (a dict, strings, NaN, inf,
+nested lists) is refused naming the function and the value. A completion that no function scores (this
+one function returned None) has no reward: that is refused too, in ES and GRPO alike.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import importlib.util
 import inspect
 import json
 import math
+import numbers
 import signal
 import sys
 import threading
@@ -34,6 +37,7 @@ from .base import Example, Score, Task
 from .jsonl import assign_splits
 
 RESERVED = ("completions", "prompts")  # argument names the function gets from fastes itself
+MAX_TIMEOUT = 1e9  # seconds (31 years): SIGALRM's timer cannot be set much further
 
 
 class RewardFunctionError(FastesError, ValueError):
@@ -45,8 +49,14 @@ class RewardFunction:
     time limit per call."""
 
     def __init__(self, spec: str | Callable[..., Any], timeout: float = 60.0) -> None:
-        if not timeout > 0:
-            raise RewardFunctionError(f"reward timeout must be a positive number of seconds, got {timeout}")
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, numbers.Real)
+            or not 0 < timeout <= MAX_TIMEOUT
+        ):
+            raise RewardFunctionError(
+                f"reward_timeout: must be a number of seconds in (0, {MAX_TIMEOUT:g}], got {timeout!r}"
+            )
         self.timeout = timeout
         if callable(spec):
             self.function = spec
@@ -76,7 +86,7 @@ class RewardFunction:
             spec.loader.exec_module(module)
         except SyntaxError as error:
             raise RewardFunctionError(f"{self.path}:{error.lineno}: syntax error: {error.msg}") from None
-        except Exception as error:  # noqa: BLE001 - reported with the user's file and line
+        except (Exception, SystemExit) as error:  # noqa: BLE001 - reported with the user's file and line
             raise RewardFunctionError(
                 f"{self._where(error)}: importing the reward file failed: {type(error).__name__}: {error}"
             ) from None
@@ -137,6 +147,11 @@ class RewardFunction:
                 f"{self}: one call on {len(completions)} completions took longer than {self.timeout:g} s; "
                 "make it faster or raise reward_timeout"
             ) from None
+        except SystemExit as error:  # would end the whole run, silently
+            raise RewardFunctionError(
+                f"{self._where(error)}: in {self.name}: the function called sys.exit({error.code!r}); a "
+                "reward function must return its rewards (raise an exception to report a problem)"
+            ) from None
         except Exception as error:  # noqa: BLE001 - reported with the user's file and line
             raise RewardFunctionError(
                 f"{self._where(error)}: in {self.name}: {type(error).__name__}: {error}"
@@ -144,24 +159,28 @@ class RewardFunction:
         return self._check_result(result, len(completions))
 
     def _check_result(self, result: Any, expected: int) -> list[float]:
-        try:
-            values = list(result)
-        except TypeError:
-            values = None
+        """One finite number per completion, or None (kept as NaN: "does not apply")."""
+        if hasattr(result, "tolist") and getattr(result, "ndim", None) == 1:  # a numpy array or a tensor
+            result = result.tolist()
+        values = list(result) if isinstance(result, (list, tuple)) else None
         if values is None or len(values) != expected:
             got = f"{type(result).__name__}" + (f" of length {len(values)}" if values is not None else "")
             raise RewardFunctionError(
-                f"{self}: returned {got}; it must return {expected} numbers, one per completion"
+                f"{self}: returned {got}; it must return a list of {expected} numbers (or None where it "
+                "does not apply), one per completion"
             )
         rewards = []
         for i, value in enumerate(values):
-            if value is None:  # TRL's "not applicable": a non-finite reward here
+            if value is None:  # TRL's "not applicable"
                 rewards.append(math.nan)
-                continue
-            try:
+            elif isinstance(value, numbers.Real) and math.isfinite(value):
                 rewards.append(float(value))
-            except (TypeError, ValueError):
-                raise RewardFunctionError(f"{self}: reward {i} is {value!r}, not a number") from None
+            else:
+                kind = "" if isinstance(value, numbers.Real) else f" ({type(value).__name__})"
+                raise RewardFunctionError(
+                    f"{self}: reward {i} is {repr(value)[:80]}{kind}, not a finite number; return a "
+                    "number per completion, or None where the function does not apply"
+                )
         return rewards
 
     def _where(self, error: BaseException) -> str:
@@ -224,10 +243,23 @@ class RewardTask(Task):
             return []
         columns = {c: [ex.meta["columns"][c] for ex in examples] for c in self.columns}
         rewards = self.function(list(completions), [ex.prompt for ex in examples], columns)
+        require_scored(rewards, examples, [self.function])
         return [Score(format=0.0, answer=r) for r in rewards]
 
     def score(self, example: Example, completion: str) -> Score:
         return self.scores([example], [completion])[0]
+
+
+def require_scored(totals: list[float], examples: list[Example], functions: list[RewardFunction]) -> None:
+    """Refuse a completion whose reward is NaN: every function returned None for it ("does not apply"),
+    so nothing scores it. The same with one function as with several, in ES and GRPO."""
+    for i, total in enumerate(totals):
+        if math.isnan(total):
+            which = f"{functions[0]} returned" if len(functions) == 1 else "every reward function returned"
+            raise RewardFunctionError(
+                f"{which} None (does not apply) for completion {i} of prompt "
+                f"{str(examples[i].prompt)[:60]!r}, so it has no reward; return a number for it (e.g. 0.0)"
+            )
 
 
 def _read_rows(path: Path) -> tuple[list[tuple[Example, str | None]], list[str]]:
