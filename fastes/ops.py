@@ -248,6 +248,21 @@ def _tile_table(tensors: Sequence[torch.Tensor], tensor_ids: Sequence[int], nois
     return table
 
 
+def _flat_table(numels: Sequence[int], tensor_ids: Sequence[int], device: torch.device):
+    """The tile table of fp32 segments of `numels` in one flat buffer (byte offsets), cached by layout:
+    low-rank factors ask for the same sizes and ids every generation."""
+    from .kernels.table import build_flat_table
+
+    signature = ("flat", _BLOCK, str(device), tuple(numels), tuple(tensor_ids))
+    table = _tables.get(signature)
+    if table is None:
+        table = build_flat_table(numels, tensor_ids, _BLOCK, 4, device)
+        _tables[signature] = table
+        if len(_tables) > 16:
+            _tables.popitem(last=False)
+    return table
+
+
 _columns: OrderedDict = OrderedDict()  # address columns of recent destination sets (ES work buffers)
 
 
@@ -444,9 +459,19 @@ def normals(
     device: torch.device | str = "cpu",
     backend: str = "auto",
 ) -> list[torch.Tensor]:
-    """`normal(key, tensor_ids[i], numels[i])` for several tensors: one compiled call for many on CPU."""
-    if resolve_backend([torch.empty(0, device=device)], backend) == "cpu":
+    """`normal(key, tensor_ids[i], numels[i])` for several tensors: one compiled call for many on CPU,
+    one kernel launch for all on a GPU (views of one flat buffer)."""
+    chosen = resolve_backend([torch.empty(0, device=device)], backend)
+    if chosen == "cpu":
         return compiled.normals(key, tensor_ids, numels, stream)
+    if chosen == "triton" and len(numels):
+        from .kernels import launch_normals
+        from .kernels.table import at, segment_starts
+
+        starts, total = segment_starts(numels)
+        flat = torch.empty(total, dtype=torch.float32, device=device)
+        launch_normals(at(_flat_table(numels, tensor_ids, flat.device), flat), key, stream)
+        return [flat[start : start + n] for start, n in zip(starts, numels)]
     return [
         normal(key, tid, numel, stream=stream, device=device, backend=backend)
         for tid, numel in zip(tensor_ids, numels)

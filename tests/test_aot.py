@@ -1,12 +1,13 @@
 """Ahead-of-time GPU compilation of every kernel launch the runtime makes (no GPU needed).
 
-`python -m fastes.kernels.aot` records the launches of `launch_perturb`, `launch_update`, `launch_fill`
-and `launch_virtual_linear` on CPU tensors (keys, tensor ids and offsets of 1, 16, 2^31, 2^32 - 1) and
-those one ES iteration of four real models makes in every dtype, noise, evaluation and update mode
-(meta tensors through fastes.ES and population_batched), specialises each with Triton's own binder and
-compiles each distinct variant with `triton.compile` for sm_90 (H100 / H200), sm_80 (A100) and gfx942
-(MI300). It needs compiled kernels, so it runs in subprocesses without TRITON_INTERPRET (this suite
-sets it). Compiled results are cached under $FASTES_CACHE_DIR/aot (CI starts empty).
+`python -m fastes.kernels.aot` records the launches of `launch_perturb`, `launch_update`, `launch_fill`,
+`launch_normals` and `launch_virtual_linear` on CPU tensors (keys, tensor ids and offsets of 1, 16,
+2^31, 2^32 - 1) and those one ES iteration of four real models makes in every dtype, noise, evaluation
+and update mode (meta tensors through fastes.ES and population_batched), specialises each with
+Triton's own binder and compiles each distinct variant with `triton.compile` for sm_90 (H100 / H200),
+sm_80 (A100) and gfx942 (MI300). It needs compiled kernels, so it runs in subprocesses without
+TRITON_INTERPRET (this suite sets it). Compiled results are cached under $FASTES_CACHE_DIR/aot (CI
+starts empty).
 """
 
 import json
@@ -24,8 +25,9 @@ RUNS = ["sm_90", "sm_80", "gfx942"]
 DTYPES = ("fp32", "bf16", "fp16")
 # The distinct variants one real model's launches may compile to, per target (docs/gpu.md):
 # virtual_linear 3 dtypes x 2 noises x 4 tile heights (16, 32, 64, 128 rows), perturb 3 x 2, update
-# (fp32: apply, gradient; 16-bit: apply, stochastic, gradient) x 2 noises, the low-rank factors' fill on
-# 2 streams; on gfx942 also the 128-row virtual_linear tiles of an output over 2 GiB (64-bit pointers).
+# (fp32: apply, gradient; 16-bit: apply, stochastic, gradient) x 2 noises, the low-rank factors'
+# one-launch normals on 2 streams; on gfx942 also the 128-row virtual_linear tiles of an output over
+# 2 GiB (64-bit pointers).
 VARIANT_BOUND = {"sm_90": 48, "sm_80": 48, "gfx942": 54}
 
 
@@ -90,7 +92,7 @@ def test_every_real_model_launch_is_compiled_for_every_target(compiled):
                     }
                     assert heights == {"16", "32", "64", "128"}, f"{prefix}{target}: tile heights {heights}"
                 assert any(
-                    label.startswith(f"{model} {dtype} gaussian lowrank: fill_kernel") for label in labels
+                    label.startswith(f"{model} {dtype} gaussian lowrank: normals_kernel") for label in labels
                 )
         # The variant count is bounded: launches of every shape and row count share a few variants.
         from_models = [
@@ -124,7 +126,13 @@ def test_each_kernel_is_compiled_once_whatever_its_keys_ids_and_offsets(compiled
     for report, returncode, log in compiled:
         # The labels cover every kernel, dtype and mode the runtime launches...
         kernels = {r["kernel"] for r in report["results"]}
-        assert kernels == {"perturb_kernel", "update_kernel", "fill_kernel", "virtual_linear_kernel"}
+        assert kernels == {
+            "perturb_kernel",
+            "update_kernel",
+            "fill_kernel",
+            "normals_kernel",
+            "virtual_linear_kernel",
+        }
         assert {"perturb bf16", "update fp16 stochastic", "update fp32 gradient"} <= report[
             "variants_per_label"
         ].keys()
@@ -144,6 +152,7 @@ def test_full_tiles_take_a_path_of_128_bit_accesses_without_shared_memory(compil
         "update bf16 apply",
         "update fp16 stochastic",
         "update fp32 gradient",
+        "normals stream=2",
     ):
         instructions = aot.parse_sass(results[label]["sass"])
         path, _ = fast_path(instructions)

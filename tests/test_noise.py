@@ -370,6 +370,54 @@ def test_kernel_fill_of_signs_needs_whole_sign_blocks():
         launch_fill(torch.zeros(4), KEYS[0], 1, 0, noise.STREAM_SIGN, False, 64, noise="rademacher")
 
 
+# Many tensors' normals in one launch (ops.normals on the Triton backend: the low-rank factors).
+# Sizes: one element, odd, several tiles and a tail (4099), empty, one full tile (the unmasked path).
+MANY_NUMELS = [1, 5, 4099, 0, 1024, 8]
+MANY_IDS = [1, MASK32, 0, TENSOR_IDS[1], 1, 16]  # an id may repeat (a factor pair of one tensor)
+
+
+@pytest.mark.parametrize(
+    "key, stream",
+    [
+        (KEYS[1], noise.STREAM_LOWRANK_A),
+        (KEYS[3], noise.STREAM_LOWRANK_B),
+        (KEYS[4], noise.STREAM_LOWRANK_A),
+        (KEYS[2], noise.STREAM_NOISE),
+    ],
+)
+def test_kernel_normals_of_many_tensors_equal_one_fill_per_tensor(key, stream):
+    out = ops.normals(key, MANY_IDS, MANY_NUMELS, stream=stream, backend="triton")
+    assert [t.shape for t in out] == [(n,) for n in MANY_NUMELS]
+    for tid, numel, got in zip(MANY_IDS, MANY_NUMELS, out):
+        alone = fill(numel, key, tid, 0, stream=stream)
+        assert torch.equal(got, alone), (tid, numel)  # bit for bit: the same kernel code per tile
+        ref = noise.normal(key, tid, numel, stream=stream)
+        assert torch.isfinite(got).all()
+        assert numel == 0 or (got - ref).abs().max().item() <= 1e-6
+
+
+def test_kernel_normals_of_many_tensors_is_one_launch(monkeypatch):
+    from fastes.kernels import noise as noise_kernels
+
+    grids = []
+
+    class Counting:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return noise_kernels.normals_kernel.__wrapped_kernel__[grid]
+
+    Counting.__wrapped_kernel__ = noise_kernels.normals_kernel
+    monkeypatch.setattr(noise_kernels, "normals_kernel", Counting())
+    monkeypatch.setattr(noise_kernels, "fill_kernel", None)  # the per-tensor fill must not run
+    numels, ids = [5, 4099, 1], [MASK32, 1, 7]
+    out = ops.normals(KEYS[0], ids, numels, stream=noise.STREAM_LOWRANK_B, backend="triton")
+    assert grids == [(1 + 5 + 1,)]  # one program per 1024-element tile of every tensor
+    for tid, numel, got in zip(ids, numels, out):
+        ref = noise.normal(KEYS[0], tid, numel, stream=noise.STREAM_LOWRANK_B)
+        assert (got - ref).abs().max().item() <= 1e-6
+    assert ops.normals(KEYS[0], [], [], stream=noise.STREAM_LOWRANK_B, backend="triton") == []
+
+
 def test_kernel_stream_constants_match_the_reference():
     assert kernels.philox.STREAM_SIGN.value == noise.STREAM_SIGN
     assert kernels.philox.SIGN_BLOCK.value == noise.SIGN_BLOCK

@@ -10,7 +10,7 @@ past 2^31 (i64) and for multiples of 16, so a run would crash on key word 1 and 
 `fastes.kernels.aot` compiles every launch the runtime makes for sm_90/sm_80 and checks this.
 """
 
-from .noise import launch_fill
+from .noise import launch_fill, launch_normals
 from .perturb import launch_perturb
 from .table import TileTable, build_tile_table
 from .update import MODE_APPLY, MODE_APPLY_STOCHASTIC, MODE_GRADIENT, launch_update
@@ -23,6 +23,7 @@ __all__ = [
     "TileTable",
     "build_tile_table",
     "launch_fill",
+    "launch_normals",
     "launch_perturb",
     "launch_update",
     "launch_virtual_linear",

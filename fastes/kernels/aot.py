@@ -2,8 +2,9 @@
 
     python -m fastes.kernels.aot [--targets sm_90,sm_80,gfx942] [--models ...] [--json FILE] [--no-cache]
 
-The launch functions (`launch_perturb`, `launch_update`, `launch_fill`, `launch_virtual_linear`) are
-called on CPU tensors with Triton's `JITFunction.run` replaced by a recorder (`capture`), and so is one
+The launch functions (`launch_perturb`, `launch_update`, `launch_fill`, `launch_normals`,
+`launch_virtual_linear`) are called on CPU tensors with Triton's `JITFunction.run` replaced by a
+recorder (`capture`), and so is one
 ES iteration of each real model of MODEL_CONFIGS, on the meta device, through fastes.ES and
 population_batched in every dtype, noise and mode (`model_launches`). Each recorded
 launch is specialised by Triton's own binder, exactly as `run` would on a GPU (signature, constexprs,
@@ -91,7 +92,7 @@ def runtime_launches() -> list[Launch]:
     import triton.language as tl
 
     from . import MODE_APPLY, MODE_APPLY_STOCHASTIC, MODE_GRADIENT, build_tile_table, table
-    from .noise import launch_fill
+    from .noise import launch_fill, launch_normals
     from .perturb import launch_perturb
     from .update import launch_update
     from .virtual_linear import launch_virtual_linear
@@ -206,6 +207,15 @@ def runtime_launches() -> list[Launch]:
                     launch_fill,
                     *(out[: 1 + offset % 4099], key, tid, offset, stream, raw_bits),
                 )
+    # Many tensors' normals in one launch (fastes.ops.normals: the low-rank factors, streams 2 and 3).
+    numels = [37, 4096, 1]
+    flat = torch.empty(table.segment_starts(numels)[1], dtype=torch.float32)
+    for ids in id_sets:
+        layout = table.build_flat_table(numels, ids + [1], block, 4, torch.device("cpu"))
+        normals_table = table.at(layout, flat)
+        for key in keys:
+            for stream in (2, 3):
+                add(f"normals stream={stream}", launch_normals, normals_table, key, stream)
     signs = torch.empty(4099, dtype=torch.float32)
     for key, tid, offset in [((1, 1), 1, 0), ((16, 1 << 31), (1 << 32) - 1, 128), ((0, 0), 16, 1 << 34)]:
         add("fill sign stream=4", launch_fill, signs, key, tid, offset, 4, False, 1024, "rademacher")

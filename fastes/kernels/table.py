@@ -8,6 +8,7 @@ The table costs a few bytes per tile and is rebuilt only when the set of tensors
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,15 +38,22 @@ def addresses(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Te
     return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=device)
 
 
+def _tile_columns(numels: Sequence[int], block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-program columns (tile_tensor int32, tile_start int64) of tensors of `numels` elements."""
+    tiles_per_tensor = [(n + block - 1) // block for n in numels]
+    tile_tensor = torch.repeat_interleave(
+        torch.arange(len(numels), dtype=torch.int32), torch.tensor(tiles_per_tensor, dtype=torch.int64)
+    )
+    starts = [torch.arange(k, dtype=torch.int64) * block for k in tiles_per_tensor]
+    tile_start = torch.cat([torch.zeros(0, dtype=torch.int64), *starts])
+    return tile_tensor, tile_start
+
+
 def build_tile_table(tensors: Sequence[torch.Tensor], tensor_ids: Sequence[int], block: int) -> TileTable:
     """Tile every tensor into BLOCK-element pieces (the last one masked) and list all tiles in order."""
     device = tensors[0].device
     numels = [t.numel() for t in tensors]
-    tiles_per_tensor = [(n + block - 1) // block for n in numels]
-    tile_tensor = torch.repeat_interleave(
-        torch.arange(len(tensors), dtype=torch.int32), torch.tensor(tiles_per_tensor, dtype=torch.int64)
-    )
-    tile_start = torch.cat([torch.arange(k, dtype=torch.int64) * block for k in tiles_per_tensor])
+    tile_tensor, tile_start = _tile_columns(numels, block)
     return TileTable(
         addresses=addresses(tensors, device),
         numels=torch.tensor(numels, dtype=torch.int64, device=device),
@@ -54,6 +62,43 @@ def build_tile_table(tensors: Sequence[torch.Tensor], tensor_ids: Sequence[int],
         tile_start=tile_start.to(device),
         block=block,
     )
+
+
+# Segments of a flat buffer start at multiples of 4 elements (16 bytes for fp32), so that every full
+# tile of every segment takes the kernels' aligned 128-bit path.
+SEGMENT_ALIGN = 4
+
+
+def segment_starts(numels: Sequence[int]) -> tuple[list[int], int]:
+    """Element offsets of consecutive segments of `numels` elements in one flat buffer, each a multiple
+    of SEGMENT_ALIGN, and the buffer's total length."""
+    starts, total = [], 0
+    for n in numels:
+        starts.append(total)
+        total += -(-n // SEGMENT_ALIGN) * SEGMENT_ALIGN
+    return starts, total
+
+
+def build_flat_table(
+    numels: Sequence[int], tensor_ids: Sequence[int], block: int, element_size: int, device
+) -> TileTable:
+    """The table of segments of one flat buffer (laid out by `segment_starts`) not yet allocated: its
+    address column holds byte offsets into the buffer; `at(table, buffer)` makes it the buffer's."""
+    starts, _ = segment_starts(numels)
+    tile_tensor, tile_start = _tile_columns(numels, block)
+    return TileTable(
+        addresses=torch.tensor([s * element_size for s in starts], dtype=torch.int64, device=device),
+        numels=torch.tensor(list(numels), dtype=torch.int64, device=device),
+        tensor_ids=torch.tensor(list(tensor_ids), dtype=torch.int64, device=device),
+        tile_tensor=tile_tensor.to(device),
+        tile_start=tile_start.to(device),
+        block=block,
+    )
+
+
+def at(table: TileTable, buffer: torch.Tensor) -> TileTable:
+    """A flat table (`build_flat_table`) with its byte offsets made addresses into `buffer`."""
+    return dataclasses.replace(table, addresses=table.addresses + buffer.data_ptr())
 
 
 # Warps per program of the elementwise kernels: 2 warps give each thread 16 of a 1024-element tile, so
