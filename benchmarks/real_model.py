@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from .common import current_rss_bytes, peak_rss_bytes, reset_peak_rss
+from .common import cpu_model, current_rss_bytes, peak_rss_bytes, reset_peak_rss
 from .naive import naive_es_iteration
 
 TARGET_RATE_RATIO = 0.95  # an ES iteration's token rate over plain batched generation's
@@ -114,6 +114,11 @@ def _setup(args: argparse.Namespace, mode: str):
     return run, make_es(run), prompts, prompt_tokens
 
 
+def _generated(record: dict) -> int:
+    """The tokens an ES iteration generated, from its metrics record."""
+    return round(record["tokens_per_second"] * record["seconds"])
+
+
 def interleaved(args: argparse.Namespace, mode: str) -> dict:
     """ES iterations of eval mode `mode` and plain generation of the same rows, warm, alternating.
 
@@ -135,9 +140,8 @@ def interleaved(args: argparse.Namespace, mode: str) -> dict:
 
     def iteration() -> tuple[float, int, dict]:
         record = es_iteration(run, es, 0)  # the same prompts every time; the members change
-        generated = round(record["tokens_per_second"] * record["seconds"])
         parts = {k: v for k, v in record.items() if k.startswith("time/")}
-        return record["seconds"], prompt_tokens + generated, parts
+        return record["seconds"], prompt_tokens + _generated(record), parts
 
     cold = iteration()
     plain()
@@ -207,7 +211,7 @@ def measure(args: argparse.Namespace, variant: str) -> dict:
     return {
         "seconds": seconds,
         **peak,
-        "tokens": prompt_tokens + round(record["tokens_per_second"] * record["seconds"]),
+        "tokens": prompt_tokens + _generated(record),
         "parts": {k: v for k, v in record.items() if k.startswith("time/")},
     }
 
@@ -287,7 +291,7 @@ def run(args: argparse.Namespace) -> dict:
         "model": args.model,
         "parameters": params,
         "cpu": platform.processor() or platform.machine(),
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "threads": torch.get_num_threads(),
         "load_average_at_start": load_average,
         "matmul_gflops": rate / 1e9,
@@ -296,12 +300,6 @@ def run(args: argparse.Namespace) -> dict:
         "shapes": shapes,
         "targets": targets,
     }
-
-
-def _cpu_model() -> str:
-    from .common import cpu_model
-
-    return cpu_model()
 
 
 def _progress(message: str) -> None:

@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from fastes import cpu_share
+
 DEFAULT = "fastes eval --model smollm2-135m-instruct --task arithmetic --limit 48 --samples 4"
 TARGET = 1.2
 
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     command = _fastes_command(args.command)
     load_average = os.getloadavg()[0]
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = cpu_share.cores()
     settings = {
         "shared (fastes' default)": {
             k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "FASTES_THREADS")

@@ -26,7 +26,7 @@ CHECK_EVERY_S = 1.0
 _state: dict = {"folder": None, "checked": 0.0}
 
 
-def _cores() -> int:
+def cores() -> int:
     """The cores this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
@@ -83,7 +83,7 @@ def share_cores(force: bool = False) -> int | None:
         return torch.get_num_threads()
     _state["checked"] = now
     running = sum(_alive(entry) for entry in folder.iterdir())
-    threads = max(1, _cores() // max(1, running))
+    threads = max(1, cores() // max(1, running))
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     return threads

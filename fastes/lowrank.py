@@ -5,7 +5,8 @@ contract (fastes.noise) on their own streams (STREAM_LOWRANK_A/_B, or STREAM_LOW
 under the member's key and the tensor's id, so they are as reproducible as the full-rank noise. A
 rank-r perturbation costs (out + in) r draws instead of out * in, a population-batched forward adds
 sigma (x B) A^T / sqrt(r) to x W^T without forming eps, and the ES update sum_j w_j A_j B_j^T / sqrt(r)
-is one GEMM. Tensors that are not matrices (biases, norms) keep full-rank noise.
+is one pass over each weight (a GEMM off the compiled CPU backend). Tensors that are not matrices
+(biases, norms) keep full-rank noise.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ def registry(tmp_path, monkeypatch):
     monkeypatch.setenv("FASTES_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("FASTES_THREADS", raising=False)
-    monkeypatch.setattr(cpu_share, "_cores", lambda: 4)
+    monkeypatch.setattr(cpu_share, "cores", lambda: 4)
     yield tmp_path / "processes"
     cpu_share.unregister()
     torch.set_num_threads(threads)
