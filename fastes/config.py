@@ -128,6 +128,14 @@ class ESConfig:
     include_biases: bool = field(
         default=False, metadata={"help": "also evolve biases; needs es.eval_mode member"}
     )
+    # Each member answers each prompt num_generations times: greedy (one answer) by default, or sampled.
+    num_generations: int = field(
+        default=1, metadata={"help": "completions per prompt per member (several need temperature > 0)"}
+    )
+    temperature: float = field(
+        default=0.0, metadata={"help": "sampling temperature of the members' completions (0: greedy)"}
+    )
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling threshold (temperature > 0)"})
 
 
 @dataclass
@@ -653,6 +661,18 @@ def _check_es(es: ESConfig) -> None:
         f"{es.noise_type!r}: choose {', '.join(NOISE_TYPES)}",
     )
     _require(es.rank >= 1, "es.rank", f"must be at least 1, got {es.rank}")
+    _require(es.num_generations >= 1, "es.num_generations", f"must be at least 1, got {es.num_generations}")
+    _require(
+        es.temperature >= 0 and math.isfinite(es.temperature),
+        "es.temperature",
+        f"must be >= 0 (0: greedy), got {es.temperature}",
+    )
+    _require(
+        es.num_generations == 1 or es.temperature > 0,
+        "es.num_generations",
+        f"{es.num_generations} greedy completions of a prompt are identical; set es.temperature > 0",
+    )
+    _require(0 < es.top_p <= 1, "es.top_p", f"must be in (0, 1], got {es.top_p}")
     from .noise import NOISES
 
     _require(es.noise in NOISES, "es.noise", f"{es.noise!r} is not one of {NOISES}")

@@ -19,9 +19,11 @@ from .analysis.diversity import js_diversity
 from .batched import member_groups, population_batched
 from .config import ESConfig, es_kwargs
 from .es import ES
-from .generation import generate
+from .generation import Generation, generate
 from .params import linear_weights
 from .run import Run, batch_for, reward_parts
+
+ES_SAMPLING_SEED = 7_919  # keeps ES's sampling streams apart from GRPO's at the same run seed and step
 
 
 def evolved_weights(model: torch.nn.Module, c: ESConfig) -> list[tuple[str, torch.nn.Parameter]]:
@@ -41,7 +43,8 @@ def make_es(run: Run) -> ES:
 
 
 def es_iteration(run: Run, es: ES, step: int) -> dict[str, float]:
-    """Score every member on one batch of prompts (greedy), then take the ES step.
+    """Score every member on one batch of prompts (es.num_generations completions per prompt, greedy
+    by default), then take the ES step.
 
     eval_mode "member" generates member by member under each member's perturbation; "materialised" and
     "virtual" generate for the whole population in one call (fastes.batched), rows grouped by member;
@@ -50,7 +53,24 @@ def es_iteration(run: Run, es: ES, step: int) -> dict[str, float]:
     """
     examples = batch_for(run, "es", step)
     prompts = run.prompts(examples)
-    max_new = run.cfg.max_new_tokens
+    c = run.cfg.es
+    rows = len(prompts) * c.num_generations  # sample j of prompt i is row i * num_generations + j
+
+    def complete(members: list, count: int) -> Generation:
+        """Completions of `count` members (from members[0]) in one call; sampled rows are seeded by the
+        step and the member's index, so a resumed run and any split over processes draw the same."""
+        return generate(
+            run.model,
+            run.tokenizer,
+            prompts * count,
+            max_new_tokens=run.cfg.max_new_tokens,
+            temperature=c.temperature,
+            top_p=c.top_p,
+            seed=run.cfg.seed * 1_000_003 + step + ES_SAMPLING_SEED,
+            num_return_sequences=c.num_generations,
+            first_row=members[0].index * rows,
+        )
+
     start = time.perf_counter()
     timer = PartTimer()
     texts, tokens = [], 0
@@ -61,8 +81,8 @@ def es_iteration(run: Run, es: ES, step: int) -> dict[str, float]:
                 with timer("noise"):  # the members' weights (materialised) or noise factors (lowrank)
                     members = stack.enter_context(population_batched(es, run.model, mode=mode, members=group))
                 with timer("generation"):
-                    gen = generate(run.model, run.tokenizer, prompts * len(members), max_new_tokens=max_new)
-            texts += [gen.texts[i * len(prompts) : (i + 1) * len(prompts)] for i in range(len(members))]
+                    gen = complete(group, len(members))
+            texts += [gen.texts[i * rows : (i + 1) * rows] for i in range(len(members))]
             tokens += gen.num_tokens
     else:
         for member in es.members():
@@ -70,14 +90,15 @@ def es_iteration(run: Run, es: ES, step: int) -> dict[str, float]:
                 with timer("noise"):  # perturb in place
                     stack.enter_context(member)
                 with timer("generation"):
-                    gen = generate(run.model, run.tokenizer, prompts, max_new_tokens=max_new)
+                    gen = complete([member], 1)
                 with timer("noise"):  # restore, exactly
                     stack.close()
             texts.append(gen.texts)
             tokens += gen.num_tokens
     with timer("scoring"):
-        flat = run.task.scores(examples * len(texts), [t for member_texts in texts for t in member_texts])
-    scores = [flat[i * len(examples) : (i + 1) * len(examples)] for i in range(len(texts))]
+        asked = [ex for ex in examples for _ in range(c.num_generations)]  # in the order of the rows
+        flat = run.task.scores(asked * len(texts), [t for member_texts in texts for t in member_texts])
+    scores = [flat[i * rows : (i + 1) * rows] for i in range(len(texts))]
     weights = [[s.reward(run.cfg.format_weight) for s in row] for row in scores]
     with timer("update"):
         rewards = es.step(torch.tensor(weights, dtype=torch.float64))

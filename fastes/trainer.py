@@ -18,18 +18,21 @@ fastes.config.ESConfig and fastes.config.GRPOConfig are the [es] and [grpo] sect
 
 from __future__ import annotations
 
+import copy
 import json
 import math
-from dataclasses import dataclass, field, fields
+import time
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+from transformers.trainer_callback import TrainerState
+from transformers.trainer_utils import TrainOutput
 
 from . import defaults, distributed
 from .analysis.passk import pass_at_k_curve
 from .callbacks import Callbacks
-from .config import REPORT_TO, ConfigError, TrainConfig, load_config
+from .config import ConfigError, TrainConfig, load_config
 from .errors import NonFiniteUpdateError
 from .evaluation import Evaluator
 from .model_sources import resolve_model
@@ -38,210 +41,9 @@ from .rundir import RUN_FILE
 from .tasks import DatasetTask, Example, Score
 from .tasks.dataset import dataset_rows
 from .train import train as train_loop
+from .trainer_config import ESConfig, GRPOConfig, _TrainerConfig
 
-_ITS_DEFAULT = object()
-
-
-def _sets(key: str, default: Any = _ITS_DEFAULT) -> Any:
-    """A field that sets TrainConfig key `key` ("es.sigma") one-to-one, by default starting from that
-    key's own default, so that both faces start from the same settings."""
-    if default is _ITS_DEFAULT:
-        default = TrainConfig()
-        for part in key.split("."):
-            default = getattr(default, part)
-    return field(default=default, metadata={"sets": key})
-
-
-@dataclass
-class _TrainerConfig:
-    """The settings ESConfig and GRPOConfig share, with TRL's names (docs/trainer.md lists them all)."""
-
-    output_dir: str = _sets("out_dir", "trainer_output")  # TRL's default; the run directory
-    max_steps: int = 0  # each subclass sets its own default
-    learning_rate: float = 0.0
-    per_device_train_batch_size: int = 0
-    max_completion_length: int = _sets("max_new_tokens")
-    reward_weights: list[float] | None = None  # one per reward function; None = 1 each
-    logging_steps: int = _sets("logging_steps")  # TensorBoard gets every this many steps
-    save_steps: int = _sets("checkpoint_every")  # checkpoint every this many steps (0: never)
-    # evaluate eval_dataset every this many steps; 0: before and after training
-    eval_steps: int = _sets("eval_every", 0)
-    seed: int = _sets("seed")
-    report_to: str | list[str] = "none"  # "tensorboard" or "none"
-    disable_tqdm: bool = False
-    use_cpu: bool = False  # else CUDA when torch sees a device
-    overwrite_output_dir: bool = False  # replace a previous run in output_dir
-    # fastes only:
-    dtype: str = _sets("dtype")  # weights' dtype when the model is loaded from a path
-    backend: str = _sets("backend")
-    threads: int = _sets("threads")
-    reward_timeout: float = _sets("reward_timeout")  # seconds one reward function call may take
-
-    # TrainConfig keys set in overrides() from a field of another meaning, named in error messages.
-    SPECIAL: ClassVar[dict[str, str]] = {"progress": "disable_tqdm", "device": "use_cpu"}
-    ALGORITHM: ClassVar[str] = ""
-
-    def __post_init__(self) -> None:
-        self.check_types()
-
-    def check_types(self) -> None:
-        """Every field holds a value of its annotated type (a bool a bool: "no" is truthy and would
-        overwrite a run). Run at construction and again when the config is used, since fields can be set
-        afterwards."""
-        for f in fields(self):
-            value, kinds = getattr(self, f.name), _FIELD_TYPES[f.type]
-            if not any(_is(value, kind) for kind in kinds):
-                wanted = " or ".join(_TYPE_WORDS[kind] for kind in kinds)
-                raise ConfigError(f"{f.name}: must be {wanted}, got {type(value).__name__} {value!r}")
-
-    @classmethod
-    def keys(cls) -> dict[str, str]:
-        """{field: TrainConfig key} of the fields that set one key one-to-one (the others: overrides())."""
-        return {f.name: f.metadata["sets"] for f in fields(cls) if "sets" in f.metadata}
-
-    def overrides(self) -> dict[str, Any]:
-        """The TrainConfig keys this config sets (fastes.config.load_config's overrides)."""
-        values = {key: getattr(self, name) for name, key in self.keys().items()}
-        device = "cuda" if torch.cuda.is_available() and not self.use_cpu else "cpu"
-        values.update(
-            algorithm=self.ALGORITHM,
-            task="dataset",
-            report_to=_report_to(self.report_to),
-            progress=not self.disable_tqdm,
-            device=device,
-        )
-        return values
-
-    @classmethod
-    def public_name(cls, key: str) -> str:
-        """The field that sets TrainConfig key `key`, for error messages; the key itself if none does."""
-        names = {v: k for k, v in cls.keys().items()}
-        names.update(cls.SPECIAL)
-        return names.get(key, key)
-
-
-# The annotations of the config fields (strings, under `from __future__ import annotations`) and the
-# kinds of value each accepts; _is says what a kind is.
-_FIELD_TYPES: dict[str, tuple[str, ...]] = {
-    "str": ("str",),
-    "int": ("int",),
-    "float": ("float",),
-    "bool": ("bool",),
-    "float | None": ("float", "None"),
-    "list[float] | None": ("list[float]", "None"),
-    "str | list[str]": ("str", "list[str]"),
-}
-_TYPE_WORDS = {
-    "str": "a string",
-    "int": "a whole number",
-    "float": "a number",
-    "bool": "True or False",
-    "None": "None",
-    "list[float]": "a list of numbers (one per reward function)",
-    "list[str]": "a list of strings",
-}
-
-
-def _is(value: Any, kind: str) -> bool:
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    items = isinstance(value, (list, tuple))
-    return {
-        "str": lambda: isinstance(value, str),
-        "int": lambda: isinstance(value, int) and not isinstance(value, bool),
-        "float": lambda: number,
-        "bool": lambda: isinstance(value, bool),
-        "None": lambda: value is None,
-        "list[float]": lambda: items and all(_is(v, "float") for v in value),
-        "list[str]": lambda: items and all(isinstance(v, str) for v in value),
-    }[kind]()
-
-
-def _report_to(value: str | list[str]) -> str:
-    """TRL's report_to (a name or a list) as TrainConfig's one value; an unknown name is passed on, for
-    the config's error naming it."""
-    names = [n for n in ([value] if isinstance(value, str) else list(value)) if n != "none"]
-    unknown = [n for n in names if n not in REPORT_TO]
-    return unknown[0] if unknown else ("tensorboard" if names else "none")
-
-
-@dataclass
-class ESConfig(_TrainerConfig):
-    """ES settings with TRL's names where the concept is the same (fastes.config.ESConfig is the internal
-    [es] section these map onto)."""
-
-    max_steps: int = _sets("es.iterations")  # ES iterations
-    learning_rate: float = _sets("es.lr")  # alpha in theta += alpha / (N sigma) sum_i w_i eps_i
-    per_device_train_batch_size: int = _sets("batch_size")  # prompts per iteration
-    population_size: int = _sets("es.population")
-    sigma: float = _sets("es.sigma")
-    weight_decay: float = _sets("es.weight_decay")
-    shaping: str = _sets("es.shaping")
-    antithetic: bool = _sets("es.antithetic")
-    stochastic_rounding: bool = _sets("es.stochastic_rounding")
-    eval_mode: str = _sets("es.eval_mode")
-    materialise_mb: float = _sets("es.materialise_mb")
-    noise_type: str = _sets("es.noise_type")
-    rank: int = _sets("es.rank")
-    noise: str = _sets("es.noise")
-    evolve: str = _sets("es.evolve")
-    include_embeddings: bool = _sets("es.include_embeddings")
-    include_norms: bool = _sets("es.include_norms")
-    include_biases: bool = _sets("es.include_biases")
-
-    ALGORITHM: ClassVar[str] = "es"
-
-
-@dataclass
-class GRPOConfig(_TrainerConfig):
-    """GRPO settings with TRL's names and meanings (fastes.config.GRPOConfig is the internal [grpo]
-    section these map onto). per_device_train_batch_size counts completions, as in TRL: each step
-    samples per_device_train_batch_size / num_generations prompts."""
-
-    max_steps: int = _sets("grpo.steps")
-    learning_rate: float = _sets("grpo.lr")
-    per_device_train_batch_size: int = field(
-        default=TrainConfig().batch_size * TrainConfig().grpo.num_generations
-    )
-    num_generations: int = _sets("grpo.num_generations")
-    temperature: float = _sets("grpo.temperature")
-    top_p: float = _sets("grpo.top_p")
-    beta: float = _sets("grpo.beta")
-    epsilon: float = _sets("grpo.epsilon")
-    epsilon_high: float | None = None  # None: epsilon (symmetric clipping)
-    loss_type: str = _sets("grpo.loss_type")
-    max_grad_norm: float = _sets("grpo.max_grad_norm")
-    weight_decay: float = _sets("grpo.weight_decay")
-    num_iterations: int = _sets("grpo.num_iterations")
-    scale_rewards: str = _sets("grpo.scale_rewards")
-    mask_truncated_completions: bool = _sets("grpo.mask_truncated_completions")
-    use_bias_correction_kl: bool = _sets("grpo.use_bias_correction_kl")
-
-    ALGORITHM: ClassVar[str] = "grpo"
-    SPECIAL: ClassVar[dict[str, str]] = {
-        **_TrainerConfig.SPECIAL,
-        "batch_size": "per_device_train_batch_size",
-        "grpo.epsilon_high": "epsilon_high",
-    }
-
-    def overrides(self) -> dict[str, Any]:
-        values = super().overrides()
-        values["grpo.epsilon_high"] = 0.0 if self.epsilon_high is None else self.epsilon_high
-        completions, group = self.per_device_train_batch_size, self.num_generations
-        if isinstance(group, int) and group >= 1 and completions % group:
-            raise ConfigError(
-                f"per_device_train_batch_size: {completions} completions are not whole groups of "
-                f"num_generations = {group}; make it a multiple of {group} (as TRL requires)"
-            )
-        values["batch_size"] = completions // group if isinstance(group, int) and group >= 1 else completions
-        return values
-
-
-@dataclass
-class TrainerState:
-    """What TRL's trainer.state offers that fastes has: the steps done and every metrics.jsonl record."""
-
-    global_step: int = 0
-    log_history: list[dict[str, Any]] = field(default_factory=list)
+__all__ = ["ESConfig", "ESTrainer", "GRPOConfig", "GRPOTrainer"]
 
 
 class ESTrainer:
@@ -250,6 +52,9 @@ class ESTrainer:
     model: a model directory (str or Path), or a loaded transformers causal LM (then processing_class
     is its tokenizer, and it is trained in place). reward_funcs: one callable or a list of them, each
     f(completions, prompts=..., **columns) -> list[float | None]. Every check runs here, before any work.
+    After construction, as in TRL: `model` and `processing_class` are loaded, `train_dataset`,
+    `eval_dataset` are what was passed, `ref_model` is the frozen starting model of GRPO's KL term (None
+    without one), `state` is a transformers.TrainerState that follows the run.
     """
 
     config_class: ClassVar[type[_TrainerConfig]] = ESConfig
@@ -263,29 +68,39 @@ class ESTrainer:
         eval_dataset: Any = None,
         processing_class: Any = None,
         callbacks: list[Any] | None = None,
+        optimizers: tuple[Any, Any] = (None, None),
     ) -> None:
         self.args = self.config_class() if args is None else args
         if not isinstance(self.args, self.config_class):
+            module = type(self.args).__module__
+            module = "fastes" if module.startswith("fastes.") else module
             raise ConfigError(
                 f"args: {type(self).__name__} takes a fastes.{self.config_class.__name__}, got "
-                f"{type(self.args).__module__}.{type(self.args).__name__}; build one with the same fields"
+                f"{module}.{type(self.args).__name__}; build one with the same fields"
             )
-        self.args.check_types()
+        self.args.check()
+        if optimizers != (None, None):
+            raise ConfigError(
+                "optimizers: fastes builds the optimizer from the config (learning_rate, weight_decay, "
+                "adam_*); pass optimizers=(None, None)"
+            )
         if train_dataset is None:
             raise ConfigError("train_dataset: required, rows with a 'prompt' column (a Dataset or a list)")
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.task = DatasetTask(
-            train_dataset,
+            _materialised(train_dataset),
             reward_funcs,
             reward_weights=self.args.reward_weights,
-            eval_dataset=eval_dataset,
+            eval_dataset=_joined(eval_dataset),
             timeout=self.args.reward_timeout,
         )
+        self.reward_funcs = [f.function for f in self.task.functions]
+        self.state = TrainerState()
         self.callbacks = Callbacks(callbacks, args=self.args, max_steps=self.args.max_steps).callbacks
         self.processing_class = processing_class
-        overrides = self.args.overrides()
+        overrides = self.args.overrides(len(self.task.split("train")))
         if isinstance(model, (str, Path)):
             self.model_path: str | None = str(model)
-            self.model = None  # loaded when first needed (evaluate before training)
             overrides["model"] = self.model_path
         elif isinstance(model, torch.nn.Module):
             if processing_class is None:
@@ -307,26 +122,38 @@ class ESTrainer:
             key, sep, rest = str(error).partition(":")
             key, space, words = key.partition(" ")
             raise ConfigError(f"{self.args.public_name(key)}{space}{words}{sep}{rest}") from None
-        self.state = TrainerState()
+        self.state.max_steps = self._steps()
+        if self.model_path:
+            self.model = None
+            self._loaded()
+        self.aux_loss_enabled = bool(getattr(self.model.config, "output_router_logits", False))
+        beta = getattr(self.args, "beta", 0.0)
+        self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) if beta else None
+        self.summary: dict[str, Any] = {}
 
-    def train(self, resume_from_checkpoint: bool | None = None) -> dict[str, Any]:
+    def _steps(self) -> int:
+        return self.config.es.iterations if self.config.algorithm == "es" else self.config.grpo.steps
+
+    def train(self, resume_from_checkpoint: bool | None = None) -> TrainOutput:
         """Train; with resume_from_checkpoint=True, continue the run in output_dir from its newest
-        checkpoint, exactly. Returns the run's summary (fastes.train.train)."""
+        checkpoint, exactly. Returns TRL's TrainOutput(global_step, training_loss, metrics); the run's
+        own summary (fastes.train.train) is `trainer.summary`."""
         if not isinstance(resume_from_checkpoint, (bool, type(None))):
             raise ConfigError(
                 f"resume_from_checkpoint: {resume_from_checkpoint!r}; fastes resumes the run in output_dir "
                 "from its newest checkpoint: pass True"
             )
-        self.args.check_types()  # fields set since construction (overwrite_output_dir = "no")
+        self.args.check()  # fields set since construction (overwrite_output_dir = "no")
+        start = time.perf_counter()
         try:
-            summary = train_loop(
+            self.summary = train_loop(
                 self.config,
                 resume=bool(resume_from_checkpoint),
                 overwrite=self.args.overwrite_output_dir,
                 model=None if self.model_path else self.model,
                 tokenizer=self.processing_class,
                 task=self.task,
-                callbacks=self.callbacks,
+                callbacks=[*self.callbacks, _StateKeeper(self)],
             )
         except NonFiniteUpdateError as error:  # name this config's fields
             raise error.renamed(self.args.public_name) from None
@@ -334,26 +161,61 @@ class ESTrainer:
             self.model, self.processing_class = load_model(
                 Path(self.config.out_dir) / "final", dtype=self.config.dtype, device=self.config.device
             )
-        lines = (Path(self.config.out_dir) / "metrics.jsonl").read_text().splitlines()
-        self.state.log_history = [json.loads(line) for line in lines]
-        self.state.global_step = summary["steps"]
-        return summary
+        records = [json.loads(line) for line in (Path(self.config.out_dir) / "metrics.jsonl").open()]
+        self.state.log_history = [entry for record in records for entry in self._history(record)]
+        self.state.global_step = self.summary["steps"]
+        metrics = self._final_metrics(records, time.perf_counter() - start)
+        self.state.log_history.append(
+            {**metrics, "epoch": self._epoch(self.state.global_step), "step": self.state.global_step}
+        )
+        return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
 
-    def _loaded(self) -> tuple[torch.nn.Module, Any]:
-        """The model and tokenizer, loaded when first needed; the config's automatic settings chosen for
-        them as the run chooses them (fastes.defaults)."""
+    def _epoch(self, step: int) -> float:
+        """Passes over the training rows after `step` steps (prompts are drawn at random each step)."""
+        return step * self.config.batch_size / len(self.task.split("train"))
+
+    def _history(self, record: dict[str, Any]) -> list[dict[str, Any]]:
+        """A metrics.jsonl record as TRL's log_history has it: the step's metrics, and an evaluation's
+        eval_-prefixed, each with its "step" and "epoch"."""
+        step = record["global_step"]
+        where = {"epoch": self._epoch(step), "step": step}
+        evaluation = {
+            f"eval_{k.removeprefix('test_')}": v for k, v in record.items() if k.startswith("test_")
+        }
+        training = {k: v for k, v in record.items() if not k.startswith("test_") and k != "global_step"}
+        entries = [{**training, **where}] if "reward" in record else []
+        return entries + ([{**evaluation, **where}] if evaluation else [])
+
+    def _final_metrics(self, records: list[dict[str, Any]], seconds: float) -> dict[str, float]:
+        """TRL's end-of-training record. train_loss: GRPO's mean step loss; ES minimises no loss, so
+        there it is minus the mean reward over the steps (the objective ES descends)."""
+        steps = [r for r in records if "reward" in r]
+        losses = [r["loss"] for r in steps if "loss" in r] or [-r["reward"] for r in steps]
+        done = self.state.global_step
+        return {
+            "train_runtime": seconds,
+            "train_samples_per_second": done * self.config.batch_size / seconds,
+            "train_steps_per_second": done / seconds,
+            "train_loss": _mean(losses),
+        }
+
+    def _loaded(self) -> tuple[torch.nn.Module, Any, TrainConfig]:
+        """The model and tokenizer, loaded when first needed, and the config with its automatic settings
+        chosen for them as the run chooses them (fastes.defaults); self.config keeps "auto", so that the
+        run and its resume choose alike."""
         if self.model is None:
             self.model, tokenizer = load_model(
                 resolve_model(self.model_path), dtype=self.config.dtype, device=self.config.device
             )
             self.processing_class = self.processing_class or tokenizer
-        self.config = defaults.resolve(self.config, self.model, self.processing_class)
-        return self.model, self.processing_class
+        resolved = defaults.resolve(self.config, self.model, self.processing_class)
+        return self.model, self.processing_class, resolved
 
     @torch.no_grad()
     def evaluate(
         self,
         eval_dataset: Any = None,
+        ignore_keys: list[str] | None = None,
         metric_key_prefix: str = "eval",
         *,
         num_samples: int = 1,
@@ -361,45 +223,58 @@ class ESTrainer:
     ) -> dict[str, float]:
         """Greedy completions of the eval rows scored by the reward functions: `<prefix>_reward` (the
         weighted sum), and per function `<prefix>_rewards/<name>/mean`, `/accuracy` where its values are
-        all 0 or 1, and with num_samples = n > 1 sampled completions, `/pass@k` for k = 1, 2, 4 .. n."""
-        if eval_dataset is not None:
-            dataset_rows(eval_dataset, "eval_dataset")  # its own name in errors, not train_dataset's
-            task = DatasetTask(eval_dataset, self.task.functions, reward_weights=self.task.weights)
-            examples = task.split("train")
-        else:
-            task, examples = self.task, self.task.split("test")
-        if not examples:
+        all 0 or 1, and with num_samples = n > 1 sampled completions, `/pass@k` for k = 1, 2, 4 .. n.
+        A dict of datasets (as TRL takes) is evaluated one by one, `<prefix>_<name>_...` each.
+        `ignore_keys` is TRL's argument for model outputs; fastes reads none."""
+        data = self.eval_dataset if eval_dataset is None else eval_dataset
+        if data is None:
             raise ConfigError("evaluate: no eval_dataset; pass one here or to the trainer")
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
             raise ConfigError(f"num_samples: must be a whole number >= 1, got {num_samples!r}")
         if num_samples > 1 and not temperature > 0:
             raise ConfigError(f"temperature: sampling for Pass@K needs temperature > 0, got {temperature}")
-        model, tokenizer = self._loaded()
-        greedy = self._scores(model, tokenizer, task, examples, 1, 0.0)
-        metrics = {f"{metric_key_prefix}_reward": _mean([s.answer for s in greedy])}
+        if _is_dict(data):
+            metrics: dict[str, float] = {}
+            for name, part in data.items():
+                metrics.update(self._evaluate(part, f"{metric_key_prefix}_{name}", num_samples, temperature))
+            return metrics
+        return self._evaluate(data, metric_key_prefix, num_samples, temperature)
+
+    def _evaluate(self, data: Any, prefix: str, num_samples: int, temperature: float) -> dict[str, float]:
+        if data is self.eval_dataset:
+            task, examples = self.task, self.task.split("test")
+        else:
+            rows = dataset_rows(_materialised(data), "eval_dataset")  # its own name in errors
+            task = DatasetTask(rows, self.task.functions, reward_weights=self.task.weights)
+            examples = task.split("train")
+        model, tokenizer, cfg = self._loaded()
+        greedy = self._scores(cfg, model, tokenizer, task, examples, 1, 0.0)
+        metrics = {f"{prefix}_reward": _mean([s.answer for s in greedy])}
         for name in greedy[0].rewards:
             values = [s.rewards[name] for s in greedy]
-            metrics[f"{metric_key_prefix}_rewards/{name}/mean"] = _mean(values)
+            metrics[f"{prefix}_rewards/{name}/mean"] = _mean(values)
             if _binary(values):
-                metrics[f"{metric_key_prefix}_rewards/{name}/accuracy"] = _mean(values)
+                metrics[f"{prefix}_rewards/{name}/accuracy"] = _mean(values)
         if num_samples > 1:
-            sampled = self._scores(model, tokenizer, task, examples, num_samples, temperature)
+            sampled = self._scores(cfg, model, tokenizer, task, examples, num_samples, temperature)
             for name in sampled[0].rewards:
                 values = [s.rewards[name] for s in sampled]
                 if not _binary(values):  # Pass@K counts correct samples: defined for 0/1 rewards only
                     continue
                 per_prompt = [values[i : i + num_samples] for i in range(0, len(values), num_samples)]
                 curve = pass_at_k_curve([int(sum(v)) for v in per_prompt], num_samples)
-                metrics.update({f"{metric_key_prefix}_rewards/{name}/pass@{k}": p for k, p in curve.items()})
-        metrics[f"{metric_key_prefix}_samples"] = len(examples)
-        self.state.log_history.append({**metrics, "global_step": self.state.global_step})
+                metrics.update({f"{prefix}_rewards/{name}/pass@{k}": p for k, p in curve.items()})
+        metrics[f"{prefix}_samples"] = len(examples)
+        step = self.state.global_step
+        self.state.log_history.append({**metrics, "epoch": self._epoch(step), "step": step})
         if distributed.is_writer():
-            loop_names = {k.replace(f"{metric_key_prefix}_", "test_", 1): v for k, v in metrics.items()}
-            Callbacks(self.callbacks).fire("on_evaluate", self.state.global_step, loop_names)
+            loop_names = {k.replace(f"{prefix}_", "test_", 1): v for k, v in metrics.items()}
+            Callbacks(self.callbacks).fire("on_evaluate", step, loop_names)
         return metrics
 
     def _scores(
         self,
+        cfg: TrainConfig,
         model: Any,
         tokenizer: Any,
         task: DatasetTask,
@@ -408,8 +283,8 @@ class ESTrainer:
         temperature: float,
     ) -> list[Score]:
         """Scores of n completions per example (row i * n + j: sample j of example i)."""
-        evaluator = Evaluator(self.config, model, tokenizer)
-        seed = self.config.seed if n > 1 else None
+        evaluator = Evaluator(cfg, model, tokenizer)
+        seed = cfg.seed if n > 1 else None
         return evaluator.scores(task, examples, samples=n, temperature=temperature, seed=seed)
 
     def save_model(self, output_dir: str | Path | None = None) -> Path:
@@ -418,7 +293,7 @@ class ESTrainer:
         out = Path(self.config.out_dir)
         target = Path(output_dir) if output_dir is not None else out / "final"
         self._check_save_target(target)
-        model, tokenizer = self._loaded()
+        model, tokenizer, _ = self._loaded()
         try:
             path = save_model(model, tokenizer, target)
         except OSError as error:  # under a file, read-only, full disk
@@ -465,3 +340,41 @@ def _mean(values: list[float]) -> float:
 def _binary(values: list[float]) -> bool:
     finite = [v for v in values if math.isfinite(v)]
     return bool(finite) and all(v in (0.0, 1.0) for v in finite)
+
+
+class _StateKeeper:
+    """Keeps trainer.state current while the loop runs (reward functions get it as trainer_state)."""
+
+    def __init__(self, trainer: ESTrainer) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, global_step: int) -> None:
+        self.trainer.state.global_step = global_step
+
+    def on_step_end(self, global_step: int, metrics: dict[str, Any]) -> None:
+        state = self.trainer.state
+        state.global_step = global_step
+        state.epoch = self.trainer._epoch(global_step)
+        state.log_history.extend(self.trainer._history({**metrics, "global_step": global_step}))
+
+    def on_evaluate(self, global_step: int, metrics: dict[str, Any]) -> None:
+        self.trainer.state.log_history.extend(self.trainer._history({**metrics, "global_step": global_step}))
+
+
+def _is_dict(data: Any) -> bool:
+    return isinstance(data, dict) or type(data).__name__ in ("DatasetDict", "IterableDatasetDict")
+
+
+def _materialised(data: Any) -> Any:
+    """A streamed datasets.IterableDataset as its rows (TRL takes one; fastes draws prompts at random, so
+    it reads them all: a local, finite stream)."""
+    return list(data) if type(data).__name__ == "IterableDataset" else data
+
+
+def _joined(eval_dataset: Any) -> Any:
+    """Several eval datasets (a dict of them, as TRL takes) as one for the run's evaluations; evaluate()
+    reports each under its own name."""
+    if _is_dict(eval_dataset):
+        parts = [dataset_rows(_materialised(part), "eval_dataset") for part in eval_dataset.values()]
+        return [row for part in parts for row in part]
+    return _materialised(eval_dataset)

@@ -213,7 +213,7 @@ def test_the_cli_names_its_own_flag(tmp_path, capsys):
     [
         ("overwrite_output_dir", "no", "overwrite_output_dir: must be True or False, got str 'no'"),
         ("use_cpu", "yes", "use_cpu: must be True or False, got str 'yes'"),
-        ("disable_tqdm", 1, "disable_tqdm: must be True or False, got int 1"),
+        ("disable_tqdm", 1, "disable_tqdm: must be True or False or None, got int 1"),
         ("antithetic", "false", "antithetic: must be True or False"),
         ("max_steps", 2.0, "max_steps: must be a whole number, got float 2.0"),
         ("learning_rate", "1e-3", "learning_rate: must be a number, got str '1e-3'"),
