@@ -1,11 +1,13 @@
-"""One script, two trainers: TRL's GRPOTrainer and fastes' ESTrainer on the same data and reward functions.
+"""One script, three trainers: TRL's GRPOTrainer, fastes' GRPOTrainer and fastes' ESTrainer on the same
+data and reward functions.
 
     python examples/side_by_side.py es     # fastes.ESTrainer
+    python examples/side_by_side.py grpo   # fastes.GRPOTrainer: the same settings as TRL's, to the letter
     python examples/side_by_side.py trl    # trl.GRPOTrainer (pip install 'fastes[trl]')
     python examples/side_by_side.py es 2   # 2 steps instead of 10
 
-Only the import and the algorithm's own settings differ (ES: population_size; GRPO: num_generations).
-Note that per_device_train_batch_size counts prompts for ES and completions for GRPO (TRL's meaning).
+TRL and fastes' GRPO differ only in the import. ES differs in its own setting, population_size; its
+per_device_train_batch_size counts prompts (GRPO's counts completions, TRL's meaning).
 """
 
 import sys
@@ -23,11 +25,13 @@ def short(completions, **kwargs):  # TRL's signature: the dataset's columns arri
 
 
 def main(which: str, output_dir: str, max_steps: int = 10) -> list[dict]:
+    algorithm = {"num_generations": 4, "save_strategy": "no"}
     if which == "trl":
         from trl import GRPOConfig as Config
         from trl import GRPOTrainer as Trainer
-
-        algorithm = {"num_generations": 4, "save_strategy": "no"}
+    elif which == "grpo":
+        from fastes import GRPOConfig as Config
+        from fastes import GRPOTrainer as Trainer
     else:
         from fastes import ESConfig as Config
         from fastes import ESTrainer as Trainer

@@ -565,19 +565,24 @@ def test_data_files_are_read_through_datasets(suffix, tmp_path):
 
 
 def test_trl_and_fastes_take_the_same_script(tmp_path):
-    """examples/side_by_side.py runs as written with TRL's GRPOTrainer and with fastes' ESTrainer."""
+    """examples/side_by_side.py runs as written with TRL's GRPOTrainer and with fastes' GRPOTrainer and
+    ESTrainer, and they log the same names."""
     pytest.importorskip("trl", reason="TRL is not installed (pip install 'fastes[trl]')")
     import runpy
     from pathlib import Path
 
     script = runpy.run_path(str(Path(__file__).resolve().parents[1] / "examples" / "side_by_side.py"))
-    for which in ("trl", "es"):
+    final = {}
+    for which in ("trl", "grpo", "es"):
         history = script["main"](which, str(tmp_path / which), max_steps=2)
         steps = [r for r in history if "rewards/countdown/mean" in r]  # task_dataset names it
         assert len(steps) == 2, which
         for record in steps:  # the same metric names, from the same reward functions
-            assert {"reward", "reward_std", "rewards/short/mean"} <= set(record), which
+            assert {"reward", "reward_std", "rewards/short/mean", "step", "epoch"} <= set(record), which
             assert 0 <= record["rewards/short/mean"] <= 1
+        final[which] = history[-1]
+    assert set(final["trl"]) <= set(final["grpo"]) | {"total_flos"}  # TRL's end-of-training record
+    assert {"train_loss", "train_runtime"} <= set(final["es"])
 
 
 def test_reward_file_tokenizer_and_overwrite_arguments(tmp_path):
