@@ -262,5 +262,5 @@ def test_grpo_loss_normalisers_are_the_whole_batch_under_torchrun():
     assert float(fastes_loss(adv_column, loss_type="grpo", **options)[0]) == pytest.approx(
         own["grpo"], rel=1e-15
     )
-    with pytest.raises(ValueError, match="bnpo"):
-        grpo_loss(data["logp"], None, None, data["adv"], data["mask"], loss_type="bnpo", epsilon=0.2)
+    with pytest.raises(ValueError, match="ppo"):
+        grpo_loss(data["logp"], None, None, data["adv"], data["mask"], loss_type="ppo", epsilon=0.2)
