@@ -229,7 +229,8 @@ def high_entropy_mask(
     pool = entropies[mask.bool()] if pool is None else pool
     if pool.numel() == 0:
         return torch.zeros_like(mask, dtype=torch.bool)
-    threshold = torch.quantile(pool.float(), 1 - quantile)
+    exact = entropies.dtype in (torch.float32, torch.float64)  # what torch.quantile computes in
+    threshold = torch.quantile(pool.to(entropies.dtype if exact else torch.float32), 1 - quantile)
     return (entropies * mask >= threshold) & mask.bool()
 
 
@@ -251,8 +252,8 @@ def vespo_weights(
         summed = (log_ratio.clamp(-20.0, 20.0) * mask).sum(dim=-1, keepdim=True)
         log_w = summed.clamp(floor, 20.0)
         nonneg = advantages >= 0
-        k = torch.where(nonneg, k_pos, k_neg).to(log_w)
-        lam = torch.where(nonneg, lambda_pos, lambda_neg).to(log_w).clamp(min=1e-4)
+        k = torch.where(nonneg, log_w.new_tensor(k_pos), log_w.new_tensor(k_neg))
+        lam = torch.where(nonneg, log_w.new_tensor(lambda_pos), log_w.new_tensor(lambda_neg)).clamp(min=1e-4)
         phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
         return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
@@ -345,7 +346,9 @@ def grpo_loss(
         per_token = -ratio.clamp(max=high).detach() * adv * logprobs
         metrics["cispo_clipped"] = (((ratio > high) & (adv > 0)).float() * units).sum()
     elif loss_type == "sapo":
-        tau = torch.where(adv > 0, sapo_temperature_pos, sapo_temperature_neg).to(ratio)
+        tau = torch.where(
+            adv > 0, ratio.new_tensor(sapo_temperature_pos), ratio.new_tensor(sapo_temperature_neg)
+        )
         per_token = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
     elif loss_type == "vespo":
         phi = vespo_weights(
