@@ -21,8 +21,20 @@ except ModuleNotFoundError:  # Python 3.10
 from .errors import FastesError
 
 ALGORITHMS = ("es", "grpo", "grpo_es")
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 SCALE_REWARDS = ("group", "batch", "none")
+AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+# transformers' schedulers that need no extra arguments (TrainingArguments.lr_scheduler_type)
+LR_SCHEDULERS = (
+    "constant",
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "constant_with_warmup",
+    "inverse_sqrt",
+)
 EVAL_MODES = ("auto", "materialised", "virtual", "lowrank", "member")
 NOISE_TYPES = ("auto", "full", "lowrank")
 PROMPT_STYLES = ("auto", "instruct", "plain")
@@ -172,6 +184,83 @@ class GRPOConfig:
     use_bias_correction_kl: bool = field(
         default=False, metadata={"help": "multiply the k3 KL by the importance ratio (beta > 0)"}
     )
+    importance_sampling_level: str = field(
+        default="token",
+        metadata={"help": "the ratio per token, or per sequence (exp of its mean log-ratio: GSPO)"},
+    )
+    delta: float = field(
+        default=0.0, metadata={"help": "two-sided clipping: the ratio capped at delta (INTELLECT-2); 0: off"}
+    )
+    sapo_temperature_neg: float = field(
+        default=1.05, metadata={"help": "sapo's gate temperature for advantages <= 0"}
+    )
+    sapo_temperature_pos: float = field(
+        default=1.0, metadata={"help": "sapo's gate temperature for advantages > 0"}
+    )
+    vespo_k_pos: float = field(default=2.0, metadata={"help": "vespo's power k for advantages >= 0"})
+    vespo_lambda_pos: float = field(
+        default=3.0, metadata={"help": "vespo's decay lambda for advantages >= 0"}
+    )
+    vespo_k_neg: float = field(default=3.0, metadata={"help": "vespo's power k for advantages < 0"})
+    vespo_lambda_neg: float = field(default=2.0, metadata={"help": "vespo's decay lambda for advantages < 0"})
+    multi_objective_aggregation: str = field(
+        default="sum_then_normalize",
+        metadata={
+            "help": "sum_then_normalize: advantages of the weighted sum of the rewards; normalize_then_sum: "
+            "each reward function normalised in its group, then summed and normalised over the batch (GDPO)"
+        },
+    )
+    top_entropy_quantile: float = field(
+        default=1.0, metadata={"help": "keep in the loss only this top fraction of tokens by entropy; 1: all"}
+    )
+    off_policy_mask_threshold: float = field(
+        default=0.0,
+        metadata={
+            "help": "drop completions with advantage < 0 whose mean KL(old || policy) exceeds it "
+            "(DeepSeek-V3.2); 0: off"
+        },
+    )
+    entropy_coef: float = field(default=0.0, metadata={"help": "weight of the mean token entropy bonus"})
+    sync_ref_model: bool = field(
+        default=False,
+        metadata={"help": "mix the policy into the KL reference every ref_model_sync_steps optimizer steps"},
+    )
+    ref_model_mixup_alpha: float = field(
+        default=0.6, metadata={"help": "reference = alpha * policy + (1 - alpha) * reference, when synced"}
+    )
+    ref_model_sync_steps: int = field(
+        default=512, metadata={"help": "optimizer steps between reference syncs"}
+    )
+    gradient_accumulation_steps: int = field(
+        default=1, metadata={"help": "micro-batches whose gradients make one optimizer step"}
+    )
+    steps_per_generation: int = field(
+        default=0,
+        metadata={
+            "help": "micro-batches each step's completions are split into (shuffled); 0: "
+            "gradient_accumulation_steps"
+        },
+    )
+    lr_scheduler_type: str = field(
+        default="constant",
+        metadata={"help": f"learning-rate schedule over the optimizer steps: {', '.join(LR_SCHEDULERS)}"},
+    )
+    warmup_steps: float = field(
+        default=0.0,
+        metadata={"help": "linear warmup: optimizer steps (>= 1), or a fraction of them (< 1)"},
+    )
+    adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1"})
+    adam_beta2: float = field(default=0.999, metadata={"help": "AdamW beta2"})
+    adam_epsilon: float = field(default=1e-8, metadata={"help": "AdamW epsilon"})
+
+    def generation_steps(self) -> int:
+        """Micro-batches a step's completions are split into (steps_per_generation; 0: accumulation's)."""
+        return self.steps_per_generation or self.gradient_accumulation_steps
+
+    def optimizer_steps(self) -> int:
+        """Optimizer steps per GRPO step: each of the num_iterations passes over the step's micro-batches
+        takes one every gradient_accumulation_steps of them."""
+        return self.generation_steps() * self.num_iterations // self.gradient_accumulation_steps
 
 
 @dataclass
@@ -619,6 +708,13 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _require(math.isfinite(cfg.format_weight) and cfg.format_weight >= 0, "format_weight", "must be >= 0")
     _check_es(cfg.es)
     _check_grpo(cfg.grpo)
+    completions, micro_batches = cfg.batch_size * cfg.grpo.num_generations, cfg.grpo.generation_steps()
+    _require(
+        cfg.algorithm == "es" or completions % micro_batches == 0,
+        "grpo.steps_per_generation",
+        f"{micro_batches} micro-batches do not split a step's {completions} completions (batch_size * "
+        "num_generations) equally; choose a divisor",
+    )
     return cfg
 
 
@@ -714,6 +810,81 @@ def _check_grpo(g: GRPOConfig) -> None:
         "grpo.scale_rewards",
         f"{g.scale_rewards!r} is not one of {SCALE_REWARDS}",
     )
+    _require(
+        g.multi_objective_aggregation in AGGREGATIONS,
+        "grpo.multi_objective_aggregation",
+        f"{g.multi_objective_aggregation!r} is not one of {AGGREGATIONS}",
+    )
+    _require(
+        g.importance_sampling_level in IMPORTANCE_SAMPLING_LEVELS,
+        "grpo.importance_sampling_level",
+        f"{g.importance_sampling_level!r} is not one of {IMPORTANCE_SAMPLING_LEVELS}",
+    )
+    _require(g.delta == 0 or g.delta > 1, "grpo.delta", f"must be > 1 (or 0 = off), got {g.delta}")
+    for key in ("sapo_temperature_neg", "sapo_temperature_pos"):
+        value = getattr(g, key)
+        _require(value > 0 and math.isfinite(value), f"grpo.{key}", f"must be > 0, got {value}")
+    for key in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
+        value = getattr(g, key)
+        _require(value >= 0 and math.isfinite(value), f"grpo.{key}", f"must be >= 0, got {value}")
+    _require(
+        0 <= g.top_entropy_quantile <= 1,
+        "grpo.top_entropy_quantile",
+        f"must be in [0, 1], got {g.top_entropy_quantile}",
+    )
+    _require(
+        g.off_policy_mask_threshold >= 0,
+        "grpo.off_policy_mask_threshold",
+        f"must be > 0 (or 0 = off), got {g.off_policy_mask_threshold}",
+    )
+    _require(math.isfinite(g.entropy_coef), "grpo.entropy_coef", f"must be a number, got {g.entropy_coef}")
+    _require(
+        not g.sync_ref_model or g.beta > 0,
+        "grpo.sync_ref_model",
+        "needs a reference model, which beta = 0 does without; set grpo.beta > 0 or sync_ref_model = false",
+    )
+    _require(
+        0 <= g.ref_model_mixup_alpha <= 1,
+        "grpo.ref_model_mixup_alpha",
+        f"must be in [0, 1], got {g.ref_model_mixup_alpha}",
+    )
+    _require(
+        g.ref_model_sync_steps >= 1,
+        "grpo.ref_model_sync_steps",
+        f"must be >= 1, got {g.ref_model_sync_steps}",
+    )
+    _require(
+        g.gradient_accumulation_steps >= 1,
+        "grpo.gradient_accumulation_steps",
+        f"must be at least 1, got {g.gradient_accumulation_steps}",
+    )
+    _require(
+        g.steps_per_generation >= 0,
+        "grpo.steps_per_generation",
+        f"must be >= 1 (or 0 = gradient_accumulation_steps), got {g.steps_per_generation}",
+    )
+    passes = g.generation_steps() * g.num_iterations
+    _require(
+        passes % g.gradient_accumulation_steps == 0,
+        "grpo.gradient_accumulation_steps",
+        f"{g.gradient_accumulation_steps} does not divide steps_per_generation * num_iterations ({passes}): "
+        "an optimizer step would mix two steps' completions, which fastes does not do",
+    )
+    _require(
+        g.lr_scheduler_type in LR_SCHEDULERS,
+        "grpo.lr_scheduler_type",
+        f"{g.lr_scheduler_type!r} is not one of {LR_SCHEDULERS}",
+    )
+    _require(g.warmup_steps >= 0, "grpo.warmup_steps", f"must be >= 0, got {g.warmup_steps}")
+    _require(
+        g.warmup_steps < 1 or g.warmup_steps == int(g.warmup_steps),
+        "grpo.warmup_steps",
+        f"a count of steps must be whole (or a fraction < 1), got {g.warmup_steps}",
+    )
+    for key in ("adam_beta1", "adam_beta2"):
+        value = getattr(g, key)
+        _require(0 <= value < 1, f"grpo.{key}", f"must be in [0, 1), got {value}")
+    _require(g.adam_epsilon > 0, "grpo.adam_epsilon", f"must be > 0, got {g.adam_epsilon}")
 
 
 def load_config(

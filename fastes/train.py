@@ -160,6 +160,8 @@ def _checkpoint(run: Run, global_step: int, phase_index: int, step: int, es: ES 
     if optimizer is not None:
         opt_tensors, state["optimizer"] = _optimizer_tensors(optimizer)
         tensors.update(opt_tensors)
+    if run.cfg.grpo.sync_ref_model and run.reference is not None:  # the reference moves with the policy
+        tensors.update({f"reference.{k}": v for k, v in run.reference.state_dict().items()})
     path = save_checkpoint(run.out_dir, global_step, tensors, state)
     run.callbacks.fire("on_save", global_step, path)
 
@@ -440,6 +442,9 @@ def _restore(run: Run, found: tuple[int, dict, dict] | None, run_id: str | None)
     if writer:
         print(f"Resuming run {run_id} from step {global_step} ({run.out_dir})")
     run.model.load_state_dict({k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")})
+    reference = {k[len("reference.") :]: v for k, v in tensors.items() if k.startswith("reference.")}
+    if reference and run.reference is not None:  # sync_ref_model: where the synced reference had got to
+        run.reference.load_state_dict(reference)
     run.metrics = list(saved["metrics"])
     if writer:
         rundir.restore_metrics(run.out_dir, run.metrics, global_step)

@@ -262,5 +262,380 @@ def test_grpo_loss_normalisers_are_the_whole_batch_under_torchrun():
     assert float(fastes_loss(adv_column, loss_type="grpo", **options)[0]) == pytest.approx(
         own["grpo"], rel=1e-15
     )
-    with pytest.raises(ValueError, match="bnpo"):
-        grpo_loss(data["logp"], None, None, data["adv"], data["mask"], loss_type="bnpo", epsilon=0.2)
+    with pytest.raises(ValueError, match="ppo"):
+        grpo_loss(data["logp"], None, None, data["adv"], data["mask"], loss_type="ppo", epsilon=0.2)
+
+
+# --- every TRL 1.16 loss type and option, against its formula ---------------------------------------
+# The loss in plain Python floats, term by term, as TRL's GRPOTrainer defines it; `lg` carries the
+# gradient and `lc` is the same values held constant (TRL's detach), so that central differences of this
+# function in `lg` are the gradient fastes must give.
+
+ALL_LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+
+
+def trl_loss(lg, lc, data, o):
+    old = lc if data["old"] is None else data["old"].tolist()
+    ref = None if data["ref"] is None else data["ref"].tolist()
+    adv, mask = data["adv"].tolist(), data["mask"].tolist()
+    rows, width = len(lg), len(lg[0])
+    eps, high = o["epsilon"], o.get("epsilon_high") or o["epsilon"]
+    acc, max_len = o.get("accumulation", 1), o.get("max_completion_length", width)
+    counts = [sum(mask[i]) for i in range(rows)]
+    total = 0.0
+    for i in range(rows):
+        a = adv[i]
+        tokens = [t for t in range(width) if mask[i][t]]
+        per = [0.0] * width
+        lr = [lg[i][t] - old[i][t] for t in range(width)]
+        if o.get("importance_sampling_level") == "sequence":
+            mean = sum(lr[t] for t in tokens) / max(len(tokens), 1)
+            ratios = [math.exp(mean)] * width
+        else:
+            ratios = [math.exp(x) for x in lr]
+        drift = sum(old[i][t] - lc[i][t] for t in tokens) / max(len(tokens), 1)
+        keep = 1.0
+        if o.get("off_policy_mask_threshold", 0) > 0 and a < 0 and drift > o["off_policy_mask_threshold"]:
+            keep = 0.0
+        for t in tokens:
+            r = ratios[t]
+            if o["loss_type"] == "cispo":
+                w = min(
+                    math.exp(lc[i][t] - old[i][t])
+                    if o.get("importance_sampling_level") != "sequence"
+                    else math.exp(sum(lc[i][u] - old[i][u] for u in tokens) / len(tokens)),
+                    high,
+                )
+                term = -w * a * lg[i][t]
+            elif o["loss_type"] == "sapo":
+                tau = o.get("sapo_temperature_pos", 1.0) if a > 0 else o.get("sapo_temperature_neg", 1.05)
+                term = -(1 / (1 + math.exp(-tau * (r - 1)))) * 4 / tau * a
+            elif o["loss_type"] == "vespo":
+                seq = sum(min(max(lc[i][u] - old[i][u], -20), 20) for u in tokens)
+                log_w = min(max(seq, math.log(1e-8)), 20)
+                k = o.get("vespo_k_pos", 2.0) if a >= 0 else o.get("vespo_k_neg", 3.0)
+                lam = max(o.get("vespo_lambda_pos", 3.0) if a >= 0 else o.get("vespo_lambda_neg", 2.0), 1e-4)
+                term = -math.exp(lam + k * log_w - lam * math.exp(log_w)) * a * lg[i][t]
+            else:
+                capped = min(r, o["delta"]) if o.get("delta", 0) > 0 else r
+                term = -min(capped * a, min(max(r, 1 - eps), 1 + high) * a)
+            term *= keep * o.get("entropy_mask", [[1] * width] * rows)[i][t]
+            if ref is not None:
+                gap = ref[i][t] - lg[i][t]
+                k3 = math.exp(gap) - gap - 1
+                term += o.get("beta", 0.0) * (k3 * r if o.get("use_bias_correction_kl") else k3)
+            per[t] = term
+        s = sum(per)
+        lt = o["loss_type"]
+        if lt in ("grpo", "sapo"):
+            total += s / max(counts[i], 1) / rows / acc
+        elif lt == "luspo":
+            total += s / rows / acc
+        elif lt == "bnpo":
+            total += s / max(sum(counts), 1) / acc
+        elif lt == "dr_grpo":
+            total += s / (rows * max_len) / acc
+        else:
+            total += s / max(o.get("tokens", sum(counts)), 1)
+    return total
+
+
+def check_against_trl(data, **options):
+    """fastes' loss and gradient against trl_loss and its central differences."""
+    logp = data["logp"].clone().requires_grad_(True)
+    extra = {k: v for k, v in options.items() if k != "entropy_mask"}
+    mask_t = None if "entropy_mask" not in options else torch.tensor(options["entropy_mask"]).double()
+    loss, metrics = grpo_loss(
+        logp, data["old"], data["ref"], data["adv"], data["mask"], entropy_mask=mask_t, **extra
+    )
+    loss.backward()
+    lc = data["logp"].tolist()
+    assert float(loss.detach()) == pytest.approx(trl_loss(lc, lc, data, options), rel=1e-10, abs=1e-13)
+    h = 1e-6
+    for i in range(len(lc)):
+        for t in range(len(lc[0])):
+            up = [row[:] for row in lc]
+            down = [row[:] for row in lc]
+            up[i][t] += h
+            down[i][t] -= h
+            numeric = (trl_loss(up, lc, data, options) - trl_loss(down, lc, data, options)) / (2 * h)
+            assert float(logp.grad[i, t]) == pytest.approx(numeric, rel=1e-5, abs=1e-8), (i, t)
+    return metrics
+
+
+OPTION_CASES = [  # what each loss type is checked with, beyond its defaults
+    {},
+    {"beta": 0.3, "use_bias_correction_kl": True, "epsilon_high": 0.28},
+    {"importance_sampling_level": "sequence", "beta": 0.1},
+    {"delta": 1.5, "off_policy_mask_threshold": 0.05, "accumulation": 3, "max_completion_length": 11},
+]
+
+
+@pytest.mark.parametrize("loss_type", ALL_LOSS_TYPES)
+@pytest.mark.parametrize("case", range(len(OPTION_CASES)))
+def test_every_loss_type_and_option_matches_trl_formula(loss_type, case):
+    data = loss_data(11 + case, 5, 6)
+    options = {"loss_type": loss_type, "epsilon": 0.2, **OPTION_CASES[case]}
+    if loss_type == "cispo":
+        options["epsilon_high"] = 1.5  # cispo caps the ratio itself at epsilon_high (ScaleRL's 5)
+    metrics = check_against_trl(data, **options)
+    units = float(metrics["clip_units"])
+    assert units == (
+        5 if options.get("importance_sampling_level") == "sequence" else float(data["mask"].sum())
+    )
+
+
+def test_sapo_and_vespo_parameters_and_the_entropy_mask_change_the_loss():
+    data = loss_data(5, 4, 7)
+    entropy_mask = (torch.rand(4, 7, generator=torch.Generator().manual_seed(1)) > 0.4).double().tolist()
+    for options in (
+        {"loss_type": "sapo", "sapo_temperature_neg": 2.0, "sapo_temperature_pos": 0.5},
+        {
+            "loss_type": "vespo",
+            "vespo_k_pos": 1.0,
+            "vespo_lambda_pos": 0.5,
+            "vespo_k_neg": 4.0,
+            "vespo_lambda_neg": 1.0,
+        },
+        {"loss_type": "dapo", "entropy_mask": entropy_mask, "tokens": 13.0},
+        {"loss_type": "grpo", "entropy_mask": entropy_mask, "beta": 0.2},
+    ):
+        check_against_trl(data, epsilon=0.2, **options)
+
+
+def test_the_off_policy_mask_drops_only_drifted_negative_completions():
+    data = loss_data(2, 6, 5)
+    drift = {
+        i: float(
+            ((data["old"] - data["logp"]) * data["mask"]).sum(1)[i] / max(float(data["mask"][i].sum()), 1)
+        )
+        for i in range(6)
+    }
+    threshold = sorted(drift.values())[3] - 1e-9  # some completions drift past it, some do not
+    dropped = [i for i in range(6) if data["adv"][i] < 0 and drift[i] > threshold]
+    kept_negative = [i for i in range(6) if data["adv"][i] < 0 and drift[i] <= threshold]
+    assert dropped and (kept_negative or any(data["adv"][i] >= 0 and drift[i] > threshold for i in range(6)))
+    grads = []
+    for threshold_used in (0.0, threshold):  # off, then on
+        logp = data["logp"].clone().requires_grad_(True)
+        loss, _ = grpo_loss(
+            logp,
+            data["old"],
+            None,
+            data["adv"],
+            data["mask"],
+            loss_type="cispo",  # no clipped-away tokens: every kept completion has a gradient
+            epsilon=0.2,
+            epsilon_high=5.0,
+            off_policy_mask_threshold=threshold_used,
+        )
+        loss.backward()
+        grads.append(logp.grad)
+    for i in range(6):
+        if i in dropped:
+            assert bool((grads[1][i] == 0).all()) and not bool((grads[0][i] == 0).all())
+        else:
+            assert torch.equal(grads[1][i], grads[0][i])
+
+
+def test_entropy_bonus_is_the_mean_entropy_over_the_kept_tokens():
+    data = loss_data(4, 3, 5)
+    entropies = torch.rand(
+        3, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(3)
+    ).requires_grad_(True)
+    keep = (torch.arange(15).view(3, 5) % 2 == 0).double()
+    base, _ = grpo_loss(  # the policy term, on the kept tokens only
+        data["logp"], None, None, data["adv"], data["mask"], loss_type="dapo", epsilon=0.2, entropy_mask=keep
+    )
+    loss, _ = grpo_loss(
+        data["logp"],
+        None,
+        None,
+        data["adv"],
+        data["mask"],
+        loss_type="dapo",
+        epsilon=0.2,
+        entropies=entropies,
+        entropy_coef=0.7,
+        entropy_mask=keep,
+        accumulation=2,
+    )
+    kept = data["mask"] * keep
+    want = float(base) - 0.7 * float((entropies * kept).sum()) / float(kept.sum()) / 2
+    assert float(loss) == pytest.approx(want, rel=1e-12)
+    loss.backward()
+    torch.testing.assert_close(entropies.grad, -0.7 * kept / float(kept.sum()) / 2)
+
+
+def test_high_entropy_mask_keeps_the_top_quantile():
+    from fastes.grpo import high_entropy_mask
+
+    entropies = torch.tensor([[0.1, 0.5, 0.9, 0.3], [0.7, 0.2, 0.8, 0.4]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.float64)
+    values = sorted([0.1, 0.5, 0.9, 0.7, 0.2, 0.8, 0.4])  # the masked ones
+    for quantile in (0.0, 0.2, 0.5, 1.0):
+        position = (1 - quantile) * (len(values) - 1)  # linear interpolation, as torch.quantile
+        below, frac = int(math.floor(position)), position - math.floor(position)
+        upper = values[min(below + 1, len(values) - 1)]
+        threshold = values[below] + frac * (upper - values[below])
+        want = [[bool(mask[i][t]) and entropies[i][t] >= threshold for t in range(4)] for i in range(2)]
+        assert high_entropy_mask(entropies, mask, quantile).tolist() == want
+    assert int(high_entropy_mask(entropies, mask, 0.0).sum()) == 1  # only the highest
+
+
+def test_normalize_then_sum_follows_gdpo():
+    nan = math.nan
+    per_function = torch.tensor(
+        [[[1.0, 0.0], [0.0, 1.0], [1.0, nan]], [[0.5, 2.0], [0.5, 0.0], [0.0, 1.0]]], dtype=torch.float64
+    )  # [prompts, G, functions], one None
+    weights = torch.tensor([1.0, 0.5], dtype=torch.float64)
+    summed = []
+    for p in range(2):
+        row = []
+        for g in range(3):
+            total = 0.0
+            for k in range(2):
+                group = [
+                    float(per_function[p, j, k]) for j in range(3) if not math.isnan(per_function[p, j, k])
+                ]
+                mean = sum(group) / len(group)
+                std = math.sqrt(sum((x - mean) ** 2 for x in group) / (len(group) - 1))
+                value = float(per_function[p, g, k])
+                if not math.isnan(value):
+                    total += weights[k].item() * (value - mean) / (std + 1e-4)
+            row.append(total)
+        summed.append(row)
+    flat = [x for row in summed for x in row]
+    mean = sum(flat) / len(flat)
+    std = math.sqrt(sum((x - mean) ** 2 for x in flat) / (len(flat) - 1))
+    want = torch.tensor([[(x - mean) / (std + 1e-4) for x in row] for row in summed], dtype=torch.float64)
+    rewards = torch.nansum(per_function * weights, dim=-1)
+    for scale in ("group", "none"):  # scale_rewards plays no part, as in TRL
+        adv, used = grpo_advantages(
+            rewards, scale, per_function=per_function, weights=weights, aggregation="normalize_then_sum"
+        )
+        torch.testing.assert_close(adv, want)
+        assert float(used[0, 0]) == pytest.approx(std)
+
+
+def test_learning_rate_schedules_follow_transformers():
+    from fastes.config import GRPOConfig
+    from fastes.grpo import learning_rates
+
+    linear = learning_rates(GRPOConfig(lr=1e-3, lr_scheduler_type="linear", warmup_steps=2), 10)
+    want = [1e-3 * n / 2 for n in range(2)] + [1e-3 * (10 - n) / 8 for n in range(2, 10)]
+    assert [linear(n) for n in range(10)] == pytest.approx(want)
+    ratio = learning_rates(GRPOConfig(lr=1e-3, lr_scheduler_type="cosine", warmup_steps=0.25), 8)  # 2 steps
+    assert ratio(1) == pytest.approx(5e-4) and ratio(2) == pytest.approx(1e-3)
+    assert ratio(5) == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi * 3 / 6)))
+    constant = learning_rates(GRPOConfig(lr=3e-4), 5)
+    assert all(constant(n) == 3e-4 for n in range(5))
+
+
+def test_micro_batches_with_accumulation_take_the_same_step(tmp_path):
+    """spg = GA = 2: two half micro-batches accumulate into the one optimizer step the whole batch takes:
+    the same loss and gradient (so the normalisers divide the halves right), for each kind of normaliser."""
+    for loss_type in ("dapo", "grpo", "dr_grpo", "luspo"):
+        records = []
+        for k in (1, 2):
+            run = make_run(tmp_path, loss_type=loss_type, gradient_accumulation_steps=k, lr=1e-3)
+            records.append(grpo_step(run, make_grpo_optimizer(run), None, 0))
+        assert records[1]["loss"] == pytest.approx(records[0]["loss"], rel=1e-5, abs=1e-7), loss_type
+        assert records[1]["grad_norm"] == pytest.approx(records[0]["grad_norm"], rel=1e-4), loss_type
+        assert records[1]["reward"] == records[0]["reward"]
+
+
+def test_several_optimizer_steps_per_generation_and_a_schedule(tmp_path):
+    """spg = 2, GA = 1: two optimizer steps per GRPO step, the second off-policy (old log-probabilities
+    kept, so it can clip); the lr follows the schedule over steps * 2 optimizer steps."""
+    run = make_run(
+        tmp_path,
+        steps_per_generation=2,
+        epsilon=0.01,
+        lr=3e-3,
+        steps=3,
+        lr_scheduler_type="linear",
+        loss_type="bnpo",
+    )
+    optimizer = make_grpo_optimizer(run)
+    seen = []
+    original = optimizer.step
+
+    def spy(*args, **kwargs):
+        seen.append(optimizer.param_groups[0]["lr"])
+        return original(*args, **kwargs)
+
+    optimizer.step = spy
+    records = [grpo_step(run, optimizer, None, step) for step in range(2)]
+    assert seen == pytest.approx([3e-3 * (6 - n) / 6 for n in range(4)])
+    assert any(r["clip_ratio"] > 0 for r in records)
+
+
+def test_sync_ref_model_mixes_the_policy_into_the_reference(tmp_path):
+    run = make_run(
+        tmp_path,
+        beta=0.1,
+        sync_ref_model=True,
+        ref_model_sync_steps=2,
+        ref_model_mixup_alpha=0.25,
+        steps_per_generation=2,
+    )
+    reference = copy.deepcopy(run.model).requires_grad_(False)
+    before = {k: v.clone() for k, v in reference.state_dict().items()}
+    grpo_step(run, make_grpo_optimizer(run), reference, 0)  # optimizer steps 1 and 2: a sync after the 2nd
+    for name, p in run.model.named_parameters():
+        want = 0.75 * before[name] + 0.25 * p.detach()
+        torch.testing.assert_close(dict(reference.named_parameters())[name], want)
+        assert not torch.equal(want, before[name])
+
+
+def test_config_refuses_bad_new_grpo_options(tmp_path):
+    from fastes.config import ConfigError
+
+    bad = {
+        "grpo.loss_type": "ppo",
+        "grpo.multi_objective_aggregation": "mean",
+        "grpo.importance_sampling_level": "batch",
+        "grpo.delta": 0.5,
+        "grpo.top_entropy_quantile": 1.5,
+        "grpo.off_policy_mask_threshold": -1.0,
+        "grpo.sync_ref_model": True,  # beta 0: no reference
+        "grpo.ref_model_sync_steps": 0,
+        "grpo.gradient_accumulation_steps": 3,  # does not divide steps_per_generation * num_iterations
+        "grpo.steps_per_generation": 3,  # 64 * 8 completions are not 3 equal micro-batches
+        "grpo.lr_scheduler_type": "reduce_lr_on_plateau",
+        "grpo.warmup_steps": 2.5,
+        "grpo.adam_beta2": 1.0,
+        "grpo.adam_epsilon": 0.0,
+    }
+    for key, value in bad.items():
+        extra = {"grpo.steps_per_generation": 2} if key == "grpo.gradient_accumulation_steps" else {}
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as error:
+            load_config(None, {"algorithm": "grpo", key: value, **extra, "out_dir": str(tmp_path)})
+        assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"loss_type": "cispo", "epsilon_high": 5.0, "num_iterations": 2},
+        {"loss_type": "sapo", "num_iterations": 2, "multi_objective_aggregation": "normalize_then_sum"},
+        {"loss_type": "vespo", "num_iterations": 2, "top_entropy_quantile": 0.2, "entropy_coef": 0.01},
+        {"loss_type": "luspo", "importance_sampling_level": "sequence", "num_iterations": 2, "delta": 1.5},
+        {
+            "loss_type": "grpo",
+            "off_policy_mask_threshold": 0.01,
+            "num_iterations": 2,
+            "steps_per_generation": 4,
+            "gradient_accumulation_steps": 2,
+        },
+    ],
+)
+def test_every_option_runs_a_step_and_logs_trl_metrics(tmp_path, options):
+    run = make_run(tmp_path, lr=3e-3, **options)
+    before = weights(run)
+    record = grpo_step(run, make_grpo_optimizer(run), None, 0)
+    assert any(not torch.equal(v, before[k]) for k, v in weights(run).items())
+    assert all(math.isfinite(v) for v in record.values())
+    named = {"cispo": "cispo_clip_ratio", "vespo": "vespo/phi_seq_mean", "sapo": "loss"}
+    assert named.get(options["loss_type"], "clip_ratio/high_mean") in record

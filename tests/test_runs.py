@@ -264,6 +264,18 @@ def kill_after_checkpoint(run_settings: dict, step: int) -> None:
 
 MODES = {
     "grpo with a KL reference": {"algorithm": "grpo", "grpo.steps": 4, "grpo.beta": 0.5, "grpo.lr": 1e-3},
+    "grpo with micro-batches, a schedule and a synced reference": {
+        "algorithm": "grpo",
+        "grpo.steps": 4,
+        "grpo.beta": 0.5,
+        "grpo.lr": 1e-3,
+        "grpo.loss_type": "bnpo",
+        "grpo.steps_per_generation": 2,  # two optimizer steps per step, on shuffled halves
+        "grpo.lr_scheduler_type": "linear",
+        "grpo.warmup_steps": 1,
+        "grpo.sync_ref_model": True,
+        "grpo.ref_model_sync_steps": 3,  # mid-step and across the checkpoint
+    },
     "es member by member": {"es.iterations": 4, "es.eval_mode": "member"},
     "es low-rank bf16 stochastic rounding": {
         "es.iterations": 4,
