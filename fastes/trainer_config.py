@@ -79,6 +79,7 @@ LOGGING = "logging only"
 HUB = "fastes does not talk to the Hugging Face Hub; push output_dir/final yourself"
 PARALLEL = "launch with torchrun instead: fastes.distributed shares the work (docs/distributed.md)"
 SAMPLING = "fastes draws each step's prompts at random from `seed`"
+ADAPTIVE = "fastes' GRPO has a fixed entropy_coef, no adaptive entropy"
 
 
 @dataclass
@@ -94,7 +95,6 @@ class _TrainerConfig:
     lr_scheduler_type: str = _choices("constant", ("constant",), "ES's learning rate is constant")
     lr_scheduler_kwargs: Any = _refused(None, "no learning-rate schedule")
     warmup_steps: Any = _refused(0, "no learning-rate schedule")
-    warmup_ratio: Any = _refused(0.0, "no learning-rate schedule")
     optim: str = _refused("adamw_torch_fused", NO_GRADIENTS)
     optim_args: Any = _refused(None, NO_GRADIENTS)
     weight_decay: float = 0.0  # each subclass
@@ -447,6 +447,7 @@ _FIELD_TYPES: dict[str, tuple[str, ...]] = {
     "bool": ("bool",),
     "bool | None": ("bool", "None"),
     "float | None": ("float", "None"),
+    "int | None": ("int", "None"),
     "list[str]": ("list[str]",),
     "list[float] | None": ("list[float]", "None"),
     "str | list[str]": ("str", "list[str]"),
@@ -543,20 +544,48 @@ class GRPOConfig(_TrainerConfig):
     completions, as in TRL: each step samples per_device_train_batch_size / num_generations prompts."""
 
     learning_rate: float = _sets("grpo.lr", 1e-6, "`grpo.lr` (AdamW)")
-    per_device_train_batch_size: int = _uses(8, "`batch_size` x `grpo.num_generations` (completions)")
-    weight_decay: float = _sets("grpo.weight_decay", note="`grpo.weight_decay` (AdamW)")
+    per_device_train_batch_size: int = _uses(8, "completions per micro-batch (see below)")
+    lr_scheduler_type: str = _sets("grpo.lr_scheduler_type", "linear")
+    warmup_steps: float = _sets("grpo.warmup_steps", 0, "`grpo.warmup_steps` (< 1: a fraction)")
     optim: str = _choices("adamw_torch_fused", ("adamw_torch_fused", "adamw_torch"), "torch.optim.AdamW")
+    weight_decay: float = _sets("grpo.weight_decay", note="`grpo.weight_decay` (AdamW)")
+    adam_beta1: float = _sets("grpo.adam_beta1", 0.9)
+    adam_beta2: float = _sets("grpo.adam_beta2", 0.999)
+    adam_epsilon: float = _sets("grpo.adam_epsilon", 1e-8)
+    gradient_accumulation_steps: int = _sets("grpo.gradient_accumulation_steps", 1)
     max_grad_norm: float = _sets("grpo.max_grad_norm", 1.0)
     num_generations: int = _sets("grpo.num_generations", 8)
+    generation_batch_size: int | None = _uses(None, "completions per step (None: from the others)")
+    steps_per_generation: int | None = _uses(None, "`grpo.steps_per_generation` (None: from the others)")
     temperature: float = _sets("grpo.temperature", 1.0)
     top_p: float = _sets("grpo.top_p", 1.0)
     beta: float = _sets("grpo.beta", 0.0)
     num_iterations: int = _sets("grpo.num_iterations", 1)
     epsilon: float = _sets("grpo.epsilon", 0.2)
+    delta: float | None = _uses(None, "`grpo.delta` (None: no two-sided clipping)")
     epsilon_high: float | None = _uses(None, "`grpo.epsilon_high` (None: `epsilon`)")
+    sapo_temperature_neg: float = _sets("grpo.sapo_temperature_neg", 1.05)
+    sapo_temperature_pos: float = _sets("grpo.sapo_temperature_pos", 1.0)
+    vespo_k_pos: float = _sets("grpo.vespo_k_pos", 2.0)
+    vespo_lambda_pos: float = _sets("grpo.vespo_lambda_pos", 3.0)
+    vespo_k_neg: float = _sets("grpo.vespo_k_neg", 3.0)
+    vespo_lambda_neg: float = _sets("grpo.vespo_lambda_neg", 2.0)
+    importance_sampling_level: str = _sets("grpo.importance_sampling_level", "token")
+    multi_objective_aggregation: str = _sets("grpo.multi_objective_aggregation", "sum_then_normalize")
     scale_rewards: Any = _uses("group", "`grpo.scale_rewards`: True = group, False = none, or batch")
     loss_type: str = _sets("grpo.loss_type", "dapo")
     mask_truncated_completions: bool = _sets("grpo.mask_truncated_completions", False)
+    sync_ref_model: bool = _sets("grpo.sync_ref_model", False)
+    ref_model_mixup_alpha: float = _sets("grpo.ref_model_mixup_alpha", 0.6)
+    ref_model_sync_steps: int = _sets("grpo.ref_model_sync_steps", 512)
+    top_entropy_quantile: float = _sets("grpo.top_entropy_quantile", 1.0)
+    entropy_coef: float = _sets("grpo.entropy_coef", 0.0)
+    use_adaptive_entropy: Any = _refused(False, ADAPTIVE)
+    entropy_coef_min: Any = _refused(0.0, ADAPTIVE)
+    entropy_coef_max: Any = _refused(1.0, ADAPTIVE)
+    entropy_coef_delta: Any = _refused(0.005, ADAPTIVE)
+    entropy_target: Any = _refused(0.2, ADAPTIVE)
+    off_policy_mask_threshold: float | None = _uses(None, "`grpo.off_policy_mask_threshold` (None: off)")
     use_bias_correction_kl: bool = _sets("grpo.use_bias_correction_kl", True)
 
     ALGORITHM: ClassVar[str] = "grpo"
@@ -565,24 +594,73 @@ class GRPOConfig(_TrainerConfig):
         "batch_size": "per_device_train_batch_size",
         "grpo.steps": "max_steps",
         "grpo.epsilon_high": "epsilon_high",
+        "grpo.delta": "delta",
+        "grpo.off_policy_mask_threshold": "off_policy_mask_threshold",
+        "grpo.steps_per_generation": "steps_per_generation",
         "grpo.scale_rewards": "scale_rewards",
     }
 
     def overrides(self, rows: int) -> dict[str, Any]:
         values = super().overrides(rows)
-        values["grpo.epsilon_high"] = 0.0 if self.epsilon_high is None else self.epsilon_high
+        for name in ("epsilon_high", "delta", "off_policy_mask_threshold"):  # None: off, 0 in [grpo]
+            values[f"grpo.{name}"] = 0.0 if getattr(self, name) is None else getattr(self, name)
+        if self.off_policy_mask_threshold == 0:
+            raise ConfigError(
+                "off_policy_mask_threshold: 0 is 'off' in fastes; use None for off, or a positive threshold"
+            )
         scale = self.scale_rewards
         values["grpo.scale_rewards"] = {True: "group", False: "none"}.get(scale, scale)
-        completions, group = self.per_device_train_batch_size, self.num_generations
-        if isinstance(group, int) and group >= 1 and completions % group:
-            raise ConfigError(
-                f"per_device_train_batch_size: {completions} completions are not whole groups of "
-                f"num_generations = {group}; make it a multiple of {group} (as TRL requires)"
-            )
-        prompts = completions // group if isinstance(group, int) and group >= 1 else completions
+        prompts, per_generation = self._batches()
         values["batch_size"] = prompts
-        values["grpo.steps"] = self.steps(rows, prompts)
+        values["grpo.steps_per_generation"] = per_generation
+        values["grpo.steps"] = self._generations(rows, prompts, per_generation)
         return values
+
+    def _batches(self) -> tuple[int, int]:
+        """(prompts per step, micro-batches per step) from TRL's batch fields. A fastes step is one
+        generation: generation_batch_size completions (per_device_train_batch_size x
+        steps_per_generation, which defaults to gradient_accumulation_steps), whole groups of
+        num_generations, trained in micro-batches of per_device_train_batch_size completions."""
+        per_device, group = self.per_device_train_batch_size, self.num_generations
+        if not (isinstance(group, int) and group >= 1 and per_device >= 1):
+            return per_device, 1  # the run config names the value that is wrong
+        if self.steps_per_generation is not None and self.generation_batch_size is not None:
+            raise ConfigError(
+                "steps_per_generation and generation_batch_size are both set; set one (as TRL requires)"
+            )
+        per_generation = self.steps_per_generation or self.gradient_accumulation_steps
+        completions = per_device * per_generation
+        if self.generation_batch_size is not None:
+            completions = self.generation_batch_size
+            if completions % per_device:
+                raise ConfigError(
+                    f"generation_batch_size: {completions} is not a multiple of per_device_train_batch_size "
+                    f"= {per_device}; make it one"
+                )
+            per_generation = completions // per_device
+        if completions % group:
+            what = "per_device_train_batch_size" if completions == per_device else "generation_batch_size"
+            raise ConfigError(
+                f"{what}: {completions} completions are not whole groups of num_generations = {group}; "
+                f"make it a multiple of {group} (as TRL requires)"
+            )
+        return completions // group, per_generation
+
+    def _generations(self, rows: int, prompts: int, per_generation: int) -> int:
+        """fastes steps (generations): TRL's max_steps counts optimizer steps, and a generation takes
+        steps_per_generation x num_iterations micro-batches, an optimizer step every
+        gradient_accumulation_steps of them; with max_steps = -1, epochs over the prompts."""
+        if self.max_steps <= 0:
+            return self.steps(rows, prompts)
+        micro = self.max_steps * self.gradient_accumulation_steps
+        per_step = per_generation * self.num_iterations
+        if micro % per_step:
+            raise ConfigError(
+                f"max_steps: {self.max_steps} optimizer steps of {self.gradient_accumulation_steps} "
+                f"micro-batches are not whole generations of {per_step} micro-batches "
+                "(steps_per_generation x num_iterations); make them so"
+            )
+        return micro // per_step
 
 
 def fields_table() -> str:

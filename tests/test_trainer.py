@@ -94,13 +94,41 @@ GRPO_FIELDS = {
     "num_iterations": (2, "grpo.num_iterations", 2),
     "scale_rewards": ("batch", "grpo.scale_rewards", "batch"),
     "mask_truncated_completions": (True, "grpo.mask_truncated_completions", True),
-    "use_bias_correction_kl": (True, "grpo.use_bias_correction_kl", True),
+    "use_bias_correction_kl": (False, "grpo.use_bias_correction_kl", False),
+    "lr_scheduler_type": ("cosine", "grpo.lr_scheduler_type", "cosine"),
+    "warmup_steps": (0.1, "grpo.warmup_steps", 0.1),
+    "adam_beta1": (0.8, "grpo.adam_beta1", 0.8),
+    "adam_beta2": (0.99, "grpo.adam_beta2", 0.99),
+    "adam_epsilon": (1e-6, "grpo.adam_epsilon", 1e-6),
+    "gradient_accumulation_steps": (2, "grpo.gradient_accumulation_steps", 2),
+    "steps_per_generation": (2, "grpo.steps_per_generation", 2),
+    "generation_batch_size": (32, "batch_size", 4),  # 32 completions, groups of 8
+    "delta": (1.5, "grpo.delta", 1.5),
+    "sapo_temperature_neg": (1.1, "grpo.sapo_temperature_neg", 1.1),
+    "sapo_temperature_pos": (0.9, "grpo.sapo_temperature_pos", 0.9),
+    "vespo_k_pos": (1.5, "grpo.vespo_k_pos", 1.5),
+    "vespo_lambda_pos": (2.5, "grpo.vespo_lambda_pos", 2.5),
+    "vespo_k_neg": (2.5, "grpo.vespo_k_neg", 2.5),
+    "vespo_lambda_neg": (1.5, "grpo.vespo_lambda_neg", 1.5),
+    "importance_sampling_level": ("sequence", "grpo.importance_sampling_level", "sequence"),
+    "multi_objective_aggregation": (
+        "normalize_then_sum",
+        "grpo.multi_objective_aggregation",
+        "normalize_then_sum",
+    ),
+    "sync_ref_model": (True, "grpo.sync_ref_model", True),
+    "ref_model_mixup_alpha": (0.5, "grpo.ref_model_mixup_alpha", 0.5),
+    "ref_model_sync_steps": (4, "grpo.ref_model_sync_steps", 4),
+    "top_entropy_quantile": (0.5, "grpo.top_entropy_quantile", 0.5),
+    "entropy_coef": (0.01, "grpo.entropy_coef", 0.01),
+    "off_policy_mask_threshold": (0.3, "grpo.off_policy_mask_threshold", 0.3),
 }
 EXTRA = {"include_embeddings": {"eval_mode": "member"}, "include_norms": {"eval_mode": "member"}}
 EXTRA["include_biases"] = {"eval_mode": "member"}
 EXTRA["eval_steps"] = {"eval_strategy": "steps"}
 EXTRA["num_train_epochs"] = {"max_steps": -1, "per_device_train_batch_size": 16}
 EXTRA["top_p"] = EXTRA["num_generations"] = {"temperature": 1.0}
+EXTRA["sync_ref_model"] = EXTRA["ref_model_sync_steps"] = EXTRA["ref_model_mixup_alpha"] = {"beta": 0.04}
 
 
 def trainer_config(config_class, name, value, tmp_path):

@@ -17,7 +17,6 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "trainer.md"
 # TRL's defaults that fastes' GRPOConfig does not take, and why.
 OWN_DEFAULTS = {
     "output_dir": "TRL's None becomes 'trainer_output' in its __post_init__; fastes states it",
-    "lr_scheduler_type": "fastes' GRPO keeps the learning rate constant",
     "logging_steps": "TRL's type is float",
 }
 
