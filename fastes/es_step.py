@@ -53,7 +53,7 @@ def es_iteration(run: Run, es: ES, step: int) -> dict[str, float]:
     max_new = run.cfg.max_new_tokens
     start = time.perf_counter()
     timer = PartTimer()
-    texts, tokens = [], 0
+    texts, ids, tokens = [], [], 0  # each member's completions, and their token ids
     mode = run.cfg.es.eval_mode
     if mode != "member":
         for group in member_groups(es, mode, run.cfg.es.materialise_mb * 2**20):
@@ -62,7 +62,9 @@ def es_iteration(run: Run, es: ES, step: int) -> dict[str, float]:
                     members = stack.enter_context(population_batched(es, run.model, mode=mode, members=group))
                 with timer("generation"):
                     gen = generate(run.model, run.tokenizer, prompts * len(members), max_new_tokens=max_new)
-            texts += [gen.texts[i * len(prompts) : (i + 1) * len(prompts)] for i in range(len(members))]
+            rows = [slice(i * len(prompts), (i + 1) * len(prompts)) for i in range(len(members))]
+            texts += [gen.texts[r] for r in rows]
+            ids += [gen.completion_ids[r] for r in rows]
             tokens += gen.num_tokens
     else:
         for member in es.members():
@@ -74,9 +76,14 @@ def es_iteration(run: Run, es: ES, step: int) -> dict[str, float]:
                 with timer("noise"):  # restore, exactly
                     stack.close()
             texts.append(gen.texts)
+            ids.append(gen.completion_ids)
             tokens += gen.num_tokens
     with timer("scoring"):
-        flat = run.task.scores(examples * len(texts), [t for member_texts in texts for t in member_texts])
+        flat = run.task.scores(
+            examples * len(texts),
+            [t for member_texts in texts for t in member_texts],
+            completion_ids=[i for member_ids in ids for i in member_ids],
+        )
     scores = [flat[i * len(examples) : (i + 1) * len(examples)] for i in range(len(texts))]
     weights = [[s.reward(run.cfg.format_weight) for s in row] for row in scores]
     with timer("update"):

@@ -263,6 +263,7 @@ class ESTrainer:
         eval_dataset: Any = None,
         processing_class: Any = None,
         callbacks: list[Any] | None = None,
+        reward_processing_classes: Any = None,
     ) -> None:
         self.args = self.config_class() if args is None else args
         if not isinstance(self.args, self.config_class):
@@ -279,6 +280,7 @@ class ESTrainer:
             reward_weights=self.args.reward_weights,
             eval_dataset=eval_dataset,
             timeout=self.args.reward_timeout,
+            reward_processing_classes=reward_processing_classes,
         )
         self.callbacks = Callbacks(callbacks, args=self.args, max_steps=self.args.max_steps).callbacks
         self.processing_class = processing_class
