@@ -136,32 +136,32 @@ class RewardFunction:
             )
         return function
 
-    def _parameters(self) -> list[inspect.Parameter]:
+    def _parameters(self) -> list[inspect.Parameter] | None:
         try:
             return list(inspect.signature(self.function).parameters.values())
         except (TypeError, ValueError):  # some builtins have no signature: nothing can be checked
-            return []
+            return None
 
     def _accepted_names(self) -> set[str] | None:
         """The keyword arguments the function takes; None when it takes **kwargs (anything) or has no
         signature to read."""
-        if not self.parameters or any(p.kind is p.VAR_KEYWORD for p in self.parameters):
+        if self.parameters is None or any(p.kind is p.VAR_KEYWORD for p in self.parameters):
             return None
         return {p.name for p in self.parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
     def check_columns(self, columns: list[str]) -> None:
         """Before any work, by reading the signature (the function is not called): it must take
         `completions`, and every argument it requires must be one TRL passes or a column."""
-        if self.accepted is not None and "completions" not in self.accepted:
-            raise RewardFunctionError(
-                f"{self}: the function must take a 'completions' argument (TRL's signature)"
-            )
-        required = [p for p in self.parameters if p.default is p.empty]
+        required = [p for p in self.parameters or [] if p.default is p.empty]
         by_position = [p.name for p in required if p.kind is p.POSITIONAL_ONLY]
         if by_position:
             raise RewardFunctionError(
                 f"{self}: the function takes {', '.join(map(repr, by_position))} by position only; reward "
                 "functions are called by keyword (TRL's way): remove the '/' from its signature"
+            )
+        if self.accepted is not None and "completions" not in self.accepted:
+            raise RewardFunctionError(
+                f"{self}: the function must take a 'completions' argument (TRL's signature)"
             )
         names = {*PASSED, *columns}
         missing = [p.name for p in required if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
