@@ -33,7 +33,6 @@ class RewardModel:
     """A sequence classifier whose label-0 logit is the reward of prompt + completion."""
 
     is_async = False
-    timeout = 0.0  # a forward pass has no time limit
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None) -> None:
         config = getattr(model, "config", None)
