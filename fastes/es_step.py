@@ -73,7 +73,7 @@ def es_iteration(run: Run, es: ES, step: int) -> dict[str, float]:
 
     start = time.perf_counter()
     timer = PartTimer()
-    texts, tokens = [], 0
+    texts, ids, tokens = [], [], 0  # each member's completions, and their token ids
     mode = run.cfg.es.eval_mode
     if mode != "member":
         for group in member_groups(es, mode, run.cfg.es.materialise_mb * 2**20):
@@ -82,7 +82,9 @@ def es_iteration(run: Run, es: ES, step: int) -> dict[str, float]:
                     members = stack.enter_context(population_batched(es, run.model, mode=mode, members=group))
                 with timer("generation"):
                     gen = complete(group, len(members))
-            texts += [gen.texts[i * rows : (i + 1) * rows] for i in range(len(members))]
+            each = [slice(i * rows, (i + 1) * rows) for i in range(len(members))]
+            texts += [gen.texts[r] for r in each]
+            ids += [gen.completion_ids[r] for r in each]
             tokens += gen.num_tokens
     else:
         for member in es.members():
@@ -94,10 +96,15 @@ def es_iteration(run: Run, es: ES, step: int) -> dict[str, float]:
                 with timer("noise"):  # restore, exactly
                     stack.close()
             texts.append(gen.texts)
+            ids.append(gen.completion_ids)
             tokens += gen.num_tokens
     with timer("scoring"):
         asked = [ex for ex in examples for _ in range(c.num_generations)]  # in the order of the rows
-        flat = run.task.scores(asked * len(texts), [t for member_texts in texts for t in member_texts])
+        flat = run.task.scores(
+            asked * len(texts),
+            [t for member_texts in texts for t in member_texts],
+            completion_ids=[i for member_ids in ids for i in member_ids],
+        )
     scores = [flat[i * rows : (i + 1) * rows] for i in range(len(texts))]
     weights = [[s.reward(run.cfg.format_weight) for s in row] for row in scores]
     with timer("update"):

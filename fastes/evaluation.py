@@ -117,11 +117,17 @@ class Evaluator:
     ) -> list[Score]:
         """The scores of generate()'s rows, in its order (one task.scores call: batch verifiers batch)."""
         gen = self.generate(examples, samples=samples, temperature=temperature, seed=seed)
-        return task.scores([ex for ex in examples for _ in range(samples)], gen.texts)
+        repeated = [ex for ex in examples for _ in range(samples)]
+        return self._attached(task).scores(repeated, gen.texts, completion_ids=gen.completion_ids)
+
+    def _attached(self, task: Task) -> Task:
+        """`task`, told the tokenizer and device (a reward model runs where the model does)."""
+        task.attach(tokenizer=self.tokenizer, device=next(self.model.parameters()).device)
+        return task
 
     def greedy(self, task: Task, examples: list[Example]) -> Greedy:
         gen = self.generate(examples)
-        scores = task.scores(examples, gen.texts)
+        scores = self._attached(task).scores(examples, gen.texts, completion_ids=gen.completion_ids)
         lenient_score = getattr(task, "lenient_score", None)  # instruct forms read answers leniently too
         lenient = None
         if lenient_score is not None:

@@ -117,7 +117,7 @@ def sample_and_score(run: Run, step: int) -> Samples:
         first_row=rank * share * g.num_generations,
     )
     repeated = [ex for ex in mine for _ in range(g.num_generations)]
-    scores = run.task.scores(repeated, gen.texts)
+    scores = run.task.scores(repeated, gen.texts, completion_ids=gen.completion_ids)
     local = torch.tensor([s.reward(run.cfg.format_weight) for s in scores], dtype=torch.float64)
     where = f"GRPO step {step}"
     rewards = distributed.gather_blocks(local.view(share, g.num_generations), where=where)  # the whole batch

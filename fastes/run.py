@@ -53,13 +53,19 @@ def batch_for(run: Run, phase: str, step: int) -> list[Example]:
     return rng.sample(train, min(run.cfg.batch_size, len(train)))
 
 
-def reward_parts(task: Task, scores: list[Score]) -> dict[str, float]:
+def reward_parts(task: Task, scores: list[Score]) -> dict[str, Any]:
     """rewards/<name>/mean and /std of each reward function over the scores of every process (TRL's
     metrics), for tasks scored by named reward functions; a function's None (NaN) values left out.
-    The names come from the task, so that every process joins the sum, also one without scores."""
+    The names come from the task, so that every process joins the sum, also one without scores.
+    Also what the reward functions logged while scoring them: each log_metric name's mean over every
+    process, and log_extra's columns (this process's completions, in scoring order) under "log_extra"."""
+    metrics, extras = task.logged()
+    parts = _logged_means(metrics)
+    if extras:
+        parts["log_extra"] = extras
     names = [f.name for f in task.functions] if isinstance(task, DatasetTask) else []
     if not names:
-        return {}
+        return parts
     values = torch.tensor([[s.rewards[n] for n in names] for s in scores], dtype=torch.float64)
     values = values.reshape(len(scores), len(names))  # also when there are no scores
     finite = torch.isfinite(values)
@@ -69,8 +75,21 @@ def reward_parts(task: Task, scores: list[Score]) -> dict[str, float]:
     # Two passes: the squared deviations from the mean, not sum(x^2) - n mean^2, which cancels badly.
     squares = distributed.all_sum(torch.where(finite, (values - mean) ** 2, 0.0).sum(0))
     std = (squares / (count - 1)).sqrt()
-    parts = {}
     for i, name in enumerate(names):
         parts[f"rewards/{name}/mean"] = float(mean[i])
         parts[f"rewards/{name}/std"] = float(std[i]) if count[i] > 1 else math.nan
     return parts
+
+
+def _logged_means(metrics: dict[str, list[float]]) -> dict[str, float]:
+    """Each logged metric's mean over its values on every process (TRL averages a step's values)."""
+    names = sorted(metrics)
+    if distributed.rank_and_world()[1] > 1:  # every process sums the same names, in the same order
+        every: list[list[str]] = [[] for _ in range(distributed.rank_and_world()[1])]
+        torch.distributed.all_gather_object(every, names)
+        names = sorted({name for ranks in every for name in ranks})
+    if not names:
+        return {}
+    local = [x for name in names for x in (math.fsum(metrics.get(name, [])), len(metrics.get(name, [])))]
+    totals = distributed.all_sum(local).view(-1, 2).tolist()
+    return {name: total / count for name, (total, count) in zip(names, totals) if count}

@@ -375,6 +375,7 @@ def prepare_run(
     small = sum(p.numel() for p in model.parameters()) < 5_000_000
     torch.set_num_threads(cfg.threads or (1 if small else torch.get_num_threads()))
     run = Run(cfg, model, tokenizer, task, out_dir, identity, callbacks=hooks)
+    task.attach(tokenizer=tokenizer, device=next(model.parameters()).device)  # reward models run here
     run.test = task.split("test")[: cfg.eval_size]
     # GRPO's KL reference is the starting model, also when the run resumes with trained weights.
     if "grpo" in phases and cfg.grpo.beta > 0:
@@ -463,6 +464,7 @@ def run_phases(run: Run, start: Start) -> tuple[int, dict[str, Any] | None]:
     returns the global step reached and the last evaluation made (None: none since `start`)."""
     cfg, phases, lengths = run.cfg, PHASES[run.cfg.algorithm], phase_lengths(run.cfg)
     global_step, last_eval = start.global_step, None
+    run.task.at_step(global_step, sum(lengths))  # reward functions' trainer_state.global_step
     if distributed.is_writer():
         run.callbacks.fire("on_train_begin", global_step)
     if start.state is None and run.test:
@@ -486,6 +488,7 @@ def run_phases(run: Run, start: Start) -> tuple[int, dict[str, Any] | None]:
             else:
                 record = grpo_step(run, optimizer, run.reference, step)
             global_step += 1
+            run.task.at_step(global_step)
             record = {"global_step": global_step, "phase": phase, "step": step + 1, **record}
             last = step + 1 == lengths[phase_index]
             if run.test and (cfg.eval_every and (step + 1) % cfg.eval_every == 0 or last):

@@ -67,6 +67,7 @@ class ESTrainer:
         train_dataset: Any = None,
         eval_dataset: Any = None,
         processing_class: Any = None,
+        reward_processing_classes: Any = None,
         callbacks: list[Any] | None = None,
         optimizers: tuple[Any, Any] = (None, None),
     ) -> None:
@@ -93,9 +94,12 @@ class ESTrainer:
             reward_weights=self.args.reward_weights,
             eval_dataset=_joined(eval_dataset),
             timeout=self.args.reward_timeout,
+            reward_processing_classes=reward_processing_classes,
         )
-        self.reward_funcs = [f.function for f in self.task.functions]
+        # TRL's trainer.reward_funcs: the callables and reward models as given.
+        self.reward_funcs = [getattr(f, "function", None) or f.model for f in self.task.functions]
         self.state = TrainerState()
+        self.task.trainer_state = self.state  # what reward functions get as trainer_state
         self.callbacks = Callbacks(callbacks, args=self.args, max_steps=self.args.max_steps).callbacks
         self.processing_class = processing_class
         overrides = self.args.overrides(len(self.task.split("train")))

@@ -1,5 +1,5 @@
 """Your own reward function (TRL's signature) as a task, for ES and GRPO; its mistakes are reported with
-the file and line, before any work where possible."""
+the file and line, before any work where the signature shows them."""
 
 import json
 import time
@@ -13,7 +13,7 @@ from fastes.train import train
 
 REWARDS = """
 def score(completions, answer, **columns):
-    assert set(columns) == {"prompts", "level"}, columns
+    assert set(columns) == {"prompts", "level", "trainer_state", "log_metric", "log_extra"}, columns
     return [float(c.strip().startswith(a)) for c, a in zip(completions, answer)]
 
 def length(completions, **kwargs):
@@ -35,6 +35,11 @@ def words(completions, **kwargs):
 
 def nan(completions, **kwargs):
     return [None] * len(completions)
+
+def own_row(completions, prompts, level, completion_ids, **kwargs):
+    # the row's own level, whatever its prompt; completion_ids must be the generated ones
+    assert len(completion_ids) == len(completions)
+    return [float(x) for x in level]
 
 def needs_topic(completions, topic):
     return [0.0] * len(completions)
@@ -140,12 +145,36 @@ def test_es_and_grpo_train_on_the_function(files, algorithm):
 
 
 @pytest.mark.parametrize("algorithm", ["es", "grpo"])
-def test_non_finite_rewards_are_refused(files, algorithm):
+def test_none_for_every_completion_warns_and_the_run_goes_on(files, algorithm):
+    """TRL's rule: a completion no function scores gets reward 0 and a warning naming its row."""
     root, task, rewards = files
     options = {"es.iterations": 1, "es.population": 4} if algorithm == "es" else {"grpo.steps": 1}
     cfg = load_config(
         None,
         common(root, task, rewards, algorithm=algorithm, eval_size=1, **options, reward=f"{rewards}:nan"),
     )
-    with pytest.raises(RewardFunctionError, match=r"rewards.py:nan returned None \(does not apply\) for"):
+    with pytest.warns(UserWarning, match=r"every reward function returned None for .* 'prompt': 'cmp"):
         train(cfg)
+    records = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["reward"] == 0.0
+
+
+@pytest.mark.parametrize("algorithm", ["es", "grpo"])
+def test_a_prompt_may_repeat_with_its_own_columns(tmp_path, algorithm):
+    """Two lines with one prompt and different levels: each completion is scored with its own line's."""
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    rows = [{"prompt": "same:", "level": level, "split": "train"} for level in (1, 5, 1, 5)]
+    rows.append({"prompt": "same:", "level": 0, "split": "test"})
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    t = get_task(f"jsonl:{tmp_path / 'data.jsonl'}", reward=f"{tmp_path / 'rewards.py'}:own_row")
+    train_rows = t.split("train")
+    scores = t.scores(train_rows, ["x"] * 4, completion_ids=[[1]] * 4)
+    assert [s.answer for s in scores] == [ex.meta["columns"]["level"] for ex in train_rows]
+    assert sorted(s.answer for s in scores) == [1, 1, 5, 5]
+    options = {"es.iterations": 1, "es.population": 2} if algorithm == "es" else {"grpo.steps": 1}
+    run = common(tmp_path, f"jsonl:{tmp_path / 'data.jsonl'}", tmp_path / "rewards.py", **options)
+    train(load_config(None, {**run, "reward": f"{tmp_path / 'rewards.py'}:own_row", "algorithm": algorithm}))
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    step = records[-1]
+    # A batch of the 4 rows (ES: every member on them; GRPO: every completion of each): mean level 3.
+    assert step["reward"] == pytest.approx(3.0)

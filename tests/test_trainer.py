@@ -218,12 +218,8 @@ def needs_level(completions, level, **kwargs):
         ([{"prompt": "a", "x": 1}, {"prompt": "b"}], CORRECT, r"row 1 has columns \['prompt'\]"),
         ([], CORRECT, "train_dataset is empty"),
         ("rows.jsonl", CORRECT, "must be a datasets.Dataset or a list of dicts, got str"),
-        (
-            ROWS,
-            broken_count,
-            r"broken_count'?: returned list of length 1; it must return a list of 2 numbers.*before any",
-        ),
-        (ROWS, words, r"reward 0 is 'yes' \(str\), not a finite number"),
+        (ROWS, lambda: [], r"<lambda>: the function must take a 'completions' argument"),
+        (ROWS, lambda completions, /: [], r"takes 'completions' by position only; .* remove the '/'"),
         (ROWS, needs_level, r"needs 'level', which the data does not have as columns"),
         (ROWS, [], "reward_funcs is empty"),
         (ROWS, [short, short], "two reward functions are named 'short'"),
@@ -233,6 +229,21 @@ def test_data_and_reward_mistakes_fail_before_any_work(rows, funcs, message, tmp
     with pytest.raises((DatasetError, RewardFunctionError), match=message):
         ESTrainer(MODEL, funcs, args=ESConfig(output_dir=str(tmp_path / "run")), train_dataset=rows)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "function, message",
+    [
+        (broken_count, r"broken_count'?: returned list of length 1; it must return a list of 2 numbers"),
+        (words, r"reward 0 is 'yes' \(str\), not a finite number"),
+    ],
+)
+def test_what_a_signature_cannot_show_fails_at_the_first_call(function, message, tmp_path):
+    """Functions are not called when the trainer is built (TRL does not either): a wrong return value is
+    refused at the first scoring call, naming the function."""
+    trainer = ESTrainer(MODEL, function, args=small(tmp_path), train_dataset=ROWS)
+    with pytest.raises(RewardFunctionError, match=message):
+        trainer.task.scores(trainer.task.split("train")[:2], ["1", "2"])
 
 
 def test_trainer_argument_mistakes(tmp_path):

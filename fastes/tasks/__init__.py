@@ -29,6 +29,7 @@ from .jsonl import JsonlTask, JsonlTaskError
 from .reasoning_gym import ReasoningGymTask
 from .registry import HELD_OUT_TASKS, STYLES, TRAINABLE_TASKS, available_tasks, get_task, parse_task_options
 from .reward_file import RewardFunction, RewardFunctionError, RewardTask
+from .reward_model import RewardModel
 from .verify import (
     ParsedExpr,
     extract_answer,
@@ -58,6 +59,7 @@ __all__ = [
     "ReverseTask",
     "RewardFunction",
     "RewardFunctionError",
+    "RewardModel",
     "RewardTask",
     "STYLES",
     "Score",

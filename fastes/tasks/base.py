@@ -61,10 +61,26 @@ class Task(ABC):
     def score(self, example: Example, completion: str) -> Score:
         """Score a model completion (untrusted text) against an example. Never raises on bad text."""
 
-    def scores(self, examples: list[Example], completions: list[str]) -> list[Score]:
-        """Score a batch: completion i against example i (one call, so that batch verifiers can batch)."""
+    def scores(
+        self, examples: list[Example], completions: list[str], completion_ids: list[list[int]] | None = None
+    ) -> list[Score]:
+        """Score a batch: completion i against example i (one call, so that batch verifiers can batch).
+        `completion_ids`: the generated token ids of each completion, for tasks whose reward functions take
+        them (TRL's `completion_ids`); built-in verifiers read the text only."""
         pairs = zip(examples, completions, strict=True)
         return [self.score(example, completion) for example, completion in pairs]
+
+    # Hooks the training loop calls; tasks scored by reward functions use them (fastes/tasks/reward_file.py).
+
+    def attach(self, *, tokenizer: Any = None, device: Any = None) -> None:  # noqa: B027 - optional hook
+        """The run's tokenizer and device, before the first scoring call."""
+
+    def at_step(self, global_step: int, max_steps: int | None = None) -> None:  # noqa: B027 - optional hook
+        """The run is at `global_step` (steps taken so far): called before the first step and after each."""
+
+    def logged(self) -> tuple[dict[str, list[float]], dict[str, list[Any]]]:
+        """What reward functions logged since the last call, emptied: ({metric: values}, {column: values})."""
+        return {}, {}
 
 
 # Size limits for built-in tasks: the tiny character-level model trains on a CPU, so problems stay short.

@@ -6,14 +6,11 @@ messages the prompt is conversational: the chat template applies, and completion
 functions as [{"role": "assistant", "content": text}], as in TRL. Every other column reaches every reward
 function as a keyword argument (a list aligned with `completions`), together with `prompts`.
 
-Several reward functions combine as in TRL: reward = sum_i weight_i * r_i, where a function's None (not
-applicable) leaves its term out; a completion that no function scores is refused with a RewardFunctionError
-(TRL would give it 0 with a warning). Each function's own value is kept in Score.rewards under the
-function's name (NaN for its None).
-
-Every reward function is called once when the task is built, on an empty completion of each of the first
-training rows: a function that fails, returns the wrong count or a non-number is reported before any work
-(a model can produce an empty completion, so it has to handle one).
+Reward functions are called as TRL calls them (fastes/tasks/reward_file.py: the arguments passed, async
+functions, how None combines); an entry of reward_funcs may also be a reward model
+(fastes/tasks/reward_model.py). Each function's own value is kept in Score.rewards under the function's
+name (NaN for its None), the weighted sum in Score.answer. Functions are checked by their signatures when
+the task is built, never called then. A prompt may repeat: each row's columns travel with the row.
 """
 
 from __future__ import annotations
@@ -30,14 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import FastesError, MissingFileError, MissingPackageError
-from .base import Example, Score, Task, check_split
+from .base import Example, check_split
 from .registry import get_task
-from .reward_file import RewardFunction, RewardFunctionError, require_scored
+from .reward_file import PASSED, Rewards, RewardScoredTask
+from .reward_model import reward_sources
 
-# Names fastes (or TRL) passes to reward functions itself: a column may not take them.
-RESERVED_COLUMNS = ("completions", "prompts", "completion_ids", "trainer_state")
+RESERVED_COLUMNS = PASSED  # names the trainer passes to reward functions itself: no column may take them
 DATA_FILES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}  # suffix: builder
-PROBE_ROWS = 2  # training rows each reward function is tried on before any work
 HELD_OUT = 0.2  # share of a data file held out for evaluation when no eval file is given
 ROLES = ("system", "user", "assistant", "tool")  # the message roles of chat templates
 
@@ -199,32 +195,33 @@ def _check_text_file(path: Path, builder: str) -> None:
             )
 
 
-class DatasetTask(Task):
-    """Prompts and columns scored by one or more weighted reward functions (TRL's signature)."""
+class DatasetTask(RewardScoredTask):
+    """Prompts and columns scored by one or more weighted reward functions or reward models (TRL's
+    reward_funcs and reward_processing_classes)."""
 
     def __init__(
         self,
         train_dataset: Any,
-        reward_funcs: Callable[..., Any] | str | Sequence[Callable[..., Any] | str | RewardFunction],
+        reward_funcs: Any,  # a callable, "FILE.py:FUNCTION", a reward model (or its directory), or a list
         *,
         reward_weights: Sequence[float] | None = None,
         eval_dataset: Any = None,
         timeout: float = 60.0,
         name: str = "dataset",
+        reward_processing_classes: Any = None,
     ) -> None:
         self.name = name
-        listed = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-        if not listed:
+        if isinstance(reward_funcs, (list, tuple)) and not reward_funcs:
             raise DatasetError("reward_funcs is empty; give at least one reward function")
-        self.functions = [f if isinstance(f, RewardFunction) else RewardFunction(f, timeout) for f in listed]
-        names = [f.name for f in self.functions]
+        functions = reward_sources(reward_funcs, reward_processing_classes, timeout)
+        names = [f.name for f in functions]
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
             raise DatasetError(
                 f"two reward functions are named {twice[0]!r}; their metrics (rewards/<name>/mean) would "
                 "mix: give each function its own name"
             )
-        self.weights = _weights(reward_weights, len(self.functions))
+        self.rewards = Rewards(functions, _weights(reward_weights, len(functions)))
         train = dataset_rows(train_dataset, "train_dataset")
         test = dataset_rows(eval_dataset, "eval_dataset") if eval_dataset is not None else []
         self.columns = [c for c in sorted(train[0]) if c != "prompt"]
@@ -236,11 +233,10 @@ class DatasetTask(Task):
                 f"eval_dataset has columns {sorted(test[0])}, train_dataset {sorted(train[0])} (and "
                 "prompts of the same kind are needed); the reward functions need the same columns in both"
             )
-        for function in self.functions:
+        for function in functions:
             function.check_columns(self.columns)
         self._rows = {"train": train, "test": test}
         self._splits = {which: [self._example(row) for row in rows] for which, rows in self._rows.items()}
-        self._probe()
 
     @classmethod
     def from_files(
@@ -253,8 +249,9 @@ class DatasetTask(Task):
         seed: int = 0,
         timeout: float = 60.0,
     ) -> DatasetTask:
-        """The task of a data file and reward functions given as FILE.py:FUNCTION. Without an eval file,
-        a seeded 20% of the rows (at least one, of two or more) is held out for evaluation."""
+        """The task of a data file and reward functions given as FILE.py:FUNCTION (or a reward model's
+        directory). Without an eval file, a seeded 20% of the rows (at least one, of two or more) is held
+        out for evaluation."""
         rows = dataset_rows(read_data_file(path), str(path))  # rows named by their place in the file
         if eval_path:
             train, test = rows, dataset_rows(read_data_file(eval_path), str(eval_path))
@@ -276,46 +273,6 @@ class DatasetTask(Task):
     def _example(self, row: dict[str, Any]) -> Example:
         columns = {c: row[c] for c in self.columns}
         return Example(prompt=row["prompt"], answer="", solution="", meta={"columns": columns})
-
-    def _probe(self) -> None:
-        examples = self._splits["train"][:PROBE_ROWS]
-        try:
-            self._scores(examples, [""] * len(examples))  # None may mean "does not apply" to an empty one
-        except RewardFunctionError as error:
-            raise RewardFunctionError(
-                f"{error} (found by calling it on an empty completion of the first {len(examples)} training "
-                "rows, before any work)"
-            ) from None
-
-    def scores(self, examples: list[Example], completions: list[str]) -> list[Score]:
-        scores = self._scores(examples, completions)
-        require_scored([s.answer for s in scores], examples, self.functions)
-        return scores
-
-    def _scores(self, examples: list[Example], completions: list[str]) -> list[Score]:
-        """Each function's value (NaN for its None) and the weighted sum of those that apply."""
-        if not examples:
-            return []
-        prompts = [ex.prompt for ex in examples]
-        shown: list[Any] = list(completions)
-        if self.conversational:
-            shown = [[{"role": "assistant", "content": text}] for text in completions]
-        columns = {c: [ex.meta["columns"][c] for ex in examples] for c in self.columns}
-        values = {f.name: f(shown, prompts, columns) for f in self.functions}
-        scores = []
-        for i in range(len(examples)):
-            parts = {name: column[i] for name, column in values.items()}
-            terms = [
-                w * parts[f.name]
-                for f, w in zip(self.functions, self.weights)
-                if not math.isnan(parts[f.name])
-            ]
-            total = math.fsum(terms) if terms else math.nan
-            scores.append(Score(format=0.0, answer=total, rewards=parts))
-        return scores
-
-    def score(self, example: Example, completion: str) -> Score:
-        return self.scores([example], [completion])[0]
 
     def fingerprint(self) -> str:
         """SHA-256 of the rows, the reward functions' names and the weights: a resume must see the same."""
