@@ -29,7 +29,8 @@ from .tasks import Score
 
 def make_grpo_optimizer(run: Run) -> torch.optim.Optimizer:
     g = run.cfg.grpo
-    return torch.optim.AdamW(run.model.parameters(), lr=g.lr, weight_decay=g.weight_decay)
+    trained = [p for p in run.model.parameters() if p.requires_grad]  # with a PEFT adapter: its tensors
+    return torch.optim.AdamW(trained, lr=g.lr, weight_decay=g.weight_decay)
 
 
 def grpo_step(run: Run, optimizer: torch.optim.Optimizer, reference, step: int) -> dict[str, float]:

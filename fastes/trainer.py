@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from . import defaults, distributed
+from . import adapters, defaults, distributed
 from .analysis.passk import pass_at_k_curve
 from .callbacks import Callbacks
 from .config import REPORT_TO, ConfigError, TrainConfig, load_config
@@ -249,7 +249,9 @@ class ESTrainer:
 
     model: a model directory (str or Path), or a loaded transformers causal LM (then processing_class
     is its tokenizer, and it is trained in place). reward_funcs: one callable or a list of them, each
-    f(completions, prompts=..., **columns) -> list[float | None]. Every check runs here, before any work.
+    f(completions, prompts=..., **columns) -> list[float | None]. peft_config: a peft.PeftConfig (e.g.
+    peft.LoraConfig(target_modules=[...])): train a new adapter instead of the model's weights; a
+    peft.PeftModel as `model` trains its own adapter. Every check runs here, before any work.
     """
 
     config_class: ClassVar[type[_TrainerConfig]] = ESConfig
@@ -263,6 +265,7 @@ class ESTrainer:
         eval_dataset: Any = None,
         processing_class: Any = None,
         callbacks: list[Any] | None = None,
+        peft_config: Any = None,
     ) -> None:
         self.args = self.config_class() if args is None else args
         if not isinstance(self.args, self.config_class):
@@ -282,6 +285,9 @@ class ESTrainer:
         )
         self.callbacks = Callbacks(callbacks, args=self.args, max_steps=self.args.max_steps).callbacks
         self.processing_class = processing_class
+        if peft_config is not None:  # a new adapter (docs/trainer.md, peft_config); errors before any work
+            adapters.check_peft_config(peft_config, model)
+        self.peft_config = peft_config
         overrides = self.args.overrides()
         if isinstance(model, (str, Path)):
             self.model_path: str | None = str(model)
@@ -307,6 +313,8 @@ class ESTrainer:
             key, sep, rest = str(error).partition(":")
             key, space, words = key.partition(" ")
             raise ConfigError(f"{self.args.public_name(key)}{space}{words}{sep}{rest}") from None
+        if self.model is not None and peft_config is not None:  # a model object: wrapped here, as TRL does
+            self.model = adapters.wrap(self.model, peft_config, self.config.seed)
         self.state = TrainerState()
 
     def train(self, resume_from_checkpoint: bool | None = None) -> dict[str, Any]:
@@ -327,6 +335,7 @@ class ESTrainer:
                 tokenizer=self.processing_class,
                 task=self.task,
                 callbacks=self.callbacks,
+                peft_config=self.peft_config if self.model_path else None,  # a model object is wrapped
             )
         except NonFiniteUpdateError as error:  # name this config's fields
             raise error.renamed(self.args.public_name) from None
@@ -346,6 +355,7 @@ class ESTrainer:
             self.model, tokenizer = load_model(
                 resolve_model(self.model_path), dtype=self.config.dtype, device=self.config.device
             )
+            self.model = adapters.prepare(self.model, self.peft_config, self.config.seed)  # as the run starts
             self.processing_class = self.processing_class or tokenizer
         self.config = defaults.resolve(self.config, self.model, self.processing_class)
         return self.model, self.processing_class
