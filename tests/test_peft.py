@@ -233,6 +233,8 @@ def test_mistakes_are_one_line_before_any_work(tmp_path, monkeypatch):
         make(model=wrapped, processing_class=tokenizer, peft_config=lora())
     with pytest.raises(ConfigError, match="LoRA variant .DoRA"):
         make(peft_config=lora(use_dora=True), args={"eval_mode": "materialised"}).train()
+    with pytest.raises(ModelError, match="no trainable projection weights to evolve.*use algorithm = 'grpo'"):
+        make(peft_config=peft.LoHaConfig(target_modules=["q_proj"])).train()  # LoHa has no nn.Linear
     assert not (tmp_path / "run").exists()  # refused before the run directory was made
     frozen_base, _ = load_model(MODEL)
     frozen = peft.get_peft_model(frozen_base, lora()).requires_grad_(False)
