@@ -27,6 +27,7 @@ from fastes.models import (
     load_model,
     tiny_model_path,
 )
+from fastes.rundir import RunDirError
 from fastes.tasks import task_dataset
 
 peft = pytest.importorskip("peft")  # the test extra installs it: CI runs every test here
@@ -126,7 +127,7 @@ def test_a_resumed_adapter_run_equals_the_uninterrupted_one(config, tmp_path):
     assert resumed == straight
     assert straight_adapter.keys() == resumed_adapter.keys()
     assert all(torch.equal(straight_adapter[k], resumed_adapter[k]) for k in straight_adapter)
-    with pytest.raises(Exception, match="starting model .* has changed"):  # another adapter: another run
+    with pytest.raises(RunDirError, match="starting model .* has changed"):  # another adapter: another run
         args = small(tmp_path, config, name="resumed", max_steps=4)
         other = trainer_class(config)(
             MODEL, digits, args=args, train_dataset=ROWS, peft_config=lora(lora_alpha=16)
