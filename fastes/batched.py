@@ -25,7 +25,19 @@ from .es import ES, Member
 from .params import Projection, projections
 
 
-class PopulationLinear(torch.nn.Module):
+class _PopulationLayer(torch.nn.Module):
+    """What the population layers share: the projection they stand in for, `base`."""
+
+    base: torch.nn.Module
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The base projection's weight, for code around the layer that reads it (a PEFT LoRA layer casts
+        its input to lora_A.weight's dtype)."""
+        return self.base.weight
+
+
+class PopulationLinear(_PopulationLayer):
     """A projection with one weight per member; input rows are grouped by member."""
 
     def __init__(self, base: torch.nn.Module, weights: torch.Tensor, transposed: bool = False) -> None:
@@ -49,7 +61,7 @@ class PopulationLinear(torch.nn.Module):
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-class VirtualLinear(torch.nn.Module):
+class VirtualLinear(_PopulationLayer):
     """A linear layer whose members' weights W + scale_m * eps_m exist only inside the kernel."""
 
     def __init__(
@@ -99,7 +111,7 @@ class VirtualLinear(torch.nn.Module):
         return y.reshape(*x.shape[:-1], out_features)
 
 
-class LowRankLinear(torch.nn.Module):
+class LowRankLinear(_PopulationLayer):
     """y_m = x_m W^T + scale_m / sqrt(r) * (x_m B_m) A_m^T: the members' rank-r noise is never formed.
 
     The base projection runs once on all rows (the plain model's own GEMM); the rank-r term is then

@@ -18,7 +18,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from .errors import FastesError
+from .errors import ConfigError, FastesError
 
 ALGORITHMS = ("es", "grpo", "grpo_es")
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo")
@@ -42,10 +42,6 @@ CHAT_TEMPLATE_MODES = ("auto", "on", "off")
 REPORT_TO = ("none", "tensorboard")
 FLOAT32_MAX = 3.4028234663852886e38
 MAX_SEED = 2**32  # seeds are in [0, 2^32): ES takes up to 2^64, GRPO samples with seed * 1_000_003 + step
-
-
-class ConfigError(FastesError, ValueError):
-    """A configuration value is missing, unknown, of the wrong type or out of range."""
 
 
 # Every key's help line (`fastes train --help`, which appends the default) is its field's metadata "help".

@@ -9,7 +9,8 @@ run uses, and compares, exactly what the first start chose, even on a machine wi
     es.noise_type    lowrank for models of SMALL_MODEL_PARAMS or more on CPU (population-batched evaluation
                      at nearly the cost of plain inference; see docs/real_models.md), else full
     es.eval_mode     lowrank with low-rank noise; on CUDA virtual for models of SMALL_MODEL_PARAMS or more;
-                     else materialised, or member when not even one member's weights fit in memory
+                     else materialised, or member when not even one member's weights fit in memory. With a
+                     PEFT adapter (full noise then): materialised, or member for a LoRA variant (DoRA)
     es.materialise_mb  a quarter of the memory available now (CPU) or of the free GPU memory
     grpo.lr          3e-4 for the tiny models, TRL's 1e-6 for real ones
 """
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 
+from .adapters import auto_eval_mode, is_peft_model
 from .config import TrainConfig, config_from_dict
 from .models import uses_chat_template
 
@@ -93,9 +95,10 @@ def resolve(
         cfg.eval_batch_size = max(1, min(EVAL_ROWS, int(MEMORY_SHARE * memory // row_bytes(model, cfg))))
     es = cfg.es
     cuda = cfg.device.startswith("cuda")
+    adapter = is_peft_model(model)  # a PEFT adapter's matrices are small: full noise, materialised
     if es.noise_type == "auto":
         extra_kinds = es.include_embeddings or es.include_norms or es.include_biases
-        real_cpu = not toy and not cuda and es.eval_mode == "auto" and not extra_kinds
+        real_cpu = not toy and not cuda and es.eval_mode == "auto" and not extra_kinds and not adapter
         es.noise_type = "lowrank" if real_cpu or es.eval_mode == "lowrank" else "full"
     if es.materialise_mb == 0:
         es.materialise_mb = float(round(MEMORY_SHARE * memory / 2**20))  # a float field: hashes as one
@@ -103,6 +106,8 @@ def resolve(
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         if es.include_embeddings or es.include_norms or es.include_biases:
             es.eval_mode = "member"  # batched evaluation evolves projection matrices only
+        elif adapter:
+            es.eval_mode = auto_eval_mode(model, es.noise_type)
         elif es.noise_type == "lowrank":
             es.eval_mode = "lowrank"
         elif cuda and not toy:

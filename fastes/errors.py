@@ -13,6 +13,11 @@ class FastesError(Exception):
     """Bad input that the user can fix; the message names the key or file and the fix."""
 
 
+class ConfigError(FastesError, ValueError):
+    """A configuration value is missing, unknown, of the wrong type or out of range (fastes.config, and
+    fastes.adapters, which fastes.config's imports lead back to, raise it)."""
+
+
 class MissingFileError(FastesError, FileNotFoundError):
     """A file or directory that the user named does not exist."""
 

@@ -39,12 +39,9 @@ from .tasks.dataset import DatasetTask
 
 def make_grpo_optimizer(run: Run) -> torch.optim.Optimizer:
     g = run.cfg.grpo
+    trained = [p for p in run.model.parameters() if p.requires_grad]  # with a PEFT adapter: its tensors
     return torch.optim.AdamW(
-        run.model.parameters(),
-        lr=g.lr,
-        betas=(g.adam_beta1, g.adam_beta2),
-        eps=g.adam_epsilon,
-        weight_decay=g.weight_decay,
+        trained, lr=g.lr, betas=(g.adam_beta1, g.adam_beta2), eps=g.adam_epsilon, weight_decay=g.weight_decay
     )
 
 

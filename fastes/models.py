@@ -24,6 +24,7 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
+from fastes.adapters import ADAPTER_CONFIG, quiet, read_adapter_config, require_peft
 from fastes.errors import FastesError, MissingFileError
 from fastes.tasks.base import ALPHABET
 
@@ -110,7 +111,9 @@ def build_tiny_model(
 
 
 def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: str | Path) -> Path:
-    """Write a normal HF directory: config.json, model.safetensors, generation_config and tokenizer files."""
+    """Write a normal HF directory: config.json, model.safetensors, generation_config and tokenizer files.
+    A model with a PEFT adapter writes the adapter alone (adapter_config.json, adapter_model.safetensors)
+    and the tokenizer: load_model and peft.PeftModel.from_pretrained(base, path) both load it."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
@@ -131,6 +134,8 @@ def load_model(
     Code shipped inside the checkpoint is never run unless `trust_remote_code=True`.
     """
     path = Path(path)
+    if (path / ADAPTER_CONFIG).is_file():  # a PEFT adapter: the final/ of a run with peft_config
+        return _load_adapter(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     _check_model_files(path)
     torch_dtype = _resolve_dtype(dtype)
     hf_logging.disable_progress_bar()  # a bar per load is noise next to fastes' own progress
@@ -156,6 +161,10 @@ def load_model(
     finally:
         hf_logging.set_verbosity(verbosity)
     _check_loading_info(path, info)
+    return model.to(device).eval(), _load_tokenizer(path, trust_remote_code)
+
+
+def _load_tokenizer(path: Path, trust_remote_code: bool) -> PreTrainedTokenizerBase:
     try:
         tokenizer = AutoTokenizer.from_pretrained(
             path, local_files_only=True, trust_remote_code=trust_remote_code
@@ -167,6 +176,34 @@ def load_model(
         ) from None
     if tokenizer.pad_token is None:  # many real tokenizers have none; batching needs one
         tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _load_adapter(
+    path: Path, *, dtype: torch.dtype | str | None, device: str | torch.device, trust_remote_code: bool
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A PEFT adapter directory on its base model (adapter_config.json names the base's directory): the
+    base loaded as load_model loads any model, then the adapter, trainable, in eval mode. The tokenizer
+    is the adapter directory's own when it has one (a run saves it there), else the base's."""
+    peft = require_peft(f"{path} is a PEFT adapter directory; loading it")
+    try:
+        base = read_adapter_config(path).get("base_model_name_or_path")
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ModelError(f"{path / ADAPTER_CONFIG} is not valid JSON ({error}); restore it") from None
+    if not base or not Path(base).is_dir() or (Path(base) / ADAPTER_CONFIG).is_file():
+        raise ModelError(
+            f"{path}: the adapter's base model {base!r} (base_model_name_or_path in {ADAPTER_CONFIG}) is not "
+            "a local model directory; set it to one, or load the base yourself and then "
+            f"peft.PeftModel.from_pretrained(base, {str(path)!r})"
+        )
+    model, tokenizer = load_model(base, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    try:
+        with quiet():
+            model = peft.PeftModel.from_pretrained(model, path, is_trainable=True)
+    except (OSError, ValueError, KeyError, RuntimeError) as error:
+        raise ModelError(f"{path}: peft cannot load this adapter onto {base} ({error})") from None
+    if any((path / name).is_file() for name in TOKENIZER_FILES):
+        tokenizer = _load_tokenizer(path, trust_remote_code)
     return model.to(device).eval(), tokenizer
 
 

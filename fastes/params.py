@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .adapters import is_peft_model
+
 try:  # transformers is a dependency of the training loops, not of fastes.ES itself
     from transformers.pytorch_utils import Conv1D
 except ImportError:  # pragma: no cover
@@ -68,8 +70,12 @@ def linear_weights(
     (re.search) are kept, e.g. r"layers\\.(2[4-9]|3\\d)\\." or r"(q|v)_proj". Each tensor appears once,
     under its first name in `model.named_parameters()`. With `warn`, a warning lists the projection-like
     matrices that are not evolved (excluded by `names`, or in a layer type fastes does not know).
+
+    With a PEFT adapter (a peft.PeftModel) only its trainable tensors count: LoRA's lora_A / lora_B are
+    projections; the frozen base model is never evolved.
     """
     pattern = _compile(names)
+    adapter = is_peft_model(model)
     projection = {key for key in projections(model)}
     embedding, norm, bias = set(), set(), set()
     for module in model.modules():
@@ -83,6 +89,8 @@ def linear_weights(
             bias.add(id(module_bias))
     chosen, filtered_out, unknown = [], [], []
     for name, p in model.named_parameters():  # named_parameters already lists a shared tensor once
+        if adapter and not p.requires_grad:  # the base model under an adapter stays as it is
+            continue
         key = id(p)
         if key in embedding:
             keep = include_embeddings
@@ -103,6 +111,12 @@ def linear_weights(
         if keep:
             chosen.append((name, p))
     if not chosen:
+        if adapter:
+            raise ValueError(
+                "the PEFT adapter has no trainable projection weights to evolve (nn.Linear: LoRA's lora_A / "
+                "lora_B); ES evolves LoRA adapters (peft.LoraConfig)"
+                + (f" whose names match names={names!r}" if pattern is not None else "")
+            )
         if pattern is not None:
             problem = f": no parameter name matches names={names!r} among the projection weights"
         else:

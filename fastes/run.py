@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from . import distributed, rundir
+from .adapters import StartingAdapter
 from .callbacks import Callbacks
 from .config import TrainConfig
 from .evaluation import render_prompts
@@ -34,7 +35,9 @@ class Run:
     metrics: list[dict] = field(default_factory=list)
     callbacks: Callbacks = field(default_factory=Callbacks)  # called by the writing process only
     test: list[Example] = field(default_factory=list)  # the held-out examples evaluated (eval_size)
-    reference: torch.nn.Module | None = None  # GRPO's KL reference (beta > 0): the starting model, frozen
+    # GRPO's KL reference (beta > 0): the starting model, frozen, called like the model: a copy, or with
+    # a PEFT adapter fastes.adapters.StartingAdapter (no copy)
+    reference: torch.nn.Module | StartingAdapter | None = None
 
     def log(self, record: dict) -> None:
         self.metrics.append(record)

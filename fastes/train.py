@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from . import defaults, distributed, rundir
+from . import adapters, defaults, distributed, rundir
 from .callbacks import TENSORBOARD_DIR, Callbacks, TensorBoardCallback
 from .checkpoint import latest_checkpoint, save_checkpoint, write_atomic
 from .config import ConfigError, ESConfig, TrainConfig, dataset_task, es_key
@@ -148,7 +148,7 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.T
 def _checkpoint(run: Run, global_step: int, phase_index: int, step: int, es: ES | None, optimizer) -> None:
     if not distributed.is_writer():  # every process holds the same state; one writes it
         return
-    tensors = {f"model.{k}": v for k, v in run.model.state_dict().items()}
+    tensors = {f"model.{k}": v for k, v in adapters.checkpoint_state(run.model).items()}
     state: dict[str, Any] = {
         "phase_index": phase_index,
         "step": step,
@@ -177,6 +177,7 @@ def check_task(task: Task, cfg: TrainConfig) -> None:
 
 
 def _check_evolvable(model: torch.nn.Module, model_dir: Path, es: ESConfig) -> None:
+    adapters.check_es(model, es.eval_mode)
     try:
         evolved_weights(model, es)
     except ValueError as error:
@@ -216,6 +217,7 @@ def train(
     tokenizer: Any = None,
     task: Task | None = None,
     callbacks: list[Any] | None = None,
+    peft_config: Any = None,
 ) -> dict[str, Any]:
     """Run the configured post-training; returns base and final test metrics.
 
@@ -223,7 +225,9 @@ def train(
     cfg.model the run's identity fingerprints the model's weights instead of its files. A tokenizer
     alone replaces the one in cfg.model's directory. `task` replaces make_task(cfg) (rows and reward
     functions given in code: fastes.ESTrainer). `callbacks` get the run's hooks (fastes/callbacks.py),
-    after TensorBoard's when cfg.report_to asks for it.
+    after TensorBoard's when cfg.report_to asks for it. `peft_config` (a peft.PeftConfig) trains a new
+    adapter on the model instead of its weights (fastes.adapters); a peft.PeftModel given as `model`
+    trains its own adapter.
 
     A new run needs a new or empty out_dir; `overwrite` lets it replace a previous run there. `resume`
     continues the run in out_dir from its newest checkpoint, exactly, with that run's own settings (only
@@ -242,6 +246,7 @@ def train(
             given=(model, tokenizer),
             task=task,
             callbacks=callbacks,
+            peft_config=peft_config,
         )
         global_step, last_eval = run_phases(run, start)
         result = finish_run(run, global_step, last_eval)
@@ -333,6 +338,7 @@ def prepare_run(
     given: tuple[torch.nn.Module | None, Any],
     task: Task | None,
     callbacks: list[Any] | None,
+    peft_config: Any = None,
 ) -> tuple[Run, Start]:
     """Everything before the first step: check the settings, load the model, choose the automatic
     settings, make the task, check (or start) the run directory, and restore the newest checkpoint on
@@ -344,7 +350,7 @@ def prepare_run(
         raise rundir.RunDirError("--resume continues the run in out_dir, --overwrite deletes it: choose one")
     out_dir = Path(cfg.out_dir)
     distributed.from_writer(lambda: rundir.check_writable(out_dir))  # rank 0 writes; every rank stops
-    model, tokenizer, model_dir, in_memory = _load_policy(cfg, given, device)
+    model, tokenizer, model_dir, in_memory = _load_policy(cfg, given, device, peft_config)
 
     # Settings left on auto are chosen now, once, by rank 0 for every process (free memory differs between
     # them), and saved with the run: a resume takes them from there. The choices are valid by
@@ -360,10 +366,14 @@ def prepare_run(
     # A step that cannot fit fails now, with its estimate.
     check_sizes(cfg, model, PHASES[cfg.algorithm], len(task.split("train")))
     hooks = _hooks(cfg, callbacks)  # checked before any work
+    model_sha = rundir.weights_fingerprint(model) if in_memory else None
+    if adapters.is_peft_model(model):  # the adapter's settings and starting tensors identify the run too
+        base = model_sha or rundir.model_fingerprint(adapters.base_directory(model_dir))
+        model_sha = adapters.fingerprint(model, base)
     identity = rundir.run_identity(
         cfg,
         model_dir,
-        model_sha=rundir.weights_fingerprint(model) if in_memory else None,
+        model_sha=model_sha,
         task_sha=task.fingerprint() if isinstance(task, DatasetTask) else None,
     )
     distributed.require_same(identity["run_id"], "settings or starting model")
@@ -379,7 +389,15 @@ def prepare_run(
     run.test = task.split("test")[: cfg.eval_size]
     # GRPO's KL reference is the starting model, also when the run resumes with trained weights.
     if "grpo" in phases and cfg.grpo.beta > 0:
-        run.reference = copy.deepcopy(model).eval().requires_grad_(False)
+        if adapters.is_peft_model(model):  # the base model (adapter off) or the starting adapter: no copy
+            if cfg.grpo.sync_ref_model:
+                raise ConfigError(
+                    "grpo.sync_ref_model: not with a PEFT adapter, whose reference is the starting model "
+                    "without a copy to move; turn it off"
+                )
+            run.reference = adapters.StartingAdapter(model)
+        else:
+            run.reference = copy.deepcopy(model).eval().requires_grad_(False)
     if distributed.is_writer():  # the first write to the run directory
         if not resume:
             rundir.remove_run(out_dir, previous)
@@ -410,10 +428,11 @@ def _read_run_dir(
 
 
 def _load_policy(
-    cfg: TrainConfig, given: tuple[torch.nn.Module | None, Any], device: str
+    cfg: TrainConfig, given: tuple[torch.nn.Module | None, Any], device: str, peft_config: Any = None
 ) -> tuple[torch.nn.Module, Any, Path, bool]:
-    """The model and tokenizer to train (given in code, or loaded from cfg.model), the directory that
-    identifies the model, and whether it lives only in memory (no files: its weights are fingerprinted)."""
+    """The model and tokenizer to train (given in code, or loaded from cfg.model, with a new adapter of
+    `peft_config`), the directory that identifies the model, and whether it lives only in memory (no
+    files: its weights are fingerprinted)."""
     model, tokenizer = given
     if model is not None and tokenizer is None:
         raise ConfigError("model: a loaded model needs its tokenizer too (processing_class)")
@@ -426,6 +445,7 @@ def _load_policy(
     if model is None:
         model, loaded = load_model(model_dir, dtype=cfg.dtype, device=device)
         tokenizer = tokenizer or loaded
+    model = adapters.prepare(model, peft_config, cfg.seed)
     return model, tokenizer, model_dir, in_memory
 
 
@@ -442,7 +462,9 @@ def _restore(run: Run, found: tuple[int, dict, dict] | None, run_id: str | None)
     global_step, tensors, saved = found
     if writer:
         print(f"Resuming run {run_id} from step {global_step} ({run.out_dir})")
-    run.model.load_state_dict({k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")})
+    adapters.load_checkpoint_state(
+        run.model, {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
+    )
     reference = {k[len("reference.") :]: v for k, v in tensors.items() if k.startswith("reference.")}
     if reference and run.reference is not None:  # sync_ref_model: where the synced reference had got to
         run.reference.load_state_dict(reference)

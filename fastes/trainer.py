@@ -29,7 +29,7 @@ import torch
 from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import TrainOutput
 
-from . import defaults, distributed
+from . import adapters, defaults, distributed
 from .analysis.passk import pass_at_k_curve
 from .callbacks import Callbacks
 from .config import ConfigError, TrainConfig, load_config
@@ -51,10 +51,13 @@ class ESTrainer:
 
     model: a model directory (str or Path), or a loaded transformers causal LM (then processing_class
     is its tokenizer, and it is trained in place). reward_funcs: one callable or a list of them, each
-    f(completions, prompts=..., **columns) -> list[float | None]. Every check runs here, before any work.
+    f(completions, prompts=..., **columns) -> list[float | None]. peft_config: a peft.PeftConfig (e.g.
+    peft.LoraConfig(target_modules=[...])): train a new adapter instead of the model's weights; a
+    peft.PeftModel as `model` trains its own adapter. Every check runs here, before any work.
     After construction, as in TRL: `model` and `processing_class` are loaded, `train_dataset`,
     `eval_dataset` are what was passed, `ref_model` is the frozen starting model of GRPO's KL term (None
-    without one), `state` is a transformers.TrainerState that follows the run.
+    without one, and with an adapter, whose reference is the model with the adapter off), `state` is a
+    transformers.TrainerState that follows the run.
     """
 
     config_class: ClassVar[type[_TrainerConfig]] = ESConfig
@@ -70,6 +73,7 @@ class ESTrainer:
         reward_processing_classes: Any = None,
         callbacks: list[Any] | None = None,
         optimizers: tuple[Any, Any] = (None, None),
+        peft_config: Any = None,
     ) -> None:
         self.args = self.config_class() if args is None else args
         if not isinstance(self.args, self.config_class):
@@ -102,9 +106,13 @@ class ESTrainer:
         self.task.trainer_state = self.state  # what reward functions get as trainer_state
         self.callbacks = Callbacks(callbacks, args=self.args, max_steps=self.args.max_steps).callbacks
         self.processing_class = processing_class
+        if peft_config is not None:  # a new adapter (docs/trainer.md, peft_config); errors before any work
+            adapters.check_peft_config(peft_config, model)
+        self.peft_config = peft_config
         overrides = self.args.overrides(len(self.task.split("train")))
         if isinstance(model, (str, Path)):
             self.model_path: str | None = str(model)
+            self.model = None  # loaded below, once the config is checked
             overrides["model"] = self.model_path
         elif isinstance(model, torch.nn.Module):
             if processing_class is None:
@@ -126,13 +134,14 @@ class ESTrainer:
             key, sep, rest = str(error).partition(":")
             key, space, words = key.partition(" ")
             raise ConfigError(f"{self.args.public_name(key)}{space}{words}{sep}{rest}") from None
+        if self.model is not None and peft_config is not None:  # a model object: wrapped here, as TRL does
+            self.model = adapters.wrap(self.model, peft_config, self.config.seed)
         self.state.max_steps = self._steps()
-        if self.model_path:
-            self.model = None
-            self._loaded()
+        self._loaded()  # a path: the model and tokenizer, as in TRL
         self.aux_loss_enabled = bool(getattr(self.model.config, "output_router_logits", False))
         beta = getattr(self.args, "beta", 0.0)
-        self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) if beta else None
+        copied = beta and not adapters.is_peft_model(self.model)
+        self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) if copied else None
         self.summary: dict[str, Any] = {}
 
     def _steps(self) -> int:
@@ -158,6 +167,7 @@ class ESTrainer:
                 tokenizer=self.processing_class,
                 task=self.task,
                 callbacks=[*self.callbacks, _StateKeeper(self)],
+                peft_config=self.peft_config if self.model_path else None,  # a model object is wrapped
             )
         except NonFiniteUpdateError as error:  # name this config's fields
             raise error.renamed(self.args.public_name) from None
@@ -211,6 +221,7 @@ class ESTrainer:
             self.model, tokenizer = load_model(
                 resolve_model(self.model_path), dtype=self.config.dtype, device=self.config.device
             )
+            self.model = adapters.prepare(self.model, self.peft_config, self.config.seed)  # as the run starts
             self.processing_class = self.processing_class or tokenizer
         resolved = defaults.resolve(self.config, self.model, self.processing_class)
         return self.model, self.processing_class, resolved
