@@ -126,7 +126,13 @@ def correlation(a, b):
 
 def is_timing(key: str) -> bool:
     """Metrics that measure time: different on every run, so left out when two runs are compared."""
-    timed = ("seconds", "tokens_per_second", "train_runtime", "train_samples_per_second", "train_steps_per_second")
+    timed = (
+        "seconds",
+        "tokens_per_second",
+        "train_runtime",
+        "train_samples_per_second",
+        "train_steps_per_second",
+    )
     return key in timed or key.startswith("time/")
 
 
