@@ -33,7 +33,7 @@ from .config import ConfigError, GRPOConfig
 from .es import checked_step
 from .generation import Generation, eos_token_ids, generate
 from .run import Run, batch_for, reward_parts
-from .tasks import Score
+from .tasks import Example, Score
 from .tasks.dataset import DatasetTask
 
 
@@ -641,3 +641,55 @@ def grpo_record(
         "seconds": seconds,
         "tokens_per_second": batch.lengths / seconds,
     }
+
+
+# --- evaluation -------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def eval_loss(run: Run, examples: list[Example], reference=None, seed: int = 0) -> float:
+    """TRL's eval_loss: GRPO's loss on num_generations sampled completions of each example, at the current
+    policy (ratio 1, as on-policy samples have), with the KL term when there is a reference; nothing is
+    trained. One process, one micro-batch: the evaluation of a trainer."""
+    g = run.cfg.grpo
+    gen = generate(
+        run.model,
+        run.tokenizer,
+        run.prompts(examples),
+        max_new_tokens=run.cfg.max_new_tokens,
+        temperature=g.temperature,
+        top_p=g.top_p,
+        seed=seed,
+        num_return_sequences=g.num_generations,
+    )
+    repeated = [ex for ex in examples for _ in range(g.num_generations)]
+    scores = run.task.scores(repeated, gen.texts, completion_ids=gen.completion_ids)
+    rewards = torch.tensor([s.reward(run.cfg.format_weight) for s in scores], dtype=torch.float64)
+    advantages, _ = grpo_advantages(rewards.view(len(examples), g.num_generations), g.scale_rewards)
+    input_ids, attention, completion = completion_batch(gen, run.tokenizer.pad_token_id, run.model.device)
+    logp, _ = completion_logprobs(run.model, input_ids, attention, g.temperature)
+    ref = (
+        None if reference is None else completion_logprobs(reference, input_ids, attention, g.temperature)[0]
+    )
+    loss, _ = grpo_loss(
+        logp,
+        None,
+        ref,
+        advantages.reshape(-1, 1).float().to(logp.device),
+        completion[:, 1:].float(),
+        loss_type=g.loss_type,
+        epsilon=g.epsilon,
+        epsilon_high=g.epsilon_high,
+        beta=g.beta if ref is not None else 0.0,
+        use_bias_correction_kl=g.use_bias_correction_kl,
+        importance_sampling_level=g.importance_sampling_level,
+        delta=g.delta,
+        sapo_temperature_neg=g.sapo_temperature_neg,
+        sapo_temperature_pos=g.sapo_temperature_pos,
+        vespo_k_pos=g.vespo_k_pos,
+        vespo_lambda_pos=g.vespo_lambda_pos,
+        vespo_k_neg=g.vespo_k_neg,
+        vespo_lambda_neg=g.vespo_lambda_neg,
+        max_completion_length=run.cfg.max_new_tokens,
+    )
+    return float(loss)

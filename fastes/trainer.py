@@ -29,7 +29,7 @@ import torch
 from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import TrainOutput
 
-from . import adapters, defaults, distributed
+from . import adapters, defaults, distributed, grpo
 from .analysis.passk import pass_at_k_curve
 from .callbacks import Callbacks
 from .config import ConfigError, TrainConfig, load_config
@@ -37,6 +37,7 @@ from .errors import NonFiniteUpdateError
 from .evaluation import Evaluator
 from .model_sources import resolve_model
 from .models import load_model, save_model
+from .run import Run
 from .rundir import RUN_FILE
 from .tasks import DatasetTask, Example, Score
 from .tasks.dataset import dataset_rows
@@ -44,6 +45,8 @@ from .train import train as train_loop
 from .trainer_config import ESConfig, GRPOConfig, _TrainerConfig
 
 __all__ = ["ESConfig", "ESTrainer", "GRPOConfig", "GRPOTrainer"]
+
+EVAL_LOSS_SEED = 104_729  # keeps the eval groups' sampling apart from the training steps' at a step
 
 
 class ESTrainer:
@@ -279,6 +282,10 @@ class ESTrainer:
                 per_prompt = [values[i : i + num_samples] for i in range(0, len(values), num_samples)]
                 curve = pass_at_k_curve([int(sum(v)) for v in per_prompt], num_samples)
                 metrics.update({f"{prefix}_rewards/{name}/pass@{k}": p for k, p in curve.items()})
+        if cfg.algorithm == "grpo":  # TRL's eval_loss: GRPO's loss on sampled groups, nothing trained
+            run = Run(cfg, model, tokenizer, task, Path(cfg.out_dir))
+            seed = cfg.seed * 1_000_003 + self.state.global_step + EVAL_LOSS_SEED
+            metrics[f"{prefix}_loss"] = grpo.eval_loss(run, examples, self.ref_model, seed=seed)
         metrics[f"{prefix}_samples"] = len(examples)
         step = self.state.global_step
         self.state.log_history.append({**metrics, "epoch": self._epoch(step), "step": step})

@@ -681,3 +681,19 @@ def test_es_num_generations_samples_each_prompt_per_member_reproducibly(tmp_path
         ESTrainer(
             MODEL, count, args=small(tmp_path / "e", num_generations=2, temperature=0.0), train_dataset=ROWS
         )
+
+
+def test_grpo_evaluate_reports_trls_eval_loss_for_each_eval_dataset(tmp_path):
+    args = small(tmp_path, GRPOConfig, max_steps=1, per_device_train_batch_size=4, beta=0.04)
+    trainer = GRPOTrainer(MODEL, [CORRECT, short], args=args, train_dataset=ROWS, eval_dataset=HELD_OUT)
+    assert trainer.ref_model is not None and not any(p.requires_grad for p in trainer.ref_model.parameters())
+    before = {n: p.clone() for n, p in trainer.model.named_parameters()}
+    metrics = trainer.evaluate()
+    assert math.isfinite(metrics["eval_loss"]) and "eval_reward" in metrics
+    assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())  # nothing trained
+    assert trainer.evaluate()["eval_loss"] == metrics["eval_loss"]  # seeded by the run's seed and step
+    both = trainer.evaluate({"a": HELD_OUT, "b": ROWS[:2]})
+    assert both["eval_a_loss"] == metrics["eval_loss"] and math.isfinite(both["eval_b_loss"])
+    assert "eval_loss" not in ESTrainer(
+        MODEL, CORRECT, args=small(tmp_path / "es"), train_dataset=ROWS
+    ).evaluate(HELD_OUT)
