@@ -115,12 +115,12 @@ def sample_and_score(run: Run, step: int) -> Samples:
     )
     repeated = [ex for ex in mine for _ in range(g.num_generations)]
     scores = run.task.scores(repeated, gen.texts, completion_ids=gen.completion_ids)
-    local = torch.tensor([s.reward(run.cfg.format_weight) for s in scores], dtype=torch.float64)
+    local = torch.tensor([_reward(run, s) for s in scores], dtype=torch.float64)
     where = f"GRPO step {step}"
     rewards = distributed.gather_blocks(local.view(share, g.num_generations), where=where)  # the whole batch
-    if not bool(torch.isfinite(rewards).all()):
+    if bool(torch.isinf(rewards).any()):
         raise ValueError(
-            f"GRPO step {step}: {int((~torch.isfinite(rewards)).sum())} completions got a non-finite reward; "
+            f"GRPO step {step}: {int(torch.isinf(rewards).sum())} completions got an infinite reward; "
             "fix the reward function so that it returns finite numbers"
         )
     samples = Samples(gen, scores, rewards, share, rank, where)
@@ -130,6 +130,14 @@ def sample_and_score(run: Run, step: int) -> Samples:
         samples.per_function = distributed.gather_blocks(local_parts, where=where)
         samples.weights = weights
     return samples
+
+
+def _reward(run: Run, score: Score) -> float:
+    """A completion's reward; NaN where every reward function returned None (TRL leaves such a
+    completion out of its group's mean and std, and gives it advantage 0)."""
+    if score.rewards and all(math.isnan(v) for v in score.rewards.values()):
+        return math.nan
+    return score.reward(run.cfg.format_weight)
 
 
 def reward_functions(run: Run, scores: list[Score]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,12 +193,15 @@ def grpo_advantages(
         std = nanstd(summed).expand_as(summed)
         advantages = (summed - torch.nanmean(summed)) / (std + 1e-4)
         return torch.nan_to_num(advantages, nan=0.0), std
-    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    # NaN rewards (unscored completions) are left out of means and stds and get advantage 0; without
+    # them nanmean and nanstd are mean and std.
+    centred = rewards - torch.nanmean(rewards, dim=1, keepdim=True)
     if scale_rewards == "batch":
-        std = rewards.std().expand_as(rewards)
+        std = nanstd(rewards).expand_as(rewards)
     else:
-        std = rewards.std(dim=1, keepdim=True).expand_as(rewards)  # Bessel-corrected, as TRL
-    return (centred if scale_rewards == "none" else centred / (std + 1e-4)), std
+        std = nanstd(rewards, dim=1, keepdim=True).expand_as(rewards)  # Bessel-corrected, as TRL
+    advantages = centred if scale_rewards == "none" else centred / (std + 1e-4)
+    return torch.where(torch.isnan(rewards), torch.zeros_like(advantages), advantages), std
 
 
 # --- 3. the loss ------------------------------------------------------------------------------------
@@ -615,8 +626,8 @@ def grpo_record(
         [fit.entropy_sum, generated], where=samples.where
     ).tolist()
     record = {
-        "reward": float(samples.rewards.mean()),
-        "reward_std": float(samples.rewards.std()),  # TRL's: the spread of the batch's rewards
+        "reward": float(torch.nanmean(samples.rewards)),  # unscored completions left out, as TRL
+        "reward_std": float(nanstd(samples.rewards)),  # TRL's: the spread of the batch's rewards
         "frac_reward_zero_std": float(std.isclose(torch.zeros_like(std)).double().mean()),
         "entropy": entropy_sum / max(generated_count, 1.0),
         "kl": fit.kl / (g.num_iterations * max(batch.tokens, 1.0)),
@@ -664,7 +675,7 @@ def eval_loss(run: Run, examples: list[Example], reference=None, seed: int = 0) 
     )
     repeated = [ex for ex in examples for _ in range(g.num_generations)]
     scores = run.task.scores(repeated, gen.texts, completion_ids=gen.completion_ids)
-    rewards = torch.tensor([s.reward(run.cfg.format_weight) for s in scores], dtype=torch.float64)
+    rewards = torch.tensor([_reward(run, s) for s in scores], dtype=torch.float64)
     advantages, _ = grpo_advantages(rewards.view(len(examples), g.num_generations), g.scale_rewards)
     input_ids, attention, completion = completion_batch(gen, run.tokenizer.pad_token_id, run.model.device)
     logp, _ = completion_logprobs(run.model, input_ids, attention, g.temperature)

@@ -639,3 +639,27 @@ def test_every_option_runs_a_step_and_logs_trl_metrics(tmp_path, options):
     assert all(math.isfinite(v) for v in record.values())
     named = {"cispo": "cispo_clip_ratio", "vespo": "vespo/phi_seq_mean", "sapo": "loss"}
     assert named.get(options["loss_type"], "clip_ratio/high_mean") in record
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_unscored_completions_are_left_out_of_the_advantages_as_trl_does(scale):
+    """A completion every reward function returned None for (NaN) counts in no mean or std and gets
+    advantage 0; the others get what they would get without it."""
+    from fastes.grpo import grpo_advantages
+
+    with_gap = torch.tensor([[1.0, math.nan, 3.0], [0.0, 2.0, 7.0]], dtype=torch.float64)
+    advantages, _ = grpo_advantages(with_gap, scale)
+    assert advantages[0, 1] == 0.0
+    group = torch.tensor([1.0, 3.0], dtype=torch.float64)
+    spread = {
+        "group": group.std(),
+        "batch": torch.tensor([1.0, 3.0, 0.0, 2.0, 7.0]).double().std(),
+        "none": None,
+    }
+    expected = group - group.mean()
+    if spread[scale] is not None:
+        expected = expected / (spread[scale] + 1e-4)
+    assert torch.allclose(advantages[0, [0, 2]], expected)
+    full, _ = grpo_advantages(with_gap[1:], scale if scale != "batch" else "group")
+    if scale != "batch":
+        assert torch.allclose(advantages[1], full[0])
