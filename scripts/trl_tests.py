@@ -436,9 +436,16 @@ def pytest_runtest_logreport(report):
 '''
 
 
-def prepare(trl: Path, trainer: str, workdir: Path) -> tuple[Path, dict[str, str]]:
-    """Copy trl/tests into workdir and prepare it; returns (test file, {hub id: why not buildable})."""
+def prepare(trl: Path, trainer: str, workdir: Path, trl_from: str = "checkout") -> tuple[Path, dict[str, str]]:
+    """Copy trl/tests into workdir and prepare it; returns (test file, {hub id: why not buildable}).
+
+    With trl_from="checkout" the checkout's own `trl` package is copied to workdir/trl-src too, and run_pytest
+    puts it first on the path: the tests then meet the TRL they were written for (their testing_utils imports
+    names that other TRL releases lack).
+    """
     shutil.copytree(trl / "tests", workdir / "tests")
+    if trl_from == "checkout":
+        shutil.copytree(trl / "trl", workdir / "trl-src" / "trl")
     test_file = workdir / "tests" / TEST_FILE
     source = swap_import(test_file.read_text(), trainer)
     root = cache_dir()
@@ -464,7 +471,10 @@ def run_pytest(
 ) -> tuple[list[dict[str, Any]], float]:
     """Run the copied file; returns (one outcome dict per test, seconds). Restarts after a stuck test."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(workdir), str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    path = [str(workdir), str(REPO)]
+    if (workdir / "trl-src").exists():
+        path.insert(0, str(workdir / "trl-src"))
+    env["PYTHONPATH"] = os.pathsep.join([*path, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.update(
         FASTES_TRL_ZEN=str(workdir / "zen.json"),
         FASTES_TRL_TIMEOUT=str(timeout),
@@ -483,7 +493,7 @@ def run_pytest(
         progress = workdir / "progress.jsonl"
         progress.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "pytest", f"tests/{TEST_FILE}", "-p", "fastes_trl_plugin", "-q", "-rN",
-               "-p", "no:cacheprovider", f"--junitxml={junit}", "-o", "junit_family=xunit1"]
+               "-p", "no:cacheprovider", "--disable-warnings", f"--junitxml={junit}", "-o", "junit_family=xunit1"]
         if k:
             cmd += ["-k", k]
         for nodeid in deselect:
@@ -661,6 +671,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=int, default=300, help="seconds per test (default 300)")
     p.add_argument("--run-timeout", type=int, default=4 * 3600, help="seconds for the whole run before it is "
                    "restarted without the test in flight (default 4 h)")
+    p.add_argument("--trl-from", choices=["checkout", "installed"], default="checkout",
+                   help="import trl from the checkout (default; the tests' own TRL) or the installed package")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (its path is printed)")
     args = p.parse_args(argv)
 
@@ -678,7 +690,7 @@ def main(argv: list[str] | None = None) -> int:
 
     workdir = Path(tempfile.mkdtemp(prefix="fastes-trl-tests-"))
     try:
-        _, missing = prepare(trl, args.trainer, workdir)
+        _, missing = prepare(trl, args.trainer, workdir, args.trl_from)
         cases, seconds = run_pytest(workdir, args.k, args.timeout, args.run_timeout, cache_dir())
     finally:
         if args.keep:
@@ -694,7 +706,9 @@ def main(argv: list[str] | None = None) -> int:
         "trainer": args.trainer,
         "import": IMPORTS[args.trainer],
         "trl_commit": trl_commit,
-        "trl_version": trl_pkg.__version__,
+        "trl_installed_version": trl_pkg.__version__,
+        "trl_imported_from": args.trl_from,
+        "trl_checkout_version": (trl / "VERSION").read_text().strip() if (trl / "VERSION").exists() else None,
         "fastes_commit": git_commit(REPO),
         "date": time.strftime("%Y-%m-%d"),
         "seconds": round(seconds, 1),
@@ -706,7 +720,8 @@ def main(argv: list[str] | None = None) -> int:
         f"\n{s['passed']} passed, {s['failed']} failed, {s['not applicable']} not applicable "
         f"({s['percent_passed_of_applicable']}% of {s['applicable']} applicable passed) in {seconds:.0f} s\n"
         f"trainer {args.trainer}: {IMPORTS[args.trainer]}\n"
-        f"TRL commit {trl_commit}, installed TRL {trl_pkg.__version__}, fastes commit {info['fastes_commit']}"
+        f"TRL commit {trl_commit} (checkout version {info['trl_checkout_version']}, trl imported from the "
+        f"{args.trl_from}), installed TRL {trl_pkg.__version__}, fastes commit {info['fastes_commit']}"
     )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
