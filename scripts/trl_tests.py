@@ -5,32 +5,33 @@
 
 What it does, in order:
 
-1. Copies the checkout's `tests/` to a temporary directory and, in its `test_grpo_trainer.py`, replaces the one
-   line `from trl import GRPOConfig, GRPOTrainer`: `--trainer grpo` imports fastes' GRPOConfig/GRPOTrainer,
-   `--trainer es` imports `ESConfig as GRPOConfig, ESTrainer as GRPOTrainer`, and `--trainer trl` leaves it as is
-   (TRL itself: the baseline that shows the substitutions below are sound). Nothing else in the test bodies changes
-   except the hub ids of step 2. No TRL code is kept in this repository: the copy lives only for the run.
+1. Copies the checkout's `tests/` to a temporary directory and, in its `test_grpo_trainer.py`, replaces the
+   one line `from trl import GRPOConfig, GRPOTrainer`: `--trainer grpo` imports fastes'
+   GRPOConfig/GRPOTrainer, `--trainer es` imports `ESConfig as GRPOConfig, ESTrainer as GRPOTrainer`, and
+   `--trainer trl` leaves it as is (TRL itself: the baseline that shows the substitutions below are sound).
+   Nothing else in the test bodies changes except the hub ids of step 2. No TRL code is kept in this
+   repository: the copy lives only for the run.
 2. Builds, once (cached under $FASTES_CACHE_DIR/trl-tests, else ~/.cache/fastes/trl-tests), random-weight tiny
-   models of the architectures named by the file's `trl-internal-testing/tiny-*` ids that transformers can build
-   from a config class, each saved with `save_pretrained` beside fastes' offline character tokenizer (with a chat
-   template and a pad token; the sequence classifiers have num_labels=1 and `pad_token_id`). The ids are replaced
-   in the copied file by the local paths (a plain string replacement; test names are reported with the original
-   ids). Ids it cannot build (vision-language models, custom remote code) stay as they are, and their tests are
-   "not applicable: needs a hub model". A pytest plugin makes `datasets.load_dataset("trl-internal-testing/zen",
-   CONFIG, ...)` return local rows of the same shape, written by this script (17 train rows and 2 test rows, as
-   the hub dataset has; split=None gives a DatasetDict, streaming=True an IterableDataset); every other call goes
-   to the real `load_dataset`.
-   The causal LMs are tuned to end a completion after about `EOS_MEAN_LENGTH` tokens (their EOS logit is raised
-   along the mean final hidden state): with plain random weights no completion ever ends, so every test that keeps
-   TRL's default max_completion_length=512 would generate 512 tokens per completion for 51 steps, an hour of CPU
-   for the file. The one test that relies on completions never ending (all truncated) then fails with TRL too and
-   is reported not applicable as a substitution fault.
+   models of the architectures named by the file's `trl-internal-testing/tiny-*` ids that transformers can
+   build from a config class, each saved with `save_pretrained` beside fastes' offline character tokenizer
+   (with a chat template and a pad token; the sequence classifiers have num_labels=1 and `pad_token_id`). The
+   ids are replaced in the copied file by the local paths (a plain string replacement; test names are reported
+   with the original ids). Ids it cannot build (vision-language models, custom remote code) stay as they are,
+   and their tests are "not applicable: needs a hub model". A pytest plugin makes
+   `datasets.load_dataset("trl-internal-testing/zen", CONFIG, ...)` return local rows of the same shape,
+   written by this script (17 train rows and 2 test rows, as the hub dataset has; split=None gives a
+   DatasetDict, streaming=True an IterableDataset); every other call goes to the real `load_dataset`. The
+   causal LMs are tuned to end a completion after about `EOS_MEAN_LENGTH` tokens (their EOS logit is raised
+   along the mean final hidden state): with plain random weights no completion ever ends, so every test that
+   keeps TRL's default max_completion_length=512 would generate 512 tokens per completion for 51 steps, an
+   hour of CPU for the file. The one test that relies on completions never ending (all truncated) then fails
+   with TRL too and is reported not applicable as a substitution fault.
 3. Runs pytest on that file with `--junitxml`, in one process. The per-test time limit (`--timeout`, default
-   300 s) is a SIGALRM set by the plugin around each test's call phase: pytest-timeout is not installed here, and
-   the alarm turns a stuck test into an ordinary failure ("timed out after N s") without losing the rest of the
-   run. A test stuck in C code that ignores the signal is caught by a whole-run watchdog: the plugin logs each
-   finished test to a progress file, the run is killed after `--run-timeout`, the test in flight is recorded as
-   timed out, and pytest is started again without the tests already done.
+   300 s) is a SIGALRM set by the plugin around each test's call phase: pytest-timeout is not installed here,
+   and the alarm turns a stuck test into an ordinary failure ("timed out after N s") without losing the rest
+   of the run. A test stuck in C code that ignores the signal is caught by a whole-run watchdog: the plugin
+   logs each finished test to a progress file, the run is killed after `--run-timeout`, the test in flight is
+   recorded as timed out, and pytest is started again without the tests already done.
 4. Classifies every test (parametrised cases separately): passed; failed, with the first line of the error; or
    not applicable, with a reason: a skip or xfail marker of TRL's (GPU, vLLM, Liger, jmespath, bitsandbytes,
    kernels), a test of TRL internals (TRL_INTERNALS below), a GRPO-only feature under `--trainer es`
@@ -68,76 +69,112 @@ HUB_PREFIX = "trl-internal-testing/"
 ZEN = "trl-internal-testing/zen"
 EOS_MEAN_LENGTH = 12  # tokens a completion of the tiny causal LMs lasts on average (see step 2)
 
-# ---------------------------------------------------------------------------------------------------------------
-# Not applicable to any drop-in: tests of TRL's internals (checked against TRL f2cd57710, July 2026). Keys are
-# "Class::test" (every parametrised case) or "Class::test[id]" (one case).
-# ---------------------------------------------------------------------------------------------------------------
-TRL_INTERNALS: dict[str, str] = {
-    "TestGetHighEntropyMask::*": "calls GRPOTrainer.get_high_entropy_mask on a Mock trainer with a mocked "
-    "accelerator: tests TRL's helper through TRL's private layout",
-    "TestGRPORolloutDispatch::*": "builds the trainer with object.__new__ and calls the private _generate with "
-    "TRL's private attributes (_tokenizer, _metrics, vllm_generation)",
-    "TestTransformersContinuousBatchingContract::*": "tests transformers' continuous-batching API, not the trainer",
-    "TestGRPOTrainer::test_entropy_bonus_flows_gradients": "reads trainer._entropy_bonus_enabled and calls the "
-    "private _get_per_token_logps_and_entropies",
-    "TestGRPOTrainer::test_compute_liger_loss_passes_vllm_is_ratio": "patches the private "
-    "_generate_and_score_completions and trainer.liger_loss",
-    "TestGRPOTrainer::test_train_reward_func_with_log_extra": "asserts on the private trainer._logs['extra']",
-    "TestGRPOTrainer::test_prepare_input_called_with_correct_data": "patches GRPOTrainer.training_step (the "
-    "transformers.Trainer method TRL subclasses) and checks its call arguments, and expects the hub dataset's "
-    "exact prompts",
-    "TestGRPOTrainer::test_train_with_mask_truncated_completions": "patches transformers' GenerationMixin.generate "
-    "to return Qwen2.5's token ids (151643, 151645): assumes generation through HF generate with that vocabulary",
-    "TestGRPOTrainer::test_liger_kernel_with_peft_lm_head_raises": "checks TRL's guard for the Liger GRPO loss",
-    "TestGRPOTrainer::test_liger_kernel_with_peft_non_lm_head_target_allowed": "checks TRL's guard for the Liger "
-    "GRPO loss (expects ImportError without liger-kernel)",
-    "TestGRPOTrainer::test_liger_kernel_with_peft_modules_to_save_lm_head_allowed": "checks TRL's guard for the "
-    "Liger GRPO loss (expects ImportError without liger-kernel)",
-    "TestGRPOTrainer::test_liger_kernel_with_peft_prompt_learning_raises": "checks TRL's guard for the Liger GRPO "
-    "loss",
-    "TestGRPOTrainerVLM::*": "vision-language models and image datasets from the hub (trl-internal-testing/"
-    "tiny-*ForConditionalGeneration, zen-image)",
-    "TestGRPOTrainer::test_trust_remote_code": "needs a hub model with custom code (tiny-RemoteForCausalLM)",
-}
 
-# ---------------------------------------------------------------------------------------------------------------
-# Not applicable to ES (--trainer es): GRPO-only settings. A test that only trains on prompts and rewards applies.
-# ---------------------------------------------------------------------------------------------------------------
-GRPO_ONLY: dict[str, str] = {
-    "TestGRPOTrainer::test_train_loss_types": "GRPO loss types (loss_type)",
-    "TestGRPOTrainer::test_train_eval_on_start": "sets loss_type='grpo' (its regression is in the GRPO loss)",
-    "TestGRPOTrainer::test_train_multiple_iterations": "num_iterations: reusing a generation batch for several "
-    "policy-gradient steps",
-    "TestGRPOTrainer::test_train_moe_peft_model": "beta=0.1: KL to a reference model",
-    "TestGRPOTrainer::test_train_with_sync_ref_model": "reference model and its sync (beta, sync_ref_model)",
-    "TestGRPOTrainer::test_train_beta_non_zero": "beta: KL to a reference model",
-    "TestGRPOTrainer::test_get_off_policy_mask": "off-policy masking of the GRPO loss",
-    "TestGRPOTrainer::test_get_off_policy_mask_padding": "off-policy masking of the GRPO loss",
-    "TestGRPOTrainer::test_train_with_off_policy_mask": "off-policy masking of the GRPO loss",
-    "TestGRPOTrainer::test_train_with_off_policy_mask_with_liger": "off-policy masking of the GRPO loss",
-    "TestGRPOTrainer::test_train_with_bias_correction_kl": "beta and use_bias_correction_kl: KL estimator",
-    "TestGRPOTrainer::test_train_with_static_entropy": "entropy bonus in the loss (entropy_coef)",
-    "TestGRPOTrainer::test_train_with_adaptive_entropy": "adaptive entropy bonus in the loss",
-    "TestGRPOTrainer::test_entropy_bonus_scale": "entropy bonus in the loss, per loss type",
-    "TestGRPOTrainer::test_train_with_adaptive_entropy_gradient_accumulation": "adaptive entropy bonus under "
-    "gradient accumulation",
-    "TestGRPOTrainer::test_train_with_entropy_filter": "top_entropy_quantile: token masking of the loss",
-    "TestGRPOTrainer::test_train_normalize_then_sum_aggregation": "multi_objective_aggregation: per-function "
-    "normalisation within a prompt's group of generations (GRPO advantages)",
-    "TestGRPOTrainer::test_reward_metric_reflects_reward_weights[normalize_then_sum]": "multi_objective_aggregation"
-    "='normalize_then_sum' (GRPO advantages)",
-    "TestGRPOTrainer::test_train_scale_rewards": "scale_rewards: GRPO advantage normalisation",
-    "TestGRPOTrainer::test_train_with_mask_truncated_completions_all_masked": "mask_truncated_completions with "
-    "loss_type='dapo': masking tokens of the GRPO loss",
-    "TestGRPOTrainer::test_warning_raised_sequence_level_with_token_summed_loss": "importance_sampling_level with "
-    "loss_type",
-    "TestGRPOTrainer::test_train_delta_clipping": "delta: two-sided clipping of the importance ratio",
-    "TestGRPOTrainer::test_train_sequence_importance_sampling": "sequence-level importance sampling",
-}
+def _table(text: str) -> dict[str, str]:
+    """{key: reason} from lines "key" followed by indented lines of its reason."""
+    table: dict[str, str] = {}
+    key = ""
+    for line in text.strip("\n").splitlines():
+        if line.startswith(" "):
+            table[key] = f"{table[key]} {line.strip()}".strip()
+        else:
+            key = line.strip()
+            table[key] = ""
+    return table
 
-# ---------------------------------------------------------------------------------------------------------------
+
+# Not applicable to any drop-in: tests of TRL's internals (read in TRL f2cd57710, July 2026). Keys are
+# "Class::test" (every parametrised case), "Class::test[id]" (one case) or "Class::*" (the whole class).
+TRL_INTERNALS = _table("""
+TestGetHighEntropyMask::*
+    calls GRPOTrainer.get_high_entropy_mask with a Mock trainer and a mocked accelerator:
+    TRL's helper through TRL's private layout
+TestGRPORolloutDispatch::*
+    builds the trainer with object.__new__ and calls the private _generate with TRL's private
+    attributes (_tokenizer, _metrics, vllm_generation)
+TestTransformersContinuousBatchingContract::*
+    tests transformers' continuous-batching API, not the trainer
+TestGRPOTrainer::test_entropy_bonus_flows_gradients
+    reads trainer._entropy_bonus_enabled and calls the private _get_per_token_logps_and_entropies
+TestGRPOTrainer::test_compute_liger_loss_passes_vllm_is_ratio
+    patches the private _generate_and_score_completions and trainer.liger_loss
+TestGRPOTrainer::test_train_reward_func_with_log_extra
+    asserts on the private trainer._logs["extra"]
+TestGRPOTrainer::test_prepare_input_called_with_correct_data
+    patches GRPOTrainer.training_step (the transformers.Trainer method TRL subclasses), checks its
+    call arguments, and expects the hub dataset's exact prompts
+TestGRPOTrainer::test_train_with_mask_truncated_completions
+    patches transformers' GenerationMixin.generate to return Qwen2.5's token ids (151643, 151645):
+    assumes generation through HF generate with that vocabulary
+TestGRPOTrainer::test_liger_kernel_with_peft_lm_head_raises
+    checks TRL's guard for the Liger GRPO loss (liger-kernel)
+TestGRPOTrainer::test_liger_kernel_with_peft_non_lm_head_target_allowed
+    checks TRL's guard for the Liger GRPO loss (expects ImportError without liger-kernel)
+TestGRPOTrainer::test_liger_kernel_with_peft_modules_to_save_lm_head_allowed
+    checks TRL's guard for the Liger GRPO loss (expects ImportError without liger-kernel)
+TestGRPOTrainer::test_liger_kernel_with_peft_prompt_learning_raises
+    checks TRL's guard for the Liger GRPO loss (liger-kernel)
+TestGRPOTrainerVLM::*
+    vision: vision-language models and image datasets from the hub
+    (tiny-*ForConditionalGeneration, zen-image)
+TestGRPOTrainer::test_trust_remote_code
+    needs a hub model with custom code (tiny-RemoteForCausalLM)
+""")
+
+# Not applicable to ES (--trainer es): GRPO-only settings. A test that only trains on prompts and rewards
+# applies to ES.
+GRPO_ONLY = _table("""
+TestGRPOTrainer::test_train_loss_types
+    GRPO loss types (loss_type)
+TestGRPOTrainer::test_train_eval_on_start
+    sets loss_type="grpo" (its regression is in the GRPO loss)
+TestGRPOTrainer::test_train_multiple_iterations
+    num_iterations: several policy-gradient steps on one generation batch
+TestGRPOTrainer::test_train_moe_peft_model
+    beta=0.1: KL to a reference model
+TestGRPOTrainer::test_train_with_sync_ref_model
+    reference model and its sync (beta, sync_ref_model)
+TestGRPOTrainer::test_train_beta_non_zero
+    beta: KL to a reference model
+TestGRPOTrainer::test_get_off_policy_mask
+    off-policy masking of the GRPO loss
+TestGRPOTrainer::test_get_off_policy_mask_padding
+    off-policy masking of the GRPO loss
+TestGRPOTrainer::test_train_with_off_policy_mask
+    off-policy masking of the GRPO loss
+TestGRPOTrainer::test_train_with_off_policy_mask_with_liger
+    off-policy masking of the GRPO loss
+TestGRPOTrainer::test_train_with_bias_correction_kl
+    beta and use_bias_correction_kl: the KL estimator
+TestGRPOTrainer::test_train_with_static_entropy
+    entropy bonus in the loss (entropy_coef)
+TestGRPOTrainer::test_train_with_adaptive_entropy
+    adaptive entropy bonus in the loss
+TestGRPOTrainer::test_entropy_bonus_scale
+    entropy bonus in the loss, per loss type
+TestGRPOTrainer::test_train_with_adaptive_entropy_gradient_accumulation
+    adaptive entropy bonus under gradient accumulation
+TestGRPOTrainer::test_train_with_entropy_filter
+    top_entropy_quantile: token masking of the loss
+TestGRPOTrainer::test_train_normalize_then_sum_aggregation
+    multi_objective_aggregation: per-function normalisation within a prompt's group (GRPO advantages)
+TestGRPOTrainer::test_reward_metric_reflects_reward_weights[normalize_then_sum]
+    multi_objective_aggregation="normalize_then_sum" (GRPO advantages)
+TestGRPOTrainer::test_train_scale_rewards
+    scale_rewards: GRPO advantage normalisation
+TestGRPOTrainer::test_train_with_mask_truncated_completions_all_masked
+    mask_truncated_completions with loss_type="dapo": masking tokens of the GRPO loss
+TestGRPOTrainer::test_warning_raised_sequence_level_with_token_summed_loss
+    importance_sampling_level with loss_type
+TestGRPOTrainer::test_train_delta_clipping
+    delta: two-sided clipping of the importance ratio
+TestGRPOTrainer::test_train_sequence_importance_sampling
+    sequence-level importance sampling
+""")
+
+# -----------------------------------------------------------------------------------------------------------
 # Tiny models. Every causal LM gets these sizes (filtered by what its config class accepts).
-# ---------------------------------------------------------------------------------------------------------------
+# -----------------------------------------------------------------------------------------------------------
 SIZES: dict[str, Any] = dict(
     hidden_size=32,
     intermediate_size=64,
@@ -254,6 +291,25 @@ def zen_rows(config: str) -> dict[str, list[dict[str, Any]]]:
     return {"train": rows[:17], "test": rows[17:]}
 
 
+def zen_dataset(
+    zen: dict[str, Any], name: str | None, split: str | None = None, streaming: bool = False
+) -> Any:
+    """What load_dataset("trl-internal-testing/zen", name, split=..., streaming=...) returns, from local rows
+    (zen: {config: {split: rows}}): a Dataset, or a DatasetDict when split is None; Iterable* when
+    streaming."""
+    import datasets
+
+    if name not in zen:
+        raise ValueError(f"scripts/trl_tests.py has no local rows for zen config {name!r}")
+    splits = {s: datasets.Dataset.from_list(rows) for s, rows in zen[name].items()}
+    if split is not None:
+        ds = splits[split]
+        return ds.to_iterable_dataset() if streaming else ds
+    if streaming:
+        return datasets.IterableDatasetDict({s: d.to_iterable_dataset() for s, d in splits.items()})
+    return datasets.DatasetDict(splits)
+
+
 def tokenizer():
     """fastes' offline character tokenizer, with a chat template, a pad token and room for 2048 positions."""
     from fastes.models import build_tokenizer
@@ -271,7 +327,9 @@ def _config(cls: Any, tok: Any, classifier: bool) -> Any:
     config_cls = cls.config_class
     accepted = set(inspect.signature(config_cls.__init__).parameters)
     kwargs = {k: v for k, v in SIZES.items() if k in accepted}
-    if "layers_block_type" in accepted:  # NemotronH: a Mamba (linear attention) layer, then an attention layer
+    if (
+        "layers_block_type" in accepted
+    ):  # NemotronH: a Mamba (linear attention) layer, then an attention layer
         kwargs["layers_block_type"] = ["linear_attention", "full_attention"]
     ids = dict(
         vocab_size=len(tok),
@@ -306,7 +364,9 @@ def _end_completions(model: Any, tok: Any, mean_length: int) -> None:
     batch = tok(text, return_tensors="pt", padding=True)
     with torch.no_grad():
         out = model(**batch, output_hidden_states=True)
-        hidden = out.hidden_states[-1][batch["attention_mask"].bool()]  # (tokens, hidden), after the final norm
+        hidden = out.hidden_states[-1][
+            batch["attention_mask"].bool()
+        ]  # (tokens, hidden), after the final norm
         mean = hidden.mean(0)
         logits = out.logits[batch["attention_mask"].bool()]
         others = torch.logsumexp(logits, dim=-1).mean()  # about log(vocab) for random weights
@@ -353,9 +413,9 @@ def build_model(hub_id: str, root: Path) -> tuple[Path | None, str]:
     return target, ""
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# -----------------------------------------------------------------------------------------------------------
 # Preparing the copy
-# ---------------------------------------------------------------------------------------------------------------
+# -----------------------------------------------------------------------------------------------------------
 def swap_import(source: str, trainer: str) -> str:
     """The test file with TRL's trainer import replaced by `trainer`'s; refuses a file without that import."""
     if TRL_IMPORT not in source:
@@ -377,6 +437,8 @@ import json, os, signal, sys
 import datasets
 import pytest
 
+from trl_tests import zen_dataset
+
 _ZEN = json.load(open(os.environ["FASTES_TRL_ZEN"]))
 _real_load_dataset = datasets.load_dataset
 
@@ -384,15 +446,7 @@ _real_load_dataset = datasets.load_dataset
 def _local(path, name=None, *args, split=None, streaming=False, **kwargs):
     if path != "trl-internal-testing/zen":
         return _real_load_dataset(path, name, *args, split=split, streaming=streaming, **kwargs)
-    if name not in _ZEN:
-        raise ValueError(f"scripts/trl_tests.py has no local rows for zen config {name!r}")
-    splits = {s: datasets.Dataset.from_list(rows) for s, rows in _ZEN[name].items()}
-    if split is not None:
-        ds = splits[split]
-        return ds.to_iterable_dataset() if streaming else ds
-    if streaming:
-        return datasets.IterableDatasetDict({s: d.to_iterable_dataset() for s, d in splits.items()})
-    return datasets.DatasetDict(splits)
+    return zen_dataset(_ZEN, name, split=split, streaming=streaming)
 
 
 datasets.load_dataset = _local
@@ -436,7 +490,9 @@ def pytest_runtest_logreport(report):
 '''
 
 
-def prepare(trl: Path, trainer: str, workdir: Path, trl_from: str = "checkout") -> tuple[Path, dict[str, str]]:
+def prepare(
+    trl: Path, trainer: str, workdir: Path, trl_from: str = "checkout"
+) -> tuple[Path, dict[str, str]]:
     """Copy trl/tests into workdir and prepare it; returns (test file, {hub id: why not buildable}).
 
     With trl_from="checkout" the checkout's own `trl` package is copied to workdir/trl-src too, and run_pytest
@@ -463,15 +519,15 @@ def prepare(trl: Path, trainer: str, workdir: Path, trl_from: str = "checkout") 
     return test_file, missing
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# -----------------------------------------------------------------------------------------------------------
 # Running
-# ---------------------------------------------------------------------------------------------------------------
+# -----------------------------------------------------------------------------------------------------------
 def run_pytest(
     workdir: Path, k: str | None, timeout: int, run_timeout: int, paths_root: Path
 ) -> tuple[list[dict[str, Any]], float]:
     """Run the copied file; returns (one outcome dict per test, seconds). Restarts after a stuck test."""
     env = dict(os.environ)
-    path = [str(workdir), str(REPO)]
+    path = [str(workdir), str(REPO), str(REPO / "scripts")]
     if (workdir / "trl-src").exists():
         path.insert(0, str(workdir / "trl-src"))
     env["PYTHONPATH"] = os.pathsep.join([*path, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
@@ -492,8 +548,22 @@ def run_pytest(
         junit = workdir / f"junit-{attempt}.xml"
         progress = workdir / "progress.jsonl"
         progress.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "pytest", f"tests/{TEST_FILE}", "-p", "fastes_trl_plugin", "-q", "-rN",
-               "-p", "no:cacheprovider", "--disable-warnings", f"--junitxml={junit}", "-o", "junit_family=xunit1"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            f"tests/{TEST_FILE}",
+            "-p",
+            "fastes_trl_plugin",
+            "-q",
+            "-rN",
+            "-p",
+            "no:cacheprovider",
+            "--disable-warnings",
+            f"--junitxml={junit}",
+            "-o",
+            "junit_family=xunit1",
+        ]
         if k:
             cmd += ["-k", k]
         for nodeid in deselect:
@@ -510,14 +580,20 @@ def run_pytest(
             for case in parse_junit(junit.read_text(), paths_root):
                 results[case["id"]] = case
             break
-        # Killed or crashed: keep what the progress log says, mark the test in flight, start again without both.
+        # Killed or crashed: keep what the progress log says, mark the test in flight, start again
+        # without both.
         done, current = read_progress(progress, paths_root)
         results.update(done)
         if current is None:
             break
-        results[current[0]] = {"id": current[0], "outcome": "failed",
-                               "message": f"timed out (whole run killed after {run_timeout} s)"
-                               if stuck else "the pytest process died during this test", "seconds": None}
+        results[current[0]] = {
+            "id": current[0],
+            "outcome": "failed",
+            "message": f"timed out (whole run killed after {run_timeout} s)"
+            if stuck
+            else "the pytest process died during this test",
+            "seconds": None,
+        }
         deselect += [c["nodeid"] for c in done.values()] + [current[1]]
         deselect = sorted(set(deselect))
     return list(results.values()), time.monotonic() - start
@@ -540,7 +616,8 @@ def first_line(text: str | None) -> str:
 def parse_junit(xml: str, paths_root: Path | str = "/nonexistent") -> list[dict[str, Any]]:
     """One dict per testcase: id ("Class::test[param]" with the hub ids restored), outcome, message, seconds.
 
-    outcome is "passed", "failed" (a failure or an error element) or "skipped" (skip, or xfail with its reason).
+    outcome is "passed", "failed" (a failure or an error element) or "skipped" (skip, or xfail with its
+    reason).
     """
     out = []
     for case in ET.fromstring(xml).iter("testcase"):
@@ -561,40 +638,47 @@ def parse_junit(xml: str, paths_root: Path | str = "/nonexistent") -> list[dict[
 
 
 def read_progress(path: Path, paths_root: Path) -> tuple[dict[str, dict[str, Any]], tuple[str, str] | None]:
-    """Finished tests and the (id, nodeid) in flight, from the plugin's progress log."""
+    """Finished tests, and the (id, nodeid) of the test in flight if any, from the plugin's progress log."""
+
+    def test_id(nodeid: str) -> str:
+        return nodeid.split("::", 1)[1].replace(str(paths_root) + "/", "")
+
     done: dict[str, dict[str, Any]] = {}
     current = None
-    if not path.exists():
-        return done, None
-    for line in path.read_text().splitlines():
-        rec = json.loads(line)
+    lines = path.read_text().splitlines() if path.exists() else []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by the kill
+            continue
         if "start" in rec:
             current = rec["start"]
             continue
-        nodeid = rec["nodeid"]
-        cid = nodeid.split("::", 1)[1].replace(str(paths_root) + "/", "")
-        entry = done.setdefault(cid, {"id": cid, "nodeid": nodeid, "outcome": "passed", "message": "",
-                                      "seconds": 0.0})
+        cid = test_id(rec["nodeid"])
+        entry = done.setdefault(
+            cid, {"id": cid, "nodeid": rec["nodeid"], "outcome": "passed", "message": "", "seconds": 0.0}
+        )
         entry["seconds"] += rec["duration"]
         if rec["outcome"] == "failed" and entry["outcome"] != "failed":
-            entry["outcome"], entry["message"] = "failed", first_line(rec["longrepr"].splitlines()[-1]
-                                                                      if rec["longrepr"] else "")
+            entry["outcome"], entry["message"] = "failed", last_line(rec["longrepr"])
         elif rec["outcome"] == "skipped" and entry["outcome"] == "passed":
             entry["outcome"], entry["message"] = "skipped", first_line(rec["longrepr"])
         if rec["when"] == "teardown":
             current = None
-    if current is not None and current.split("::", 1)[1].replace(str(paths_root) + "/", "") in done:
-        current = None if done[current.split("::", 1)[1].replace(str(paths_root) + "/", "")].get("_") else current
-    if current is None:
-        return done, None
-    return done, (current.split("::", 1)[1].replace(str(paths_root) + "/", ""), current)
+    return done, (None if current is None else (test_id(current), current))
 
 
-# ---------------------------------------------------------------------------------------------------------------
+def last_line(text: str | None) -> str:
+    """The last non-empty line of a traceback ("E   ValueError: ..."), without pytest's "E" prefix."""
+    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    return lines[-1].removeprefix("E").strip()[:300] if lines else ""
+
+
+# -----------------------------------------------------------------------------------------------------------
 # Classifying
-# ---------------------------------------------------------------------------------------------------------------
+# -----------------------------------------------------------------------------------------------------------
 def lookup(table: dict[str, str], test_id: str) -> str | None:
-    """The reason `table` gives for test_id ("Class::test[param]"), matching the case, the test or the class."""
+    """The reason `table` gives for test_id ("Class::test[param]"): for the case, the test or the class."""
     base = test_id.split("[", 1)[0]
     cls = base.split("::", 1)[0]
     for key in (test_id, base, f"{cls}::*"):
@@ -609,14 +693,17 @@ def classify(
     baseline: dict[str, dict[str, Any]] | None = None,
     missing: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
-    """Each case with "status" (passed / failed / not applicable) and "reason" (the error line or why n.a.)."""
+    """Each case with "status" (passed / failed / not applicable) and "reason" (error line or why n.a.)."""
     out = []
     for case in cases:
         test_id, outcome, message = case["id"], case["outcome"], case.get("message", "")
         reason = None
         if outcome == "skipped":
-            reason = f"skipped by TRL's marker: {message}" if not message.startswith("xfail") else (
-                f"marked xfail by TRL ({message[len('xfail: '):]})")
+            reason = (
+                f"skipped by TRL's marker: {message}"
+                if not message.startswith("xfail")
+                else (f"marked xfail by TRL ({message[len('xfail: ') :]})")
+            )
         if reason is None:
             reason = lookup(TRL_INTERNALS, test_id)
             reason = f"TRL internals: {reason}" if reason else None
@@ -643,8 +730,14 @@ def classify(
 def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
     counts = {s: sum(r["status"] == s for r in results) for s in ("passed", "failed", "not applicable")}
     applicable = counts["passed"] + counts["failed"]
-    return {**counts, "applicable": applicable, "total": len(results),
-            "percent_passed_of_applicable": round(100.0 * counts["passed"] / applicable, 1) if applicable else None}
+    return {
+        **counts,
+        "applicable": applicable,
+        "total": len(results),
+        "percent_passed_of_applicable": round(100.0 * counts["passed"] / applicable, 1)
+        if applicable
+        else None,
+    }
 
 
 def git_commit(git_dir_or_tree: Path) -> str | None:
@@ -661,18 +754,30 @@ def default_baseline() -> Path | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--trl", type=Path, required=True, help="a TRL checkout (its tests/ is copied, not changed)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
+    p.add_argument(
+        "--trl", type=Path, required=True, help="a TRL checkout (its tests/ is copied, not changed)"
+    )
     p.add_argument("--trainer", choices=sorted(IMPORTS), required=True)
     p.add_argument("-k", dest="k", help="pytest -k expression: run only these tests")
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--commit", help="the checkout's TRL commit, when it has no .git")
     p.add_argument("--baseline", type=Path, help="--trainer trl results (default: the newest committed one)")
     p.add_argument("--timeout", type=int, default=300, help="seconds per test (default 300)")
-    p.add_argument("--run-timeout", type=int, default=4 * 3600, help="seconds for the whole run before it is "
-                   "restarted without the test in flight (default 4 h)")
-    p.add_argument("--trl-from", choices=["checkout", "installed"], default="checkout",
-                   help="import trl from the checkout (default; the tests' own TRL) or the installed package")
+    p.add_argument(
+        "--run-timeout",
+        type=int,
+        default=4 * 3600,
+        help="seconds for the whole run before it is restarted without the test in flight (default 4 h)",
+    )
+    p.add_argument(
+        "--trl-from",
+        choices=["checkout", "installed"],
+        default="checkout",
+        help="import trl from the checkout (default; the tests' own TRL) or the installed package",
+    )
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (its path is printed)")
     args = p.parse_args(argv)
 
