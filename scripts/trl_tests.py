@@ -623,10 +623,12 @@ def parse_junit(xml: str, paths_root: Path | str = "/nonexistent") -> list[dict[
     for case in ET.fromstring(xml).iter("testcase"):
         cid = _name(case.get("classname", ""), case.get("name", ""), Path(paths_root))
         entry = {"id": cid, "outcome": "passed", "message": "", "seconds": float(case.get("time") or 0.0)}
+        local = str(paths_root) + "/"
         for child in case:
             if child.tag in ("failure", "error"):
                 entry["outcome"] = "failed"
                 entry["message"] = first_line(child.get("message")) or first_line(child.text)
+                entry["message"] = entry["message"].replace(local, "")  # hub ids, not this machine's paths
                 break
             if child.tag == "skipped":
                 entry["outcome"] = "skipped"
@@ -660,7 +662,8 @@ def read_progress(path: Path, paths_root: Path) -> tuple[dict[str, dict[str, Any
         )
         entry["seconds"] += rec["duration"]
         if rec["outcome"] == "failed" and entry["outcome"] != "failed":
-            entry["outcome"], entry["message"] = "failed", last_line(rec["longrepr"])
+            message = last_line(rec["longrepr"]).replace(str(paths_root) + "/", "")
+            entry["outcome"], entry["message"] = "failed", message
         elif rec["outcome"] == "skipped" and entry["outcome"] == "passed":
             entry["outcome"], entry["message"] = "skipped", first_line(rec["longrepr"])
         if rec["when"] == "teardown":

@@ -116,7 +116,9 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?>
   <failure message="AssertionError: Parameter w has not changed.&#10;assert not True">tb</failure>
 </testcase>
 <testcase classname="tests.test_grpo_trainer.TestGRPOTrainer" name="test_train_beta_non_zero" time="1.0">
-  <error message="failed on setup with &quot;ValueError: boom&quot;">tb</error></testcase>
+  <error message="failed on setup with &quot;ValueError: /cache/trl-internal-testing/tiny-X: boom&quot;">
+  tb</error>
+</testcase>
 <testcase classname="tests.test_grpo_trainer.TestGRPOTrainer" name="test_train_vllm" time="0.0">
   <skipped type="pytest.skip" message="test requires vllm">skip</skipped></testcase>
 <testcase classname="tests.test_grpo_trainer.TestGRPOTrainer" name="test_tools" time="0.0">
@@ -135,6 +137,9 @@ def test_parse_junit_restores_hub_ids_and_reads_outcomes():
         "AssertionError: Parameter w has not changed."
     )
     assert cases["TestGRPOTrainer::test_train_beta_non_zero"]["outcome"] == "failed"  # an error element
+    assert cases["TestGRPOTrainer::test_train_beta_non_zero"]["message"] == (
+        'failed on setup with "ValueError: trl-internal-testing/tiny-X: boom"'  # the hub id, not the path
+    )
     assert cases["TestGRPOTrainer::test_init_minimal"] == {
         "id": "TestGRPOTrainer::test_init_minimal",
         "outcome": "passed",
