@@ -539,6 +539,8 @@ def run_pytest(
         HF_DATASETS_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
         TOKENIZERS_PARALLELISM="false",
+        # The models are tiny: a second thread costs more than it gives, and more so on a shared machine.
+        OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
         WANDB_DISABLED="true",
     )
     results: dict[str, dict[str, Any]] = {}
@@ -781,6 +783,12 @@ def main(argv: list[str] | None = None) -> int:
         default="checkout",
         help="import trl from the checkout (default; the tests' own TRL) or the installed package",
     )
+    p.add_argument(
+        "--from-json",
+        type=Path,
+        help="run nothing: classify the outcomes of an earlier --json file again (current tables and "
+        "baseline)",
+    )
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (its path is printed)")
     args = p.parse_args(argv)
 
@@ -796,15 +804,25 @@ def main(argv: list[str] | None = None) -> int:
             print(f"baseline: {path}")
     import trl as trl_pkg
 
-    workdir = Path(tempfile.mkdtemp(prefix="fastes-trl-tests-"))
-    try:
-        _, missing = prepare(trl, args.trainer, workdir, args.trl_from)
-        cases, seconds = run_pytest(workdir, args.k, args.timeout, args.run_timeout, cache_dir())
-    finally:
-        if args.keep:
-            print(f"kept {workdir}")
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
+    earlier: dict[str, Any] = {}
+    if args.from_json:
+        earlier = json.loads(args.from_json.read_text())
+        if earlier["trainer"] != args.trainer:
+            p.error(f"{args.from_json} is a --trainer {earlier['trainer']} run, not {args.trainer}")
+        keys = ("id", "outcome", "message", "seconds")
+        cases = [{k: t[k] for k in keys} for t in earlier["tests"]]
+        missing, seconds = earlier.get("models_not_built", {}), earlier["seconds"]
+        trl_commit, args.k = earlier["trl_commit"], earlier["k"]
+    else:
+        workdir = Path(tempfile.mkdtemp(prefix="fastes-trl-tests-"))
+        try:
+            _, missing = prepare(trl, args.trainer, workdir, args.trl_from)
+            cases, seconds = run_pytest(workdir, args.k, args.timeout, args.run_timeout, cache_dir())
+        finally:
+            if args.keep:
+                print(f"kept {workdir}")
+            else:
+                shutil.rmtree(workdir, ignore_errors=True)
     results = classify(cases, args.trainer, baseline, missing)
     for r in results:
         secs = f"{r['seconds']:7.1f}s" if r.get("seconds") is not None else "      -"
@@ -824,12 +842,17 @@ def main(argv: list[str] | None = None) -> int:
         "python": sys.version.split()[0],
         "models_not_built": missing,
     }
+    for key in ("fastes_commit", "date", "trl_imported_from", "python", "trl_installed_version"):
+        info[key] = earlier.get(key, info[key])  # a reclassification keeps the run's own facts
+    if earlier:
+        info["reclassified_from"] = str(args.from_json)
     print(
         f"\n{s['passed']} passed, {s['failed']} failed, {s['not applicable']} not applicable "
         f"({s['percent_passed_of_applicable']}% of {s['applicable']} applicable passed) in {seconds:.0f} s\n"
         f"trainer {args.trainer}: {IMPORTS[args.trainer]}\n"
         f"TRL commit {trl_commit} (checkout version {info['trl_checkout_version']}, trl imported from the "
-        f"{args.trl_from}), installed TRL {trl_pkg.__version__}, fastes commit {info['fastes_commit']}"
+        f"{info['trl_imported_from']}), installed TRL {info['trl_installed_version']}, fastes commit "
+        f"{info['fastes_commit']}"
     )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
