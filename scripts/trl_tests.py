@@ -606,6 +606,14 @@ def _name(classname: str, name: str, paths_root: Path) -> str:
     return f"{cls}::{name}".replace(str(paths_root) + "/", "")
 
 
+WORKDIR = re.compile(r"/\S*?fastes-trl-tests-[^/\s]+/")  # the temporary copy, in error lines
+
+
+def local_names(text: str, paths_root: Path | str) -> str:
+    """text with this machine's model paths back to hub ids and the temporary copy's path dropped."""
+    return WORKDIR.sub("", text.replace(str(paths_root) + "/", ""))
+
+
 def first_line(text: str | None) -> str:
     """The first non-empty line of an error message."""
     for line in (text or "").splitlines():
@@ -625,12 +633,11 @@ def parse_junit(xml: str, paths_root: Path | str = "/nonexistent") -> list[dict[
     for case in ET.fromstring(xml).iter("testcase"):
         cid = _name(case.get("classname", ""), case.get("name", ""), Path(paths_root))
         entry = {"id": cid, "outcome": "passed", "message": "", "seconds": float(case.get("time") or 0.0)}
-        local = str(paths_root) + "/"
         for child in case:
             if child.tag in ("failure", "error"):
                 entry["outcome"] = "failed"
                 entry["message"] = first_line(child.get("message")) or first_line(child.text)
-                entry["message"] = entry["message"].replace(local, "")  # hub ids, not this machine's paths
+                entry["message"] = local_names(entry["message"], paths_root)  # hub ids, not local paths
                 break
             if child.tag == "skipped":
                 entry["outcome"] = "skipped"
@@ -664,7 +671,7 @@ def read_progress(path: Path, paths_root: Path) -> tuple[dict[str, dict[str, Any
         )
         entry["seconds"] += rec["duration"]
         if rec["outcome"] == "failed" and entry["outcome"] != "failed":
-            message = last_line(rec["longrepr"]).replace(str(paths_root) + "/", "")
+            message = local_names(last_line(rec["longrepr"]), paths_root)
             entry["outcome"], entry["message"] = "failed", message
         elif rec["outcome"] == "skipped" and entry["outcome"] == "passed":
             entry["outcome"], entry["message"] = "skipped", first_line(rec["longrepr"])
@@ -811,6 +818,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"{args.from_json} is a --trainer {earlier['trainer']} run, not {args.trainer}")
         keys = ("id", "outcome", "message", "seconds")
         cases = [{k: t[k] for k in keys} for t in earlier["tests"]]
+        for case in cases:  # runs before error lines were cleaned
+            case["message"] = local_names(case["message"], cache_dir())
         missing, seconds = earlier.get("models_not_built", {}), earlier["seconds"]
         trl_commit, args.k = earlier["trl_commit"], earlier["k"]
     else:

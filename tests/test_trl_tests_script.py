@@ -126,7 +126,7 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?>
 <testcase classname="tests.test_grpo_trainer.TestGetHighEntropyMask" name="test_compute_entropy_mask_0"
   time="0.1"/>
 <testcase classname="tests.test_grpo_trainer.TestGRPOTrainer" name="test_train_with_eval" time="3.0">
-  <failure message="TypeError: unexpected keyword eval_strategy">tb</failure></testcase>
+  <failure message="TypeError: /tmp/fastes-trl-tests-ab12/tests/t.py: eval_strategy">tb</failure></testcase>
 </testsuite></testsuites>"""
 
 
@@ -146,6 +146,7 @@ def test_parse_junit_restores_hub_ids_and_reads_outcomes():
         "message": "",
         "seconds": 0.5,
     }
+    assert cases["TestGRPOTrainer::test_train_with_eval"]["message"] == "TypeError: tests/t.py: eval_strategy"
     assert cases["TestGRPOTrainer::test_train_vllm"]["outcome"] == "skipped"
     assert cases["TestGRPOTrainer::test_tools"]["message"] == "xfail: tool parsing"
 
