@@ -739,6 +739,54 @@ def classify(
     return sorted(out, key=lambda c: c["id"])
 
 
+def names_passed(source: str) -> dict[str, dict[str, set[str]]]:
+    """{"Class::test": {"GRPOConfig": keyword names, "GRPOTrainer": keyword names}} of a test file's calls."""
+    import ast
+
+    out: dict[str, dict[str, set[str]]] = {}
+    for cls in ast.parse(source).body:
+        if not isinstance(cls, ast.ClassDef):
+            continue
+        for fn in cls.body:
+            if not (isinstance(fn, ast.FunctionDef) and fn.name.startswith("test_")):
+                continue
+            names: dict[str, set[str]] = {"GRPOConfig": set(), "GRPOTrainer": set()}
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in names:
+                    names[node.func.id] |= {k.arg for k in node.keywords if k.arg}
+            out[f"{cls.name}::{fn.name}"] = names
+    return out
+
+
+def names_missing(
+    source: str, trainer: str, results: list[dict[str, Any]]
+) -> dict[str, dict[str, list[str]]]:
+    """The keyword names that failing tests pass to GRPOConfig(...) / GRPOTrainer(...) and `trainer`'s
+    classes do not take: {"GRPOConfig": {name: [tests]}, "GRPOTrainer": {...}}. A test stops at the first
+    unknown name; this lists them all, read from the test source."""
+    import dataclasses
+    import inspect
+
+    import fastes
+
+    config, cls = (
+        (fastes.ESConfig, fastes.ESTrainer) if trainer == "es" else (fastes.GRPOConfig, fastes.GRPOTrainer)
+    )
+    taken = {
+        "GRPOConfig": {f.name for f in dataclasses.fields(config)},
+        "GRPOTrainer": set(inspect.signature(cls.__init__).parameters),
+    }
+    failing = {r["id"].split("[", 1)[0] for r in results if r["status"] == "failed"}
+    out: dict[str, dict[str, list[str]]] = {"GRPOConfig": {}, "GRPOTrainer": {}}
+    for test, names in names_passed(source).items():
+        if test not in failing:
+            continue
+        for what, passed in names.items():
+            for name in sorted(passed - taken[what]):
+                out[what].setdefault(name, []).append(test)
+    return {what: dict(sorted(d.items(), key=lambda kv: (-len(kv[1]), kv[0]))) for what, d in out.items()}
+
+
 def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
     counts = {s: sum(r["status"] == s for r in results) for s in ("passed", "failed", "not applicable")}
     applicable = counts["passed"] + counts["failed"]
@@ -793,11 +841,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--from-json",
         type=Path,
+        nargs="+",
         help="run nothing: classify the outcomes of an earlier --json file again (current tables and "
         "baseline)",
     )
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (its path is printed)")
     args = p.parse_args(argv)
+    sys.path.insert(0, str(REPO))  # this checkout's fastes, as the tests get it (not an installed one)
 
     trl = args.trl.resolve()
     if not (trl / "tests" / TEST_FILE).exists():
@@ -812,16 +862,22 @@ def main(argv: list[str] | None = None) -> int:
     import trl as trl_pkg
 
     earlier: dict[str, Any] = {}
-    if args.from_json:
-        earlier = json.loads(args.from_json.read_text())
-        if earlier["trainer"] != args.trainer:
-            p.error(f"{args.from_json} is a --trainer {earlier['trainer']} run, not {args.trainer}")
-        keys = ("id", "outcome", "message", "seconds")
-        cases = [{k: t[k] for k in keys} for t in earlier["tests"]]
+    if args.from_json:  # several files: the union of their tests (a later file's outcome wins)
+        runs = [json.loads(path.read_text()) for path in args.from_json]
+        earlier = runs[0]
+        by_id: dict[str, dict[str, Any]] = {}
+        for path, run in zip(args.from_json, runs):
+            if run["trainer"] != args.trainer:
+                p.error(f"{path} is a --trainer {run['trainer']} run, not {args.trainer}")
+            for t in run["tests"]:
+                by_id[t["id"]] = {k: t[k] for k in ("id", "outcome", "message", "seconds")}
+        cases = list(by_id.values())
         for case in cases:  # runs before error lines were cleaned
             case["message"] = local_names(case["message"], cache_dir())
-        missing, seconds = earlier.get("models_not_built", {}), earlier["seconds"]
-        trl_commit, args.k = earlier["trl_commit"], earlier["k"]
+        missing = {k: v for run in runs for k, v in run.get("models_not_built", {}).items()}
+        seconds = sum(run["seconds"] for run in runs)
+        trl_commit = earlier["trl_commit"]
+        args.k = None if len(runs) > 1 else earlier["k"]
     else:
         workdir = Path(tempfile.mkdtemp(prefix="fastes-trl-tests-"))
         try:
@@ -854,7 +910,7 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("fastes_commit", "date", "trl_imported_from", "python", "trl_installed_version"):
         info[key] = earlier.get(key, info[key])  # a reclassification keeps the run's own facts
     if earlier:
-        info["reclassified_from"] = str(args.from_json)
+        info["reclassified_from"] = [str(path) for path in args.from_json]
     print(
         f"\n{s['passed']} passed, {s['failed']} failed, {s['not applicable']} not applicable "
         f"({s['percent_passed_of_applicable']}% of {s['applicable']} applicable passed) in {seconds:.0f} s\n"
@@ -863,6 +919,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{info['trl_imported_from']}), installed TRL {info['trl_installed_version']}, fastes commit "
         f"{info['fastes_commit']}"
     )
+    if args.trainer != "trl":
+        info["names_missing"] = names_missing((trl / "tests" / TEST_FILE).read_text(), args.trainer, results)
+        for what, names in info["names_missing"].items():
+            listed = ", ".join(f"{name} ({len(tests)})" for name, tests in names.items())
+            print(f"{what} keywords that failing tests pass and fastes does not take: {listed or 'none'}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({**info, "summary": s, "tests": results}, indent=1) + "\n")
