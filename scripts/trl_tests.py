@@ -434,22 +434,22 @@ PLUGIN = r'''
 """Written by fastes' scripts/trl_tests.py: local zen rows, a per-test alarm and a progress log."""
 import json, os, signal, sys
 
-import datasets
 import pytest
 
-from trl_tests import zen_dataset
-
 _ZEN = json.load(open(os.environ["FASTES_TRL_ZEN"]))
-_real_load_dataset = datasets.load_dataset
+if _ZEN:  # local rows to serve (none: leave datasets alone)
+    import datasets
 
+    from trl_tests import zen_dataset
 
-def _local(path, name=None, *args, split=None, streaming=False, **kwargs):
-    if path != "trl-internal-testing/zen":
-        return _real_load_dataset(path, name, *args, split=split, streaming=streaming, **kwargs)
-    return zen_dataset(_ZEN, name, split=split, streaming=streaming)
+    _real_load_dataset = datasets.load_dataset
 
+    def _local(path, name=None, *args, split=None, streaming=False, **kwargs):
+        if path != "trl-internal-testing/zen":
+            return _real_load_dataset(path, name, *args, split=split, streaming=streaming, **kwargs)
+        return zen_dataset(_ZEN, name, split=split, streaming=streaming)
 
-datasets.load_dataset = _local
+    datasets.load_dataset = _local
 _TIMEOUT = int(os.environ.get("FASTES_TRL_TIMEOUT", "300"))
 _PROGRESS = os.environ.get("FASTES_TRL_PROGRESS")
 

@@ -233,7 +233,6 @@ def test_read_progress_marks_the_test_in_flight(tmp_path):
 
 def test_the_alarm_fails_a_stuck_test_and_the_run_goes_on(tmp_path):
     """The plugin's per-test alarm turns a hanging test into a failure; the next test still runs."""
-    pytest.importorskip("datasets")
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / trl_tests.TEST_FILE).write_text(
         "import time\n\ndef test_hangs():\n    time.sleep(60)\n\ndef test_after():\n    pass\n"
