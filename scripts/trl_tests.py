@@ -681,9 +681,10 @@ def read_progress(path: Path, paths_root: Path) -> tuple[dict[str, dict[str, Any
 
 
 def last_line(text: str | None) -> str:
-    """The last non-empty line of a traceback ("E   ValueError: ..."), without pytest's "E" prefix."""
+    """The error of a pytest traceback: its first "E   ..." line without the "E" (else its last line)."""
     lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
-    return lines[-1].removeprefix("E").strip()[:300] if lines else ""
+    errors = [line.removeprefix("E").strip() for line in lines if line.startswith("E ")]
+    return (errors[0] if errors else lines[-1] if lines else "")[:300]
 
 
 # -----------------------------------------------------------------------------------------------------------

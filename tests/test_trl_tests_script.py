@@ -211,7 +211,7 @@ def test_read_progress_marks_the_test_in_flight(tmp_path):
             "when": "call",
             "outcome": "failed",
             "duration": 1.0,
-            "longrepr": "tb\nE   ValueError: nope",
+            "longrepr": "tb\nE   ValueError: nope\nE   more\n\nt.py:3: ValueError",
         },
         {
             "nodeid": "tests/t.py::A::test_a",
