@@ -674,7 +674,9 @@ def read_progress(path: Path, paths_root: Path) -> tuple[dict[str, dict[str, Any
             message = local_names(last_line(rec["longrepr"]), paths_root)
             entry["outcome"], entry["message"] = "failed", message
         elif rec["outcome"] == "skipped" and entry["outcome"] == "passed":
-            entry["outcome"], entry["message"] = "skipped", first_line(rec["longrepr"])
+            skip = re.fullmatch(r"\(.*, \d+, ['\"](.*)['\"]\)", rec["longrepr"].strip())  # (path, line, why)
+            why = skip.group(1) if skip else first_line(rec["longrepr"])
+            entry["outcome"], entry["message"] = "skipped", why.removeprefix("Skipped: ")
         if rec["when"] == "teardown":
             current = None
     return done, (None if current is None else (test_id(current), current))

@@ -220,11 +220,27 @@ def test_read_progress_marks_the_test_in_flight(tmp_path):
             "duration": 0.0,
             "longrepr": "",
         },
+        {"start": "tests/t.py::A::test_s"},
+        {
+            "nodeid": "tests/t.py::A::test_s",
+            "when": "setup",
+            "outcome": "skipped",
+            "duration": 0.0,
+            "longrepr": "('tests/t.py', 396, 'Skipped: test requires vllm')",
+        },
+        {
+            "nodeid": "tests/t.py::A::test_s",
+            "when": "teardown",
+            "outcome": "passed",
+            "duration": 0.0,
+            "longrepr": "",
+        },
         {"start": "tests/t.py::A::test_b[/cache/trl-internal-testing/tiny-X]"},
     ]
     log.write_text("\n".join(json.dumps(r) for r in records) + "\n{cut")
     done, current = trl_tests.read_progress(log, Path("/cache"))
     assert done["A::test_a"]["outcome"] == "failed" and done["A::test_a"]["message"] == "ValueError: nope"
+    assert (done["A::test_s"]["outcome"], done["A::test_s"]["message"]) == ("skipped", "test requires vllm")
     assert current == (
         "A::test_b[trl-internal-testing/tiny-X]",
         "tests/t.py::A::test_b[/cache/trl-internal-testing/tiny-X]",
