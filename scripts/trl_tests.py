@@ -38,7 +38,14 @@ What it does, in order:
    (GRPO_ONLY below), a model that must come from the hub, or a test that fails under `--trainer trl` with the
    same substitutions (read from `--baseline`, by default the newest benchmarks/results/trl-tests-trl-*.json).
    Prints one line per test, then the counts, the share of applicable tests that passed, the TRL commit, the
-   installed TRL version and the fastes commit; `--json OUT` writes all of it.
+   installed TRL version and the fastes commit; `--json OUT` writes all of it. For grpo and es it also lists,
+   read from the test source, every GRPOConfig(...) / GRPOTrainer(...) keyword the failing tests pass that
+   fastes' classes do not take (a failing test names only the first).
+
+The tests import trl from the checkout by default (`--trl-from installed` for the installed package): a
+checkout's tests/testing_utils.py imports names other TRL releases lack. `--from-json A.json [B.json ...]` runs
+nothing and classifies earlier runs' outcomes again (the union of their tests), e.g. after the baseline
+changed, or to merge a run split with -k.
 """
 
 from __future__ import annotations
