@@ -43,9 +43,9 @@ What it does, in order:
    fastes' classes do not take (a failing test names only the first).
 
 The tests import trl from the checkout by default (`--trl-from installed` for the installed package): a
-checkout's tests/testing_utils.py imports names other TRL releases lack. `--from-json A.json [B.json ...]` runs
-nothing and classifies earlier runs' outcomes again (the union of their tests), e.g. after the baseline
-changed, or to merge a run split with -k.
+checkout's tests/testing_utils.py imports names other TRL releases lack. `--from-json A.json [B.json ...]`
+runs nothing and classifies earlier runs' outcomes again (the union of their tests), e.g. after the
+baseline changed, or to merge a run split with -k.
 """
 
 from __future__ import annotations
