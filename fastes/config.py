@@ -144,6 +144,16 @@ class ESConfig:
         default=0.0, metadata={"help": "sampling temperature of the members' completions (0: greedy)"}
     )
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling threshold (temperature > 0)"})
+    top_k: int = field(
+        default=0, metadata={"help": "sample from the k likeliest tokens (0: off; temperature > 0)"}
+    )
+    min_p: float = field(
+        default=0.0, metadata={"help": "drop tokens below min_p times the top one's probability (0: off)"}
+    )
+    repetition_penalty: float = field(
+        default=1.0,
+        metadata={"help": "divide the logits of tokens already in the row by this, greedy too (1: off)"},
+    )
 
 
 @dataclass
@@ -248,6 +258,14 @@ class GRPOConfig:
     adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1"})
     adam_beta2: float = field(default=0.999, metadata={"help": "AdamW beta2"})
     adam_epsilon: float = field(default=1e-8, metadata={"help": "AdamW epsilon"})
+
+    top_k: int = field(default=0, metadata={"help": "sample from the k likeliest tokens (0: off)"})
+    min_p: float = field(
+        default=0.0, metadata={"help": "drop tokens below min_p times the top one's probability (0: off)"}
+    )
+    repetition_penalty: float = field(
+        default=1.0, metadata={"help": "divide the logits of tokens already in the row by this (1: off)"}
+    )
 
     def generation_steps(self) -> int:
         """Micro-batches a step's completions are split into (steps_per_generation; 0: accumulation's)."""
@@ -765,6 +783,13 @@ def _check_es(es: ESConfig) -> None:
         f"{es.num_generations} greedy completions of a prompt are identical; set es.temperature > 0",
     )
     _require(0 < es.top_p <= 1, "es.top_p", f"must be in (0, 1], got {es.top_p}")
+    _require(es.top_k >= 0, "es.top_k", f"must be >= 0 (0: off), got {es.top_k}")
+    _require(0 <= es.min_p <= 1, "es.min_p", f"must be in [0, 1] (0: off), got {es.min_p}")
+    _require(
+        es.repetition_penalty > 0,
+        "es.repetition_penalty",
+        f"must be > 0 (1: off), got {es.repetition_penalty}",
+    )
     from .noise import NOISES
 
     _require(es.noise in NOISES, "es.noise", f"{es.noise!r} is not one of {NOISES}")
@@ -786,6 +811,13 @@ def _check_grpo(g: GRPOConfig) -> None:
     _require(g.num_generations >= 2, "grpo.num_generations", f"must be at least 2, got {g.num_generations}")
     _require(g.temperature > 0, "grpo.temperature", f"GRPO samples, so it must be > 0, got {g.temperature}")
     _require(0 < g.top_p <= 1, "grpo.top_p", f"must be in (0, 1], got {g.top_p}")
+    _require(g.top_k >= 0, "grpo.top_k", f"must be >= 0 (0: off), got {g.top_k}")
+    _require(0 <= g.min_p <= 1, "grpo.min_p", f"must be in [0, 1] (0: off), got {g.min_p}")
+    _require(
+        g.repetition_penalty > 0,
+        "grpo.repetition_penalty",
+        f"must be > 0 (1: off), got {g.repetition_penalty}",
+    )
     _require(g.lr >= 0, "grpo.lr", f"must be > 0 (or 0 = auto), got {g.lr}")
     _require(g.beta >= 0, "grpo.beta", f"must be >= 0, got {g.beta}")
     _require(0 <= g.epsilon < 1, "grpo.epsilon", f"must be in [0, 1), got {g.epsilon}")

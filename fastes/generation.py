@@ -1,8 +1,10 @@
 """Batched text generation through Hugging Face `model.generate`, returning completions and token counts.
 
-Sampling is fastes' own (`RowSampler`), not transformers': every token is drawn from the full softmax of
-the logits at the given temperature, restricted to the top-p nucleus when top_p < 1, and nothing else
-(no top-k, no repetition penalty, nothing a checkpoint's generation_config suggests). The draw for row r
+Sampling is fastes' own (`RowSampler`), not transformers': every token is drawn from the softmax of the
+logits at the given temperature, cut by top-k, top-p and min-p when they are set, with the semantics and
+in the order of transformers' warpers, and nothing else (nothing a checkpoint's generation_config
+suggests). A repetition penalty, when set, is transformers' own processor on the raw logits, before
+the sampler and in greedy decoding alike. The draw for row r
 at step t is the inverse CDF at a Philox uniform of (seed, r, t), so a row's sample does not depend on
 which other rows share the batch: the same seed gives the same completions whether the prompts are
 generated in one call, in chunks, or spread over processes (`first_row`). Without a seed, one is drawn
@@ -21,6 +23,7 @@ from transformers import (
     LogitsProcessorList,
     PreTrainedModel,
     PreTrainedTokenizerBase,
+    RepetitionPenaltyLogitsProcessor,
 )
 
 from . import cpu_share, noise
@@ -61,8 +64,16 @@ def generate(
     seed: int | None = None,
     num_return_sequences: int = 1,
     first_row: int = 0,
+    top_k: int = 0,
+    min_p: float | None = None,
+    repetition_penalty: float = 1.0,
 ) -> Generation:
-    """Complete every prompt: greedy when temperature == 0, else temperature / top-p sampling.
+    """Complete every prompt: greedy when temperature == 0, else sampled at the temperature.
+
+    Sampling keeps the top_k most likely tokens (0: all), then the top_p nucleus, then the tokens at least
+    min_p times as likely as the most likely one (None or 0: all), as transformers' warpers do. Tokens
+    already in a row (prompt and completion) have their logits divided by repetition_penalty (multiplied
+    when negative) first, also when decoding greedily; 1 is off.
 
     Each row stops at EOS (or after max_new_tokens). Prompts should already be formatted
     (see fastes.models.format_prompt). With `seed`, the result is deterministic. Row i of this call
@@ -71,6 +82,9 @@ def generate(
     """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not repetition_penalty > 0:
+        raise ValueError(f"repetition_penalty must be > 0 (1: off), got {repetition_penalty}")
+    check_cuts(top_p, top_k, min_p)
     sample = temperature > 0
     if not sample and num_return_sequences > 1:
         raise ValueError("greedy decoding gives identical samples; use temperature > 0 for several")
@@ -97,15 +111,24 @@ def generate(
         pad_token_id=tokenizer.pad_token_id,
         use_cache=True,
     )
+    # Greedy decoding takes one sequence per row, so the samples of a prompt are rows of their own.
+    rows = {k: v.repeat_interleave(num_return_sequences, dim=0) for k, v in enc.items()}
     processors = LogitsProcessorList()
+    if repetition_penalty != 1:
+        # transformers' processor, placed on the raw logits as transformers places it. The left padding
+        # is no token of the row: leaving it out keeps a row's completion independent of its batch.
+        padding = (rows["attention_mask"] == 0).sum(dim=1)
+        processors.append(
+            RepetitionPenaltyLogitsProcessor(float(repetition_penalty), prompt_ignore_length=padding)
+        )
     if sample:
         if seed is None:
             seed = int(torch.randint(0, 2**62, ()))
         width = enc["input_ids"].shape[1]
-        processors.append(RowSampler(seed, temperature, top_p, width, first_row, max_new_tokens))
+        processors.append(
+            RowSampler(seed, temperature, top_p, width, first_row, max_new_tokens, top_k=top_k, min_p=min_p)
+        )
     model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
-    # Greedy decoding takes one sequence per row, so the samples of a prompt are rows of their own.
-    rows = {k: v.repeat_interleave(num_return_sequences, dim=0) for k, v in enc.items()}
     try:
         out = model.generate(**rows, generation_config=config, logits_processor=processors)
     finally:
@@ -161,21 +184,42 @@ def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) ->
     return list(eos) if isinstance(eos, (list, tuple)) else [eos]
 
 
+def check_cuts(top_p: float, top_k: int, min_p: float | None) -> None:
+    """Refuse sampling cuts outside their ranges (ValueError naming the argument)."""
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k must be an integer >= 0 (0: off), got {top_k!r}")
+    if min_p is not None and not 0 <= min_p <= 1:
+        raise ValueError(f"min_p must be in [0, 1] (0 or None: off), got {min_p}")
+
+
 class RowSampler(LogitsProcessor):
-    """Draws each row's next token from softmax(logits / temperature) within the top-p nucleus.
+    """Draws each row's next token from softmax(logits / temperature), cut as transformers' warpers cut it:
+    top-k (0: off), then the top-p nucleus (1: off), then min-p (None or 0: off).
 
     It returns logits that are 0 at the drawn token and -inf elsewhere, so greedy decoding picks it.
     The uniform of row r at step t is Philox (key = seed, counter = (t, r, STREAM_SAMPLING)).
     """
 
     def __init__(
-        self, seed: int, temperature: float, top_p: float, prompt_width: int, first_row: int, steps: int
+        self,
+        seed: int,
+        temperature: float,
+        top_p: float,
+        prompt_width: int,
+        first_row: int,
+        steps: int,
+        *,
+        top_k: int = 0,
+        min_p: float | None = None,
     ) -> None:
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        check_cuts(top_p, top_k, min_p)
         self.key = (seed & noise.MASK32, (seed >> 32) & noise.MASK32)
         self.temperature = temperature
         self.top_p = top_p
+        self.top_k = top_k
+        self.min_p = 0.0 if min_p is None else min_p
         self.prompt_width = prompt_width
         self.first_row = first_row
         self.steps = steps
@@ -194,13 +238,24 @@ class RowSampler(LogitsProcessor):
         return self._uniforms
 
     def probabilities(self, scores: torch.Tensor) -> torch.Tensor:
-        """The distribution sampled from: softmax at the temperature, cut to the nucleus, renormalised."""
-        probs = torch.softmax(scores.float() / self.temperature, dim=-1)
+        """The distribution sampled from: softmax at the temperature, cut to the top k, to the nucleus and
+        by min-p (in transformers' order: each cut sees the distribution the previous one renormalised)."""
+        logits = scores.float() / self.temperature
+        if self.top_k > 0:
+            # The k largest logits, and any tied with the k-th (as TopKLogitsWarper keeps them).
+            kth = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
         if self.top_p < 1:
             sorted_probs, order = probs.sort(dim=-1, descending=True)
             before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of the more likely tokens
             keep = before < self.top_p  # the smallest set whose mass reaches top_p (at least one token)
             probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs * keep)
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+        if self.min_p > 0:
+            # A threshold relative to the most likely token, which is always kept.
+            floor = self.min_p * probs.amax(dim=-1, keepdim=True)
+            probs = probs.masked_fill(probs < floor, 0.0)
             probs = probs / probs.sum(dim=-1, keepdim=True)
         return probs
 

@@ -80,6 +80,16 @@ HUB = "fastes does not talk to the Hugging Face Hub; push output_dir/final yours
 PARALLEL = "launch with torchrun instead: fastes.distributed shares the work (docs/distributed.md)"
 SAMPLING = "fastes draws each step's prompts at random from `seed`"
 ADAPTIVE = "fastes' GRPO has a fixed entropy_coef, no adaptive entropy"
+# The keys of generation_kwargs fastes honours (as TRL, they override the fields of the same meaning).
+GENERATION_KWARGS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "max_new_tokens",
+    "do_sample",
+)
 
 
 @dataclass
@@ -220,11 +230,11 @@ class _TrainerConfig:
     steps_per_generation: Any = _refused(None, GRPO_ONLY)
     temperature: float = 0.0  # each subclass
     top_p: float = 1.0  # each subclass
-    top_k: Any = _refused(0, "fastes samples with temperature and top_p only")
-    min_p: Any = _refused(None, "fastes samples with temperature and top_p only")
-    generation_kwargs: Any = _refused(None, "fastes samples with temperature and top_p only")
+    top_k: int = _uses(0, "`es.top_k` / `grpo.top_k` (0: off)")
+    min_p: float | None = _uses(None, "`es.min_p` / `grpo.min_p` (None: off)")
+    generation_kwargs: Any = _uses(None, "overrides the sampling fields: " + ", ".join(GENERATION_KWARGS))
     chat_template_kwargs: Any = _refused(None, "the chat template is applied without extra arguments")
-    repetition_penalty: Any = _refused(1.0, "fastes samples with temperature and top_p only")
+    repetition_penalty: float = _uses(1.0, "`es.repetition_penalty` / `grpo.repetition_penalty` (1: off)")
     cache_implementation: Any = _inert(None, SPEED)
     use_vllm: bool = _uses(False, "True: refused without vLLM; with it, a warning (transformers generates)")
     vllm_mode: Any = _inert("colocate", "vLLM is not used")
@@ -299,6 +309,8 @@ class _TrainerConfig:
         "progress": "disable_tqdm",
         "device": "use_cpu",
         "eval_every": "eval_steps",
+        **{f"{section}.{name}": name for section in ("es", "grpo") for name in ("top_k", "min_p")},
+        **{f"{section}.repetition_penalty": "repetition_penalty" for section in ("es", "grpo")},
     }
     ALGORITHM: ClassVar[str] = ""
 
@@ -349,6 +361,13 @@ class _TrainerConfig:
             warnings.warn("use_vllm=True changes nothing in fastes: transformers generates", stacklevel=3)
         if self.bf16 and self.fp16:
             raise ConfigError("bf16 and fp16 are both True; choose one")
+        generation = self.generation_kwargs or {}
+        unknown = sorted(set(generation) - set(GENERATION_KWARGS)) if isinstance(generation, dict) else None
+        if unknown != []:
+            raise ConfigError(
+                f"generation_kwargs: fastes samples with {', '.join(GENERATION_KWARGS)}, got "
+                f"{unknown if unknown is not None else generation!r}; remove the others"
+            )
         kwargs = self.model_init_kwargs or {}
         if not isinstance(kwargs, dict) or set(kwargs) - {"dtype", "torch_dtype"}:
             raise ConfigError(
@@ -403,6 +422,27 @@ class _TrainerConfig:
         )
         if self.save_strategy == "no":
             values["checkpoint_every"] = 0
+        return values
+
+    def sampling(self, section: str) -> dict[str, Any]:
+        """The [es] or [grpo] sampling keys from top_k, min_p, repetition_penalty and generation_kwargs
+        (which override the fields, as in TRL; do_sample=False means greedy: temperature 0)."""
+        settings: dict[str, Any] = {
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+        }
+        values = {}
+        for key, value in (self.generation_kwargs or {}).items():
+            if key == "max_new_tokens":
+                values["max_new_tokens"] = value
+            elif key == "do_sample":
+                if value is False:
+                    settings["temperature"] = 0.0
+            else:
+                settings[key] = value
+        settings["min_p"] = settings["min_p"] or 0.0  # TRL's None: off, 0 in the run config
+        values.update({f"{section}.{key}": value for key, value in settings.items()})
         return values
 
     @classmethod
@@ -535,6 +575,7 @@ class ESConfig(_TrainerConfig):
         values["es.iterations"] = self.steps(rows, self.per_device_train_batch_size)
         greedy = self.num_generations == 1
         values["es.temperature"] = (0.0 if greedy else 1.0) if self.temperature is None else self.temperature
+        values.update(self.sampling("es"))
         return values
 
 
@@ -614,6 +655,7 @@ class GRPOConfig(_TrainerConfig):
         values["batch_size"] = prompts
         values["grpo.steps_per_generation"] = per_generation
         values["grpo.steps"] = self._generations(rows, prompts, per_generation)
+        values.update(self.sampling("grpo"))
         return values
 
     def _batches(self) -> tuple[int, int]:

@@ -168,3 +168,299 @@ def test_greedy_ignores_the_checkpoints_penalties(model_and_tok):
         model.generation_config = saved
     assert suggested.completion_ids == plain.completion_ids
     assert any(len(set(ids)) < len(ids) for ids in plain.completion_ids)  # repeats exist to penalise
+
+
+# --- top_k, min_p, repetition_penalty -----------------------------------------------------------------
+
+
+def _transformers_distribution(logits, temperature, top_k=0, top_p=1.0, min_p=None, penalty=1.0, ids=None):
+    """softmax of the logits after transformers' own processors, in the order and with the conditions of
+    GenerationMixin._get_logits_processor: the repetition penalty, then temperature, top-k, top-p, min-p."""
+    from transformers import (
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    chain = LogitsProcessorList()
+    if penalty != 1.0:
+        chain.append(RepetitionPenaltyLogitsProcessor(penalty))
+    if temperature != 1.0:
+        chain.append(TemperatureLogitsWarper(temperature))
+    if top_k != 0:
+        chain.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        chain.append(TopPLogitsWarper(top_p))
+    if min_p is not None:
+        chain.append(MinPLogitsWarper(min_p))
+    if ids is None:
+        ids = torch.zeros((logits.shape[0], 0), dtype=torch.long)
+    return torch.softmax(chain(ids, logits.clone()), dim=-1)
+
+
+def _sampler(temperature, top_p=1.0, top_k=0, min_p=None):
+    from fastes.generation import RowSampler
+
+    return RowSampler(0, temperature, top_p, 0, 0, 1, top_k=top_k, min_p=min_p)
+
+
+CUTS = [  # (temperature, top_k, top_p, min_p)
+    (1.0, 5, 1.0, None),
+    (0.7, 1, 1.0, None),
+    (1.0, 0, 1.0, 0.2),
+    (1.3, 0, 1.0, 0.05),
+    (1.0, 0, 1.0, 1.0),
+    (0.8, 10, 0.9, None),
+    (1.0, 0, 0.8, 0.3),
+    (0.6, 20, 0.95, 0.1),
+    (1.5, 3, 0.5, 0.5),
+]
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", CUTS)
+@pytest.mark.parametrize("seed,rows,vocab", [(0, 1, 7), (1, 16, 55), (2, 8, 1000), (3, 4, 32000)])
+def test_the_cuts_are_transformers_warpers(temperature, top_k, top_p, min_p, seed, rows, vocab):
+    """RowSampler.probabilities is the softmax after transformers' warpers, in transformers' order."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    ours = _sampler(temperature, top_p, top_k, min_p).probabilities(logits)
+    theirs = _transformers_distribution(logits, temperature, top_k, top_p, min_p)
+    assert torch.equal(ours > 0, theirs > 0)  # the same tokens survive
+    assert torch.allclose(ours, theirs, atol=1e-6, rtol=1e-5)
+    if top_k > 0:
+        assert ((ours > 0).sum(-1) <= top_k).all()
+
+
+def test_the_order_of_the_cuts_matters_and_is_transformers():
+    """Cases where another order keeps other tokens, so the comparisons above can tell the orders apart."""
+    logits = torch.tensor([[0.4, 0.3, 0.2, 0.1]]).log()
+
+    def kept(probs):
+        return (probs[0] > 0).tolist()
+
+    # top-k 2 first renormalises to (0.57, 0.43), whose nucleus at 0.5 is one token; top-p first keeps two
+    ours = _sampler(1.0, top_p=0.5, top_k=2).probabilities(logits)
+    assert torch.allclose(ours, _transformers_distribution(logits, 1.0, top_k=2, top_p=0.5), atol=1e-6)
+    assert kept(ours) == [True, False, False, False]
+    top_p_first = _sampler(1.0, top_k=2).probabilities(_sampler(1.0, top_p=0.5).probabilities(logits).log())
+    assert kept(top_p_first) == [True, True, False, False]
+    # the nucleus at 0.75 first keeps three, min-p 0.3 then drops none; min-p first drops 0.1, and the
+    # renormalised nucleus is then two tokens
+    ours = _sampler(1.0, top_p=0.75, min_p=0.3).probabilities(logits)
+    assert torch.allclose(ours, _transformers_distribution(logits, 1.0, top_p=0.75, min_p=0.3), atol=1e-6)
+    assert kept(ours) == [True, True, True, False]
+    min_p_first = _sampler(1.0, top_p=0.75).probabilities(
+        _sampler(1.0, min_p=0.3).probabilities(logits).log()
+    )
+    assert kept(min_p_first) == [True, True, False, False]
+
+
+@pytest.mark.parametrize("top_k,min_p", [(2, None), (3, None), (0, 0.5), (2, 0.9)])
+def test_ties_are_kept_as_transformers_keeps_them(top_k, min_p):
+    logits = torch.tensor([[1.0, 2.0, 2.0, 2.0, 0.0, 1.0], [5.0, 5.0, 1.0, 1.0, 1.0, 0.0]])
+    ours = _sampler(1.0, top_k=top_k, min_p=min_p).probabilities(logits)
+    theirs = _transformers_distribution(logits, 1.0, top_k=top_k, min_p=min_p)
+    assert torch.equal(ours > 0, theirs > 0)
+    assert torch.allclose(ours, theirs, atol=1e-6)
+
+
+def test_off_cuts_change_nothing():
+    """top_k 0 and min_p None or 0 give the very same floats as plain temperature / top-p sampling."""
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(8, 55, generator=gen)
+    for top_p in (1.0, 0.7):
+        plain = _sampler(0.9, top_p).probabilities(logits)
+        assert torch.equal(_sampler(0.9, top_p, top_k=0, min_p=0.0).probabilities(logits), plain)
+        assert torch.equal(_sampler(0.9, top_p, top_k=0, min_p=None).probabilities(logits), plain)
+
+
+# Completions of the shipped checkpoint sampled before top_k, min_p and repetition_penalty existed.
+BEFORE = {
+    (1.0, 1.0): [[7, 9, 26, 2], [6, 6, 26, 2], [16, 6, 5, 5, 17, 5], [16, 6, 5, 5, 14, 5]],
+    (0.7, 0.9): [[8, 8, 26, 2], [8, 5, 26, 2], [16, 6, 5, 5, 17, 5], [16, 6, 5, 5, 14, 5]],
+}
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return load_model(tiny_model_path())
+
+
+@pytest.mark.parametrize("temperature,top_p", list(BEFORE))
+def test_samples_are_unchanged_when_the_new_settings_are_off(trained, temperature, top_p):
+    model, tok = trained
+    kw = dict(max_new_tokens=6, temperature=temperature, top_p=top_p, seed=5, num_return_sequences=2)
+    prompts = ["12+34=", "cd 1 2"]
+    assert generate(model, tok, prompts, **kw).completion_ids == BEFORE[temperature, top_p]
+    off = generate(model, tok, prompts, top_k=0, min_p=0.0, repetition_penalty=1.0, **kw)
+    assert off.completion_ids == BEFORE[temperature, top_p]
+    # and the cuts do change them
+    assert (
+        generate(model, tok, prompts, top_k=2, min_p=0.3, **kw).completion_ids != BEFORE[temperature, top_p]
+    )
+
+
+@pytest.mark.parametrize("penalty", [1.5, 0.7])
+def test_greedy_repetition_penalty_is_transformers(trained, penalty):
+    """Greedy decoding with a repetition penalty gives what transformers' greedy generate gives with it,
+    prompts of different lengths in one left-padded batch (the padding is not penalised)."""
+    from fastes.tasks import get_task
+
+    model, tok = trained
+    prompts = [ex.prompt for ex in get_task("countdown", seed=0).split("test")[:6]] + PROMPTS
+    ours = generate(model, tok, prompts, max_new_tokens=24, repetition_penalty=penalty)
+    enc = tok(prompts, return_tensors="pt", padding=True, padding_side="left")
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=24, do_sample=False, repetition_penalty=penalty)
+    theirs = [_cut(row, tok.eos_token_id) for row in out[:, enc["input_ids"].shape[1] :].tolist()]
+    assert ours.completion_ids == theirs
+    plain = generate(model, tok, prompts, max_new_tokens=24)
+    assert ours.completion_ids != plain.completion_ids  # the penalty changed the completions
+
+
+def _cut(ids, eos):
+    return ids[: ids.index(eos) + 1] if eos in ids else ids
+
+
+def test_sampled_with_every_setting_is_transformers_distribution(trained):
+    """8,000 first tokens drawn with a repetition penalty, temperature, top-k, top-p and min-p follow the
+    distribution transformers' processors give the model's logits (the prompt's tokens penalised)."""
+    from fastes.tasks import get_task
+
+    model, tok = trained
+    prompt, n = get_task("countdown", seed=0).split("test")[0].prompt, 8000
+    settings = dict(temperature=1.5, top_k=12, top_p=0.95, min_p=0.02)
+    out = generate(
+        model,
+        tok,
+        [prompt],
+        max_new_tokens=1,
+        seed=7,
+        num_return_sequences=n,
+        repetition_penalty=1.5,
+        **settings,
+    )
+    enc = tok([prompt], return_tensors="pt")
+    with torch.no_grad():
+        logits = model(**enc).logits[:, -1].float()
+    expected = _transformers_distribution(logits, penalty=1.5, ids=enc["input_ids"], **settings)[0].double()
+    counts = torch.bincount(torch.tensor([ids[0] for ids in out.completion_ids]), minlength=len(expected))
+    empirical = counts.double() / n
+    assert 0.5 * (empirical - expected).abs().sum() < 0.04  # total variation; ~0.02 is sampling noise
+    assert counts[expected == 0].sum() == 0 and (counts[expected > 0.005] > 0).all()
+    unpenalised = _transformers_distribution(logits, **settings)[0].double()
+    assert 0.5 * (unpenalised - expected).abs().sum() > 0.2  # the penalty matters here
+
+
+def test_every_setting_is_reproducible_and_batch_independent(model_and_tok):
+    model, tok = model_and_tok
+    kw = dict(max_new_tokens=6, temperature=1.0, seed=11, num_return_sequences=3)
+    kw.update(top_k=20, top_p=0.95, min_p=0.05, repetition_penalty=1.3)
+    whole = generate(model, tok, PROMPTS, **kw)
+    assert generate(model, tok, PROMPTS, **kw) == whole
+    assert generate(model, tok, PROMPTS, **{**kw, "seed": 12}).completion_ids != whole.completion_ids
+    # rows keep their samples whatever else is in the batch (the left padding changes, and is not penalised)
+    assert generate_in_chunks(model, tok, PROMPTS, rows_per_call=3, **kw) == whole
+    later = generate(model, tok, PROMPTS[3:], first_row=9, **kw)
+    assert later.completion_ids == whole.completion_ids[9:]
+
+
+@pytest.mark.parametrize(
+    "settings,message",
+    [
+        (dict(top_k=-1), "top_k"),
+        (dict(top_k=2.5), "top_k"),
+        (dict(min_p=1.5), "min_p"),
+        (dict(min_p=-0.1), "min_p"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(repetition_penalty=-1.0), "repetition_penalty"),
+        (dict(top_p=0.0), "top_p"),
+    ],
+)
+def test_bad_cuts(model_and_tok, settings, message):
+    model, tok = model_and_tok
+    for temperature in (0.0, 1.0):
+        with pytest.raises(ValueError, match=message):
+            generate(model, tok, PROMPTS, max_new_tokens=2, temperature=temperature, **settings)
+
+
+@pytest.mark.parametrize("section", ["es", "grpo"])
+def test_config_keys(section):
+    from fastes.config import ConfigError, load_config
+
+    cfg = load_config(
+        None, {f"{section}.top_k": 5, f"{section}.min_p": 0.1, f"{section}.repetition_penalty": 1.2}
+    )
+    part = getattr(cfg, section)
+    assert (part.top_k, part.min_p, part.repetition_penalty) == (5, 0.1, 1.2)
+    default = getattr(load_config(None, {}), section)
+    assert (default.top_k, default.min_p, default.repetition_penalty) == (0, 0.0, 1.0)  # off
+    for key, value, problem in [
+        ("top_k", -1, "must be >= 0"),
+        ("min_p", 1.5, r"must be in \[0, 1\]"),
+        ("min_p", -0.5, r"must be in \[0, 1\]"),
+        ("repetition_penalty", 0.0, "must be > 0"),
+        ("top_k", 2.0, "must be int"),
+    ]:
+        with pytest.raises(ConfigError, match=rf"{section}.{key}.*{problem}"):
+            load_config(None, {f"{section}.{key}": value})
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "es"])
+def test_grpo_and_es_hand_the_keys_to_generate(tmp_path, monkeypatch, algorithm):
+    """GRPO's sampling (sample_and_score) and ES's members (es_iteration) use the config's settings."""
+    from fastes import defaults, es_step, grpo
+    from fastes.config import load_config
+    from fastes.run import Run
+    from fastes.tasks import get_task
+
+    section = "grpo" if algorithm == "grpo" else "es"
+    settings = {"top_k": 7, "min_p": 0.05, "repetition_penalty": 1.25}
+    overrides = {
+        "algorithm": algorithm,
+        "task": "compare",
+        "out_dir": str(tmp_path),
+        "batch_size": 2,
+        "max_new_tokens": 3,
+        "progress": False,
+        **{f"{section}.{k}": v for k, v in settings.items()},
+    }
+    if algorithm == "es":
+        overrides.update({"es.population": 2, "es.temperature": 1.0, "es.eval_mode": "member"})
+    model, tokenizer = load_model(tiny_model_path())
+    cfg = defaults.resolve(load_config(None, overrides), model, tokenizer)
+    run = Run(cfg, model, tokenizer, get_task("compare"), tmp_path)
+    calls = []
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs)
+        return generate(*args, **kwargs)
+
+    module = grpo if algorithm == "grpo" else es_step
+    monkeypatch.setattr(module, "generate", recording)
+    if algorithm == "grpo":
+        grpo.sample_and_score(run, 0)
+    else:
+        es_step.es_iteration(run, es_step.make_es(run), 0)
+    assert calls and all(settings.items() <= call.items() for call in calls)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_left_padding_is_not_penalised(model_and_tok, temperature):
+    """A row completes the same alone and left-padded next to a longer prompt: the padding is not one of
+    the row's tokens for the repetition penalty. (The untrained model gives <pad> logit 0, which no
+    penalty changes, so the padding here is "0", a likely next token none of the prompts holds.)"""
+    import copy
+
+    model, tok = model_and_tok
+    tok = copy.deepcopy(tok)
+    tok.pad_token = "0"
+    kw = dict(max_new_tokens=8, temperature=temperature, seed=3, repetition_penalty=3.0)
+    kw["num_return_sequences"] = rows = 4 if temperature > 0 else 1
+    batch = generate(model, tok, ["(12+34)*(56-7)=(12+34)*(56-7)=", *PROMPTS], **kw)
+    for i, prompt in enumerate(PROMPTS, start=1):
+        alone = generate(model, tok, [prompt], first_row=i * rows, **kw)
+        assert batch.completion_ids[i * rows : (i + 1) * rows] == alone.completion_ids

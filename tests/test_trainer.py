@@ -73,6 +73,9 @@ ES_FIELDS = {
     "temperature": (0.7, "es.temperature", 0.7),
     "top_p": (0.9, "es.top_p", 0.9),
     "ddp_timeout": (60, "collective_timeout", 60.0),
+    "top_k": (5, "es.top_k", 5),
+    "min_p": (0.1, "es.min_p", 0.1),
+    "repetition_penalty": (1.2, "es.repetition_penalty", 1.2),
     "bf16": (True, "dtype", "bfloat16"),
     "num_train_epochs": (5.0, "es.iterations", 3),  # 5 passes over 8 rows, 16 prompts a step
 }
@@ -85,6 +88,9 @@ GRPO_FIELDS = {
     "num_generations": (4, "grpo.num_generations", 4),
     "temperature": (0.7, "grpo.temperature", 0.7),
     "top_p": (0.9, "grpo.top_p", 0.9),
+    "top_k": (5, "grpo.top_k", 5),
+    "min_p": (0.1, "grpo.min_p", 0.1),
+    "repetition_penalty": (1.2, "grpo.repetition_penalty", 1.2),
     "beta": (0.04, "grpo.beta", 0.04),
     "epsilon": (0.3, "grpo.epsilon", 0.3),
     "epsilon_high": (0.28, "grpo.epsilon_high", 0.28),

@@ -79,7 +79,18 @@ def test_an_inert_field_set_warns_in_one_line_and_changes_nothing(config, tmp_pa
     "config, field, value, message",
     [
         (GRPOConfig, "push_to_hub", True, "push_to_hub=True is not supported by GRPOConfig (fastes does not"),
-        (GRPOConfig, "top_k", 5, "top_k=5 is not supported by GRPOConfig (fastes samples with temperature"),
+        (
+            GRPOConfig,
+            "neftune_noise_alpha",
+            5.0,
+            "neftune_noise_alpha=5.0 is not supported by GRPOConfig (no",
+        ),
+        (
+            GRPOConfig,
+            "generation_kwargs",
+            {"num_beams": 2},
+            "generation_kwargs: fastes samples with temperature",
+        ),
         (
             GRPOConfig,
             "deepspeed",
@@ -103,8 +114,8 @@ def test_a_refused_value_fails_in_one_line_naming_the_field(config, field, value
 
 def test_a_refused_value_set_after_construction_fails_when_used(tmp_path):
     args = GRPOConfig(output_dir=str(tmp_path))
-    args.top_k = 5
-    with pytest.raises(ConfigError, match="^top_k=5 is not supported"):
+    args.push_to_hub = True
+    with pytest.raises(ConfigError, match="^push_to_hub=True is not supported"):
         args.check()
 
 
@@ -148,3 +159,17 @@ def test_eval_strategy_steps_evaluates_every_eval_steps(tmp_path):
     steps = GRPOConfig(output_dir=str(tmp_path), eval_strategy="steps", eval_steps=2)
     assert steps.overrides(8)["eval_every"] == 2
     assert GRPOConfig(output_dir=str(tmp_path), eval_strategy="steps").overrides(8)["eval_every"] == 10
+
+
+@pytest.mark.parametrize("config, section", [(ESConfig, "es"), (GRPOConfig, "grpo")])
+def test_sampling_fields_and_generation_kwargs_reach_the_section(config, section, tmp_path):
+    args = config(output_dir=str(tmp_path), num_generations=2, top_k=5, min_p=None, repetition_penalty=1.3)
+    values = args.overrides(8)
+    assert (values[f"{section}.top_k"], values[f"{section}.min_p"]) == (5, 0.0)
+    assert values[f"{section}.repetition_penalty"] == 1.3
+    kwargs = {"top_k": 7, "min_p": 0.05, "temperature": 0.7, "max_new_tokens": 9, "do_sample": True}
+    values = config(output_dir=str(tmp_path), num_generations=2, top_k=5, generation_kwargs=kwargs).overrides(
+        8
+    )
+    assert (values[f"{section}.top_k"], values[f"{section}.min_p"]) == (7, 0.05)  # as in TRL, they win
+    assert (values[f"{section}.temperature"], values["max_new_tokens"]) == (0.7, 9)
