@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
 import time
 from pathlib import Path
@@ -46,6 +47,7 @@ from .trainer_config import ESConfig, GRPOConfig, _TrainerConfig
 
 __all__ = ["ESConfig", "ESTrainer", "GRPOConfig", "GRPOTrainer"]
 
+logger = logging.getLogger(__name__)
 EVAL_LOSS_SEED = 104_729  # keeps the eval groups' sampling apart from the training steps' at a step
 
 
@@ -68,7 +70,7 @@ class ESTrainer:
     def __init__(
         self,
         model: str | Path | torch.nn.Module,
-        reward_funcs: Any,
+        reward_funcs: Any = None,
         args: _TrainerConfig | None = None,
         train_dataset: Any = None,
         eval_dataset: Any = None,
@@ -92,8 +94,14 @@ class ESTrainer:
                 "optimizers: fastes builds the optimizer from the config (learning_rate, weight_decay, "
                 "adam_*); pass optimizers=(None, None)"
             )
+        if reward_funcs is None:
+            raise ConfigError(
+                "reward_funcs: No reward source provided; give reward functions or a reward model"
+            )
         if train_dataset is None:
-            raise ConfigError("train_dataset: required, rows with a 'prompt' column (a Dataset or a list)")
+            raise ConfigError(
+                "`train_dataset` is required: rows with a 'prompt' column (a Dataset or a list)"
+            )
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.task = DatasetTask(
             _materialised(train_dataset),
@@ -109,6 +117,8 @@ class ESTrainer:
         self.task.trainer_state = self.state  # what reward functions get as trainer_state
         self.callbacks = Callbacks(callbacks, args=self.args, max_steps=self.args.max_steps).callbacks
         self.processing_class = processing_class
+        # TRL's trainer.reward_processing_classes: each reward model's tokenizer, None for a function.
+        self.reward_processing_classes = [getattr(f, "tokenizer", None) for f in self.task.functions]
         if peft_config is not None:  # a new adapter (docs/trainer.md, peft_config); errors before any work
             adapters.check_peft_config(peft_config, model)
         self.peft_config = peft_config
@@ -118,7 +128,8 @@ class ESTrainer:
             self.model = None  # loaded below, once the config is checked
             overrides["model"] = self.model_path
         elif isinstance(model, torch.nn.Module):
-            if processing_class is None:
+            self.processing_class = processing_class or _saved_tokenizer(model)
+            if self.processing_class is None:
                 raise ConfigError("processing_class: a loaded model needs its tokenizer; pass it here")
             self.model_path = None
             self.model = model
@@ -139,6 +150,17 @@ class ESTrainer:
             raise ConfigError(f"{self.args.public_name(key)}{space}{words}{sep}{rest}") from None
         if self.model is not None and peft_config is not None:  # a model object: wrapped here, as TRL does
             self.model = adapters.wrap(self.model, peft_config, self.config.seed)
+        g = self.config.grpo
+        summed = ("bnpo", "dr_grpo", "dapo", "cispo")
+        if (
+            self.config.algorithm == "grpo"
+            and g.importance_sampling_level == "sequence"
+            and g.loss_type in summed
+        ):
+            logger.warning(
+                f"importance_sampling_level='sequence' with loss_type={g.loss_type!r}: that loss sums "
+                "per-token terms, which weights each sequence by its completion length; 'grpo' averages each"
+            )
         self.state.max_steps = self._steps()
         self._loaded()  # a path: the model and tokenizer, as in TRL
         self.aux_loss_enabled = bool(getattr(self.model.config, "output_router_logits", False))
@@ -182,9 +204,11 @@ class ESTrainer:
         self.state.log_history = [entry for record in records for entry in self._history(record)]
         self.state.global_step = self.summary["steps"]
         metrics = self._final_metrics(records, time.perf_counter() - start)
-        self.state.log_history.append(
-            {**metrics, "epoch": self._epoch(self.state.global_step), "step": self.state.global_step}
-        )
+        last = next((e for e in reversed(self.state.log_history) if "reward" in e), {})
+        # TRL's last record also carries the step metrics logged since the one before (logging_steps).
+        pending = {k: v for k, v in last.items() if k not in ("step", "epoch")}
+        step = self.state.global_step
+        self.state.log_history.append({**pending, **metrics, "epoch": self._epoch(step), "step": step})
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
 
     def _epoch(self, step: int) -> float:
@@ -381,6 +405,19 @@ class _StateKeeper:
 
     def on_evaluate(self, global_step: int, metrics: dict[str, Any]) -> None:
         self.trainer.state.log_history.extend(self.trainer._history({**metrics, "global_step": global_step}))
+
+
+def _saved_tokenizer(model: torch.nn.Module) -> Any:
+    """A loaded model's tokenizer from the directory it was loaded from, as TRL finds it; None if none."""
+    source = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
+    if not source or not Path(source).is_dir():
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError):
+        return None
 
 
 def _is_dict(data: Any) -> bool:

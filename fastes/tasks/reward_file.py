@@ -35,13 +35,13 @@ import functools
 import importlib.util
 import inspect
 import json
+import logging
 import math
 import numbers
 import signal
 import sys
 import threading
 import traceback
-import warnings
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -53,6 +53,7 @@ from .jsonl import assign_splits
 
 # What TRL passes every reward function by keyword besides the columns: no column may take these names.
 PASSED = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra")
+logger = logging.getLogger(__name__)
 MAX_TIMEOUT = 1e9  # seconds (31 years): SIGALRM's timer cannot be set much further
 ASYNC_GRACE = 5.0  # seconds past the timeout before an async function that blocks its event loop is given up
 
@@ -336,10 +337,10 @@ class Rewards:
             i = unscored[0]
             row = {c: v[i] for c, v in columns.items()}
             row.update(prompt=prompts[i], completion=completions[i])
-            warnings.warn(
-                f"every reward function returned None for {len(unscored)} of {count} completions, which get "
-                f"reward 0; the first one's row: {row}. Return a number for at least one function",
-                stacklevel=2,
+            # TRL's words and channel (a logger warning), which its users' tests look for.
+            logger.warning(
+                f"All reward functions returned None for the following kwargs: {row} ({len(unscored)} of "
+                f"{count} completions unscored this call). Return a number for at least one function"
             )
         return scores
 

@@ -140,7 +140,8 @@ def _processing_classes(given: Any, count: int) -> Sequence[Any]:
     listed = list(given) if isinstance(given, (list, tuple)) else [given]
     if len(listed) != count:
         raise RewardFunctionError(
-            f"reward_processing_classes has {len(listed)} entries for {count} reward functions; give one per "
+            f"reward_processing_classes has {len(listed)} entries for {count} reward functions: the lengths "
+            "must match; give one per "
             "reward function (None for a function, or for a model whose own tokenizer to load), or a single "
             "tokenizer for a single reward model"
         )
