@@ -310,6 +310,8 @@ class ESTrainer:
             run = Run(cfg, model, tokenizer, task, Path(cfg.out_dir))
             seed = cfg.seed * 1_000_003 + self.state.global_step + EVAL_LOSS_SEED
             metrics[f"{prefix}_loss"] = grpo.eval_loss(run, examples, self.ref_model, seed=seed)
+        else:  # ES minimises no loss: minus the reward, as its train_loss
+            metrics[f"{prefix}_loss"] = -metrics[f"{prefix}_reward"]
         metrics[f"{prefix}_samples"] = len(examples)
         step = self.state.global_step
         self.state.log_history.append({**metrics, "epoch": self._epoch(step), "step": step})

@@ -705,6 +705,5 @@ def test_grpo_evaluate_reports_trls_eval_loss_for_each_eval_dataset(tmp_path):
     assert trainer.evaluate()["eval_loss"] == metrics["eval_loss"]  # seeded by the run's seed and step
     both = trainer.evaluate({"a": HELD_OUT, "b": ROWS[:2]})
     assert both["eval_a_loss"] == metrics["eval_loss"] and math.isfinite(both["eval_b_loss"])
-    assert "eval_loss" not in ESTrainer(
-        MODEL, CORRECT, args=small(tmp_path / "es"), train_dataset=ROWS
-    ).evaluate(HELD_OUT)
+    es = ESTrainer(MODEL, CORRECT, args=small(tmp_path / "es"), train_dataset=ROWS).evaluate(HELD_OUT)
+    assert es["eval_loss"] == -es["eval_reward"]  # ES minimises no loss: minus the reward, as train_loss
