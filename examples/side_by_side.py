@@ -61,5 +61,7 @@ def main(which: str, output_dir: str, max_steps: int = 10) -> list[dict]:
 if __name__ == "__main__":
     which = sys.argv[1] if len(sys.argv) > 1 else "es"
     max_steps = int(sys.argv[2]) if len(sys.argv) > 2 else 10
-    for record in main(which, f"runs/side_by_side_{which}", max_steps):
+    *steps, final = main(which, f"runs/side_by_side_{which}", max_steps)  # final: the end-of-training record
+    for record in steps:
         print({k: v for k, v in record.items() if k.startswith("reward")})
+    print(f"train_loss {final['train_loss']:.4f}, train_runtime {final['train_runtime']:.1f} s")
