@@ -26,6 +26,7 @@ from .errors import FastesError
 from .version import __version__
 
 DEMO_EVAL_SIZE = 500  # test problems the demo reports on
+FEW_ANSWERS = 0.5  # `fastes eval` warns when the model states a readable answer on fewer problems
 # `fastes demo --model NAME`: settings chosen for a shipped model on validation problems only (the
 # first 272 train / next 100 problems of the same task), see docs/real_models.md. Flags override them.
 DEMO_PRESETS: dict[str, dict[str, Any]] = {
@@ -36,6 +37,7 @@ DEMO_PRESETS: dict[str, dict[str, Any]] = {
         # Asked in two sentences, the base states its answer in the format on ~40% of problems (~90%
         # with the default one-sentence wording): what ES learns here is to follow the instruction.
         "instruction": 'Write the result after "Answer:".',
+        "answer_prefix": "",  # the reply is the model's own: what ES learns here is the answer format
         "eval_size": 300,
         "batch_size": 16,
         "max_new_tokens": 24,
@@ -58,6 +60,7 @@ EVAL_SETTINGS = (
     "chat_template",
     "system_prompt",
     "instruction",
+    "answer_prefix",
     "max_new_tokens",
     "eval_batch_size",
 )
@@ -259,6 +262,8 @@ def cmd_eval(args: argparse.Namespace) -> dict:
     for example, prompt, text, score in shown:
         verdict = f"format {score.format:g}, answer {score.answer:g}"
         print(f"--- prompt:\n{prompt}\n--- completion:\n{text}\n--- expected {example.answer!r}: {verdict}\n")
+    if rates["format"] < FEW_ANSWERS:
+        print(few_answers_hint(rates["format"], cfg), file=sys.stderr)
     if args.samples > 1:
         counts = evaluator.correct_counts(
             task, examples, samples=args.samples, temperature=args.temperature, seed=args.seed
@@ -266,6 +271,27 @@ def cmd_eval(args: argparse.Namespace) -> dict:
         result["pass_at_k"] = pass_at_k(counts, args.samples)
     print(json.dumps(result, indent=2))
     return result
+
+
+def few_answers_hint(format_rate: float, cfg: TrainConfig) -> str:
+    """One line for an evaluation in which the model rarely states an answer the verifier can read: its
+    accuracy then measures the answer format more than the task, and training would first learn that."""
+    line = (
+        f"fastes eval: the model stated an answer in the task's format on only {format_rate:.0%} of the "
+        "problems, so accuracy here mostly measures the format; "
+    )
+    if cfg.prompt_style == "plain":
+        return line + "for an instruct model try --prompt_style instruct"
+    from .tasks import available_tasks
+
+    if cfg.task.partition(":")[0] not in available_tasks():
+        return line + "ask for the answer's format in the prompts, or score answers more leniently"
+    if cfg.answer_prefix == "":
+        return line + "try --answer_prefix auto (the reply starts with the task's own opening words)"
+    return line + (
+        "try --answer_prefix 'Answer:' (the reply starts with it), another --instruction, or --show 5 "
+        "to read the completions"
+    )
 
 
 def cmd_experiment(args: argparse.Namespace) -> dict:

@@ -342,6 +342,13 @@ class TrainConfig:
         default="",
         metadata={"help": "replaces a built-in task's request for the answer format in its instruct form"},
     )
+    answer_prefix: str = field(
+        default="auto",
+        metadata={
+            "help": "words the reply starts with, written after a built-in task's instruct prompt (auto: "
+            "the task's own, 'Answer:'; empty: none)"
+        },
+    )
     format_weight: float = field(
         default=0.1, metadata={"help": "reward = format_weight * well-formed + correct answer"}
     )
@@ -660,15 +667,22 @@ def _check_prompting(cfg: TrainConfig) -> None:
         "system_prompt",
         "a system prompt goes through the chat template, but chat_template = 'off'; set it to auto or on",
     )
-    if cfg.instruction:
-        from .tasks import available_tasks
+    from .tasks import available_tasks
 
-        built_in = cfg.task.partition(":")[0] in available_tasks()
+    built_in = cfg.task.partition(":")[0] in available_tasks()
+    if cfg.instruction:
         _require(
             built_in and cfg.prompt_style != "plain",
             "instruction",
             "rewords the request for the answer format of a built-in task's instruct form; "
             "use it with a built-in task and prompt_style auto or instruct",
+        )
+    if cfg.answer_prefix != "auto":
+        _require(
+            built_in and cfg.prompt_style != "plain",
+            "answer_prefix",
+            "starts the reply to a built-in task's instruct form; use it with a built-in task and "
+            "prompt_style auto or instruct, or leave it at auto",
         )
 
 

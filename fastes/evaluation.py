@@ -2,8 +2,9 @@
 
 Runs (fastes/train.py), `fastes eval`, ESTrainer.evaluate() and the study (fastes/experiment/) all
 measure through an Evaluator, built from a run's config (automatic settings resolved, fastes.defaults):
-the task's prompt style and instruction are the task's (fastes.train.make_task builds it from the same
-config), the chat template and system prompt are applied here, in render_prompts, and nowhere else.
+the task's prompt style, instruction and answer prefix are the task's (fastes.train.make_task builds it
+from the same config), the chat template, system prompt and answer prefix are applied here, in
+render_prompts, and nowhere else.
 
     evaluator = Evaluator(cfg, model, tokenizer)
     evaluator.greedy(task, examples).metrics()       # accuracy, format, lenient_accuracy
@@ -40,11 +41,18 @@ ROWS_PER_FORWARD = 256  # rows per teacher-forced forward (entropy, KL, perplexi
 
 
 def render_prompts(cfg: TrainConfig, tokenizer: Any, examples: list[Example]) -> list[str]:
-    """The model's input text for each example: its prompt with the run's chat template and system prompt."""
-    return [
-        format_prompt(tokenizer, ex.prompt, chat_template=cfg.chat_template, system_prompt=cfg.system_prompt)
-        for ex in examples
-    ]
+    """The model's input text for each example: its prompt with the run's chat template and system prompt,
+    then the opening words of the reply when the example has them (an instruct form's answer prefix)."""
+    rendered = []
+    for ex in examples:
+        text = format_prompt(
+            tokenizer, ex.prompt, chat_template=cfg.chat_template, system_prompt=cfg.system_prompt
+        )
+        prefix = ex.meta.get("answer_prefix", "")
+        if prefix and not text.endswith(("\n", " ")):  # no template: the reply starts a new sentence
+            text += " "
+        rendered.append(text + prefix)
+    return rendered
 
 
 @dataclass(frozen=True)

@@ -285,6 +285,7 @@ def make_task(cfg: TrainConfig, strict_alphabet: bool = True) -> Task:
                 seed=cfg.task_seed,
                 style=cfg.prompt_style,
                 instruction=cfg.instruction,
+                answer_prefix=None if cfg.answer_prefix == "auto" else cfg.answer_prefix,
                 n_test=max(DEFAULT_TEST_PROBLEMS, cfg.eval_size),
             )
         if kind == "jsonl":

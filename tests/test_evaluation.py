@@ -95,19 +95,25 @@ def test_every_face_renders_an_example_the_same_way(chat_llama, tmp_path, render
     examples = get_task(TASK, style="instruct").split("test")[:2]
     assert examples[0].prompt.startswith("Calculate ") and '"Answer:"' in examples[0].prompt
     expected = [f"<|im_start|>user\n{ex.prompt}<|im_end|>\n<|im_start|>assistant\n" for ex in examples]
+    # ESTrainer renders rows as written: the other faces are asked for no answer prefix to match it.
+    bare = {"answer_prefix": ""}
     faces = {
-        "run": _run_face(chat_llama, tmp_path / "run", rendered),
-        "fastes eval": _eval_face(chat_llama, rendered, capsys),
+        "run": _run_face(chat_llama, tmp_path / "run", rendered, **bare),
+        "fastes eval": _eval_face(chat_llama, rendered, capsys, **bare),
         "ESTrainer.evaluate": _trainer_face(
             chat_llama, tmp_path / "trainer", rendered, [e.prompt for e in examples]
         ),
-        "study": _study_face(chat_llama, tmp_path / "study", rendered),
+        "study": _study_face(chat_llama, tmp_path / "study", rendered, **bare),
     }
     for face, prompts in faces.items():
         assert prompts == expected, face
 
     # The run's own prompt settings reach every face that takes them (ESTrainer takes rows as written).
-    settings = {"system_prompt": "Be brief.", "instruction": 'Put the number after "Answer:".'}
+    settings = {
+        "system_prompt": "Be brief.",
+        "instruction": 'Put the number after "Answer:".',
+        "answer_prefix": "The result:",
+    }
     faces = {
         "run": _run_face(chat_llama, tmp_path / "run2", rendered, **settings),
         "fastes eval": _eval_face(chat_llama, rendered, capsys, **settings),
@@ -116,7 +122,7 @@ def test_every_face_renders_an_example_the_same_way(chat_llama, tmp_path, render
     question = examples[0].prompt.rpartition(" and write")[0]
     first = (
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n"
-        f'{question}. Put the number after "Answer:".<|im_end|>\n<|im_start|>assistant\n'
+        f'{question}. Put the number after "Answer:".<|im_end|>\n<|im_start|>assistant\nThe result:'
     )
     for face, prompts in faces.items():
         assert prompts[0] == first, face
@@ -186,9 +192,42 @@ def test_heldout_tasks_are_asked_in_the_runs_style():
     for name, task in tasks.items():
         examples = task.split("test")
         assert len(examples) >= 250, name
-        assert '"Answer:"' in examples[0].prompt and hasattr(task, "lenient_score"), name
+        assert examples[0].prompt.endswith(task.task.instruction), name
+        assert examples[0].meta["answer_prefix"] == "Answer:" and hasattr(task, "lenient_score"), name
     plain = heldout_tasks(load_config(None, {"prompt_style": "plain"}), ("compare",), 10)["compare"]
     assert "Answer" not in plain.split("test")[0].prompt
+
+
+def test_an_answer_prefix_ends_the_rendered_prompt(chat_llama):
+    from transformers import AutoTokenizer
+
+    chat_tokenizer = AutoTokenizer.from_pretrained(chat_llama)
+    cfg = load_config(None, {"prompt_style": "instruct"})
+    examples = get_task("compare", n_train=2, n_test=1, style="instruct").split("train")
+    templated = evaluation.render_prompts(cfg, chat_tokenizer, examples)
+    assert templated[0].endswith("<|im_start|>assistant\nAnswer:")
+    plain = evaluation.render_prompts(replace(cfg, chat_template="off"), chat_tokenizer, examples)
+    assert plain[0] == f"{examples[0].prompt} Answer:"  # no template: the reply follows the question
+    none = get_task("compare", n_train=2, n_test=1, style="instruct", answer_prefix="").split("train")
+    assert evaluation.render_prompts(cfg, chat_tokenizer, none)[0].endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize(
+    "settings, advice",
+    [
+        ({"task": "arithmetic", "prompt_style": "instruct"}, "--answer_prefix 'Answer:'"),
+        ({"task": "compare", "prompt_style": "instruct", "answer_prefix": ""}, "--answer_prefix auto"),
+    ],
+)
+def test_eval_says_when_the_model_states_few_answers(settings, advice, capsys):
+    # The tiny character model, asked in words, states no answer the verifier can read.
+    flags = [f"--{key}={value}" for key, value in settings.items()]
+    assert cli.main(["eval", "--limit", "3", "--samples", "1", *flags]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    assert result["format_rate"] < 0.5
+    lines = [line for line in captured.err.splitlines() if line.startswith("fastes eval:")]
+    assert len(lines) == 1 and "% of the problems" in lines[0] and advice in lines[0]
 
 
 def test_the_general_text_corpus():

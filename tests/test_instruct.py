@@ -33,9 +33,13 @@ def test_stated_answer(text: str, expected: str | None) -> None:
     [
         ("46 apples", "number", "46"),
         ("46.", "number", "46"),
+        ("12 + 34 = 46.", "number", "46"),  # an equation: its result
         ("3*5+7 = 22", "expression", "3*5+7"),
         ("45 < 123", "relation", "<"),
         ("< or >", "relation", ""),  # two relations: no answer
+        ("4185 is less than", "relation", "<"),  # a named relation
+        ("16 is greater than (>)", "relation", ">"),
+        ("less than or equal", "relation", ""),
         ("54321, reversed", "digits", "54321"),
     ],
 )
@@ -59,14 +63,27 @@ def test_instruct_form_scores_known_answers(name: str) -> None:
     asked = task.split("train")
     assert [ex.answer for ex in asked] == [ex.answer for ex in plain.split("train")]  # same problems
     for example in asked:
-        assert example.prompt != example.meta["plain_prompt"] and '"Answer:"' in example.prompt
+        assert example.prompt != example.meta["plain_prompt"]
+        assert '"Answer:"' in example.prompt or example.meta["answer_prefix"] == "Answer:"
         right = example.solution.removesuffix(";") if name == "countdown" else example.answer
-        for text in _phrasings(right):
+        # A task that starts the reply with "Answer:" reads the completion as its continuation.
+        continued = [f" {right}"] if example.meta["answer_prefix"] else []
+        for text in _phrasings(right) + continued:
             assert task.score(example, text).answer == 1.0, (example.prompt, text)
         assert task.score(example, "I do not know.").format == 0.0
         wrong = "9999999" if name != "compare" else ("<" if example.answer != "<" else ">")
-        for text in _phrasings(wrong):
+        for text in _phrasings(wrong) + [f" {wrong}"]:
             assert task.score(example, text).answer == 0.0, (example.prompt, text)
+
+
+def test_an_answer_prefix_can_be_replaced_or_dropped() -> None:
+    kept = get_task("compare", n_train=2, n_test=1, style="instruct").split("train")[0]
+    assert get_task("compare", n_train=2, n_test=1, style="instruct").score(kept, " 1 < 2").format == 1.0
+    task = get_task("compare", n_train=2, n_test=1, style="instruct", answer_prefix="")
+    assert task.split("train")[0].meta["answer_prefix"] == ""
+    assert task.score(kept, " 1 < 2").format == 0.0  # no prefix: a bare relation is no stated answer
+    with pytest.raises(ValueError, match="answer prefix"):
+        get_task("jsonl:x.jsonl", answer_prefix="Answer:")
 
 
 def test_countdown_instruct_refuses_wrong_numbers() -> None:

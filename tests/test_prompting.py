@@ -66,6 +66,8 @@ def test_system_prompt_needs_the_template(tmp_path):
         load_config(None, {"system_prompt": "x", "chat_template": "off", "out_dir": str(tmp_path)})
     with pytest.raises(Exception, match="instruction"):
         load_config(None, {"instruction": "x", "task": "jsonl:a.jsonl", "out_dir": str(tmp_path)})
+    with pytest.raises(Exception, match="answer_prefix"):
+        load_config(None, {"answer_prefix": "", "task": "countdown", "prompt_style": "plain"})
 
 
 def test_character_tokenizer_is_recognised(chat_tokenizer):

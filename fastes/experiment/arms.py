@@ -82,6 +82,7 @@ def shared_settings(preset: Preset, device: str) -> dict[str, Any]:
         "chat_template": p.chat_template,
         "system_prompt": p.system_prompt,
         "instruction": p.instruction,
+        "answer_prefix": p.answer_prefix,
         "max_new_tokens": p.max_new_tokens,
         "format_weight": p.format_weight,
         "eval_size": p.eval_size,

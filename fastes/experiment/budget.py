@@ -29,6 +29,7 @@ class Preset:
     chat_template: str = "auto"
     system_prompt: str = ""
     instruction: str = ""  # "": the task's own request for the answer format
+    answer_prefix: str = "auto"  # auto: the task's own opening words of the reply
     max_new_tokens: int = 12
     format_weight: float = 0.1  # reward = format_weight x format + answer
     dtype: str = "float32"

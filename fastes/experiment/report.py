@@ -177,6 +177,8 @@ def _prompts(metrics: dict[str, Any]) -> str:
     )
     if settings["instruction"]:
         text += f", instruction {settings['instruction']!r}"
+    if settings.get("answer_prefix", "auto") != "auto":  # absent from metrics written before it existed
+        text += f", answer prefix {settings['answer_prefix']!r}"
     return text + f", at most {settings['max_new_tokens']} new tokens"
 
 

@@ -258,7 +258,14 @@ def _write_results(ctx: Context, custom_model: bool, params: int) -> dict[str, A
         "device": ctx.device,
         "prompt_settings": {
             key: getattr(ctx.cfg, key)
-            for key in ("prompt_style", "chat_template", "system_prompt", "instruction", "max_new_tokens")
+            for key in (
+                "prompt_style",
+                "chat_template",
+                "system_prompt",
+                "instruction",
+                "answer_prefix",
+                "max_new_tokens",
+            )
         },
         "budget": _budget_summary(ctx.plan),
         "models": models,

@@ -66,7 +66,7 @@ class CompareTask(GeneratedTask):
 
     name = "compare"
     answer_kind = "relation"
-    instruction = 'Write <, > or = after "Answer:".'
+    instruction = "Answer with the symbol <, > or =."
 
     def __init__(
         self, seed: int = 0, n_train: int = 1000, n_test: int = DEFAULT_TEST_PROBLEMS, max_digits: int = 4

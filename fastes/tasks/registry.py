@@ -49,13 +49,15 @@ def get_task(
     reward: str | None = None,
     style: str = "plain",
     instruction: str = "",
+    answer_prefix: str | None = None,
     **options: Any,
 ) -> Task:
     """Build the task called `name` with the given seed; options go to the task's constructor.
 
     `reward` ("file.py:function") scores a "jsonl:<path>" task's prompts with your own function.
     `style` "instruct" asks a built-in task in words, with `instruction` (default: the task's own)
-    asking for the answer format; prompts of other tasks are used as written.
+    asking for the answer format and `answer_prefix` (default: the task's own; "" for none) starting the
+    reply; prompts of other tasks are used as written.
     """
     if style not in STYLES:
         raise ValueError(f"unknown prompt style {style!r}; use one of {', '.join(STYLES)}")
@@ -71,10 +73,11 @@ def get_task(
             if not rest:
                 raise
             raise ValueError(f"task {name!r}: {error}") from None
-        return InstructTask(task, instruction) if style == "instruct" else task
-    if instruction:
+        return InstructTask(task, instruction, answer_prefix) if style == "instruct" else task
+    if instruction or answer_prefix:
         raise ValueError(
-            f"an instruction rewords a built-in task's instruct form; write it into the prompts of {name!r}"
+            f"an instruction or answer prefix belongs to a built-in task's instruct form; write it into "
+            f"the prompts of {name!r}"
         )
     if kind == "jsonl" and rest:
         return JsonlTask(rest, seed=seed, **options)
