@@ -147,15 +147,21 @@ def _curve_plot(metrics: list[dict], path: Path, task: str) -> Path:
     from .analysis.plots import plot_metric_over_steps
 
     steps = [m for m in metrics if "reward" in m]
-    evals = [m for m in metrics if "test_accuracy" in m]
+    lines = {"train reward": ([m["global_step"] for m in steps], [m["reward"] for m in steps])}
+    # Beside accuracy, the format rate and the lenient reading tell a gain in format from problems solved.
+    for key, label in [
+        ("test_accuracy", "test accuracy"),
+        ("test_lenient_accuracy", "test lenient accuracy"),
+        ("test_format", "test format rate"),
+    ]:
+        evals = [m for m in metrics if key in m]
+        if evals:
+            lines[label] = ([m["global_step"] for m in evals], [m[key] for m in evals])
     return plot_metric_over_steps(
-        {
-            "train reward": ([m["global_step"] for m in steps], [m["reward"] for m in steps]),
-            "test accuracy": ([m["global_step"] for m in evals], [m["test_accuracy"] for m in evals]),
-        },
+        lines,
         path,
         title=f"fastes: post-training on {task}",
-        metric="reward / accuracy",
+        metric="reward / rate",
         xlabel="iteration",
     )
 

@@ -121,3 +121,29 @@ def test_eval_errors_are_one_line(tmp_path, capsys):
     assert err.startswith("fastes: configuration error: task:") and "\n" not in err
     assert cli.main(["eval", "--model", str(tmp_path / "nope.gguf")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_the_runs_plot_shows_format_and_lenient_accuracy_beside_accuracy(tmp_path, monkeypatch):
+    from fastes.analysis import plots
+
+    drawn = {}
+    monkeypatch.setattr(plots, "plot_metric_over_steps", lambda lines, path, **_: drawn.update(lines) or path)
+    metrics = [
+        {"global_step": 0, "test_accuracy": 0.3, "test_format": 0.9, "test_lenient_accuracy": 0.4},
+        {"global_step": 1, "reward": 0.5},
+        {
+            "global_step": 2,
+            "reward": 0.7,
+            "test_accuracy": 0.5,
+            "test_format": 1.0,
+            "test_lenient_accuracy": 0.5,
+        },
+    ]
+    cli._curve_plot(metrics, tmp_path / "curve.png", "arithmetic")
+    assert drawn["train reward"] == ([1, 2], [0.5, 0.7])
+    assert drawn["test accuracy"] == ([0, 2], [0.3, 0.5])
+    assert drawn["test format rate"] == ([0, 2], [0.9, 1.0])
+    assert drawn["test lenient accuracy"] == ([0, 2], [0.4, 0.5])
+    drawn.clear()
+    cli._curve_plot(metrics[1:2], tmp_path / "curve.png", "countdown")  # no evaluation yet: reward alone
+    assert list(drawn) == ["train reward"]
