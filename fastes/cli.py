@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from . import cpu_share, distributed, pretrain
-from .config import ConfigError, TrainConfig, flag_help, flag_specs, load_config
+from .config import PROMPT_SETTINGS, ConfigError, TrainConfig, flag_help, flag_specs, load_config
 from .distributed import CollectiveError
 from .errors import FastesError
 from .version import __version__
@@ -51,19 +51,7 @@ DEMO_PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 # Run settings that `fastes eval` takes as flags, with the meaning they have in a run.
-EVAL_SETTINGS = (
-    "model",
-    "task",
-    "task_seed",
-    "reward",
-    "prompt_style",
-    "chat_template",
-    "system_prompt",
-    "instruction",
-    "answer_prefix",
-    "max_new_tokens",
-    "eval_batch_size",
-)
+EVAL_SETTINGS = ("model", "task", "task_seed", "reward", *PROMPT_SETTINGS, "eval_batch_size")
 
 
 class Parser(argparse.ArgumentParser):

@@ -686,6 +686,17 @@ def _check_prompting(cfg: TrainConfig) -> None:
         )
 
 
+# The settings that decide how a task's prompts are written and answered (fastes.evaluation renders them).
+PROMPT_SETTINGS = (
+    "prompt_style",
+    "chat_template",
+    "system_prompt",
+    "instruction",
+    "answer_prefix",
+    "max_new_tokens",
+)
+
+
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Check every value's range; returns cfg for chaining."""
     from .tasks import available_tasks

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..config import MAX_SEED, ConfigError
+from ..config import MAX_SEED, PROMPT_SETTINGS, ConfigError
 from ..defaults import SMALL_MODEL_PARAMS
 from ..model_sources import resolve_model
 from ..models import num_params, tiny_model_path
@@ -256,17 +256,7 @@ def _write_results(ctx: Context, custom_model: bool, params: int) -> dict[str, A
         "base_pretraining": _pretraining_recipe(ctx.base_path),
         "params": params,
         "device": ctx.device,
-        "prompt_settings": {
-            key: getattr(ctx.cfg, key)
-            for key in (
-                "prompt_style",
-                "chat_template",
-                "system_prompt",
-                "instruction",
-                "answer_prefix",
-                "max_new_tokens",
-            )
-        },
+        "prompt_settings": {key: getattr(ctx.cfg, key) for key in PROMPT_SETTINGS},
         "budget": _budget_summary(ctx.plan),
         "models": models,
         "training": curves,
