@@ -289,7 +289,15 @@ def few_answers_hint(format_rate: float, cfg: TrainConfig) -> str:
 
 
 def cmd_experiment(args: argparse.Namespace) -> dict:
-    from .experiment import run_experiment
+    from .experiment import rewrite_report, run_experiment
+
+    if args.report_only:
+        given = [flag for flag in ("model", "seed", "stages") if getattr(args, flag) is not None]
+        if given or args.overwrite:
+            flag = (given or ["overwrite"])[0]
+            raise ConfigError(f"--report-only trains nothing and reads --out only; leave out --{flag}")
+        print(f"report: {rewrite_report(args.out)}")
+        return {}
 
     if distributed.launched_world_size() > 1:
         raise ConfigError(
@@ -392,6 +400,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="run only these stages, comma-separated: es, grpo, grpo_es, evaluate, sparsity, sweep "
         "(default: all; the report is written once every stage is done)",
+    )
+    exp.add_argument(
+        "--report_only",
+        action="store_true",
+        help="write --out's report.md again from its metrics.json, taking in the seed*/ folders inside it "
+        "(a second seed run with --out <report dir>/seed1); trains nothing",
     )
     return parser
 

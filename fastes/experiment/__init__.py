@@ -23,15 +23,16 @@ Everything goes into one directory: metrics.json, report.md (read that first) an
     fastes experiment --preset quick    # a smoke run of every stage, about a minute
     fastes experiment --preset smollm2  # SmolLM2-135M-Instruct (smollm2-quick: every stage, small budgets)
     fastes experiment --model DIR       # any local HF causal LM (the sweep then uses that model alone)
-    fastes experiment --preset smollm2 --seed 1 --stages es,grpo,evaluate   # a subset of the stages
+    fastes experiment --preset smollm2 --seed 1 --stages es,grpo,evaluate --out DIR/seed1   # 2nd seed
+    fastes experiment --report-only --out DIR   # report.md again, with DIR's seed*/ folders (seeds.py)
 
 Stopped with Ctrl-C or killed, the same command continues: finished arms and evaluations are recorded
 in progress.json and not redone.
 
 Read in this order: budget.py (presets, equal budgets, what each stage costs), arms.py (training the
 arms and the sweep), evaluate.py (measurements, through fastes.evaluation, the one evaluation path),
-findings.py (the paper's claims, checked), plots.py and report.py (the output), progress.py (what is
-finished), run.py (the whole run).
+findings.py (the paper's claims, checked), seeds.py (ES vs GRPO over seeds), plots.py and report.py
+(the output), progress.py (what is finished), run.py (the whole run).
 """
 
 from .arms import Context, make_context, train_arm, train_in_segments, train_overrides
@@ -53,7 +54,8 @@ from .evaluate import MASK_KINDS, evaluate_models, gain_retained_curves
 from .findings import findings, paired_difference, paired_standard_error
 from .plots import PLOTS, write_plots
 from .report import write_report
-from .run import run_experiment
+from .run import rewrite_report, run_experiment
+from .seeds import headline, other_seeds
 
 __all__ = [
     "ARMS",
@@ -71,10 +73,13 @@ __all__ = [
     "evaluate_models",
     "findings",
     "gain_retained_curves",
+    "headline",
     "make_context",
+    "other_seeds",
     "paired_difference",
     "paired_standard_error",
     "plan_budget",
+    "rewrite_report",
     "run_experiment",
     "segment_ends",
     "sweep_iterations",

@@ -14,6 +14,7 @@ from ..analysis.passk import pass_at_k
 from .budget import ARMS, LABELS, MODELS
 from .findings import paired_difference, paired_standard_error, standard_error
 from .plots import PLOTS
+from .seeds import headline, verdict
 
 VERDICT_GROUPS = [
     ("yes", "Reproduced"),
@@ -355,7 +356,71 @@ def _plots(metrics: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _caveats(metrics: dict[str, Any]) -> list[str]:
+def _over_seeds(metrics: dict[str, Any], others: dict[str, dict[str, Any]]) -> list[str]:
+    """ES vs GRPO at greedy Pass@1 and Pass@n, seed by seed (this run and the seed folders beside it)."""
+    if not others:
+        return []
+    found = headline([metrics, *others.values()])
+    n, p = found["n"], metrics["preset"]
+    folders = {run["preset"]["seed"]: name for name, run in others.items()}
+
+    def diff(value: tuple[float, float]) -> str:
+        return f"{value[0]:+.3f} +- {value[1]:.3f}"
+
+    rows = []
+    for row in found["seeds"]:
+        where = (
+            f"[{row['seed']}]({folders[row['seed']]}/metrics.json)"
+            if row["seed"] in folders
+            else (f"{row['seed']} (this run)")
+        )
+        greedy, covered = row["greedy"], row["pass_at_n"]
+        rows.append(
+            [where]
+            + [f"{greedy[m]:.3f}" for m in ("base", "es", "grpo")]
+            + [diff(row["greedy_es_minus_grpo"])]
+            + [f"{covered[m]:.3f}" for m in ("base", "es", "grpo")]
+            + [diff(row["pass_at_n_es_minus_grpo"])]
+        )
+    mean = found["mean"]
+    rows.append(
+        [
+            "**mean**",
+            "",
+            "",
+            "",
+            diff(mean["greedy_es_minus_grpo"]),
+            "",
+            "",
+            "",
+            diff(mean["pass_at_n_es_minus_grpo"]),
+        ]
+    )
+    header = ["seed", "greedy base", "ES", "GRPO", "ES - GRPO"] + [
+        f"Pass@{n} base",
+        "ES",
+        "GRPO",
+        "ES - GRPO",
+    ]
+    return [
+        "## ES vs GRPO over seeds",
+        "",
+        f"The headline comparison on {len(rows) - 1} training seeds (the other seeds trained the ES and GRPO "
+        "arms only, with every other setting the same, and were evaluated on the same test problems). "
+        f"Greedy accuracy is Pass@1 at temperature 0 on {p['eval_size']} problems; Pass@{n} is sampled at "
+        f"temperature 1, {n} samples of each of {p['passk_prompts']} problems. ES - GRPO is the mean "
+        "per-problem difference +- its paired standard error; the mean's SE is the seeds' SEs combined.",
+        "",
+        table(header, rows),
+        "",
+        f"Over the seeds, at greedy Pass@1: **{verdict(mean['greedy_es_minus_grpo'])}**; at Pass@{n}: "
+        f"**{verdict(mean['pass_at_n_es_minus_grpo'])}** (a difference counts when it exceeds two standard "
+        "errors).",
+        "",
+    ]
+
+
+def _caveats(metrics: dict[str, Any], others: dict[str, dict[str, Any]]) -> list[str]:
     p = metrics["preset"]
     se_greedy = standard_error(metrics["models"]["base"]["greedy_accuracy"], p["eval_size"])
     if p["model"] and not metrics["custom_model"]:
@@ -370,6 +435,11 @@ def _caveats(metrics: dict[str, Any]) -> list[str]:
             "- The models are tiny character-level Llamas pretrained on the tasks themselves, not the "
             "0.5B-8B models of the paper; population sizes, sigma and budgets are scaled down to match."
         )
+    seeds_text = (
+        f"{len(others) + 1} seeds for ES vs GRPO (above); every other figure is from seed {p['seed']} alone."
+        if others
+        else "One seed."
+    )
     style_mix = metrics.get("base_pretraining", {}).get("style_mix", 0.0)
     if style_mix:
         about_models += (
@@ -383,7 +453,7 @@ def _caveats(metrics: dict[str, Any]) -> list[str]:
         "## Caveats",
         "",
         about_models,
-        f"- One seed. Accuracies on {p['eval_size']} prompts move by a standard error of about "
+        f"- {seeds_text} Accuracies on {p['eval_size']} prompts move by a standard error of about "
         f"{se_greedy:.3f} from sampling the test set alone, so small differences between arms are not "
         "findings.",
         f"- {p['tuning']}",
@@ -391,10 +461,19 @@ def _caveats(metrics: dict[str, Any]) -> list[str]:
     ]
 
 
-def write_report(metrics: dict[str, Any], out_dir: Path) -> Path:
-    """report.md: setup, budgets, results, every plot with what it shows, and the verdicts."""
-    sections = [_summary, _setup, _budgets, _results, _plots, _caveats]
-    lines = [line for section in sections for line in section(metrics)]
+def write_report(
+    metrics: dict[str, Any], out_dir: Path, others: dict[str, dict[str, Any]] | None = None
+) -> Path:
+    """report.md: what the numbers say, ES vs GRPO over seeds (when `others`, {seed folder: metrics},
+    holds more seeds: seeds.other_seeds), setup, budgets, results, every plot with what it shows, and
+    the caveats."""
+    others = others or {}
+    lines = [
+        *_summary(metrics),
+        *_over_seeds(metrics, others),
+        *(line for section in (_setup, _budgets, _results, _plots) for line in section(metrics)),
+        *_caveats(metrics, others),
+    ]
     path = out_dir / "report.md"
     path.write_text("\n".join(lines))
     return path

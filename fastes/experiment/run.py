@@ -40,6 +40,7 @@ from .findings import findings
 from .plots import write_plots
 from .progress import Progress
 from .report import json_text, write_report
+from .seeds import other_seeds
 
 
 def _resolve(
@@ -271,8 +272,27 @@ def _write_results(ctx: Context, custom_model: bool, params: int) -> dict[str, A
         metrics["plots"] = write_plots(metrics, out)
     (out / "metrics.json").write_text(json_text(metrics))
     if not missing:
-        write_report(metrics, out)
+        write_report(metrics, out, other_seeds(out, metrics))
     return metrics
+
+
+def rewrite_report(out_dir: str | Path) -> Path:
+    """report.md again from out_dir's metrics.json and the seed folders beside it (seeds.py); nothing is
+    trained or measured. For a report to take in a seed finished after it was written."""
+    path = Path(out_dir) / "metrics.json"
+    try:
+        metrics = json.loads(path.read_text())
+        missing = metrics.get("missing_stages", [])  # absent in files written before stages existed
+    except FileNotFoundError:
+        raise ConfigError(f"--report-only: {path} does not exist; run the experiment there first") from None
+    except (OSError, ValueError, AttributeError) as error:
+        raise ConfigError(f"--report-only: {path} is not an experiment's metrics.json ({error})") from None
+    if missing:
+        raise ConfigError(
+            f"--report-only: stages {', '.join(missing)} are not finished in {out_dir}; the report needs "
+            "every stage: run the same experiment command again to finish them"
+        )
+    return write_report(metrics, path.parent, other_seeds(path.parent, metrics))
 
 
 def _stage_done(done: Progress, stage: str) -> bool:
