@@ -1,8 +1,10 @@
-"""fastes.ES: Evolution Strategies as a torch.optim-style object.
+"""fastes.ES: Evolution Strategies as a torch.optim.Optimizer.
 
     es = fastes.ES(fastes.linear_weights(model), sigma=1e-3, lr=5e-7, population=30, seed=0)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(es, T_max=iterations)   # optional
     for _ in range(iterations):
         es.step(lambda: reward(model))      # called once per member, its perturbation applied
+        schedule.step()
 
 One generation: members i = 0..N-1 use noise direction j (j = i // 2 with antithetic sampling, sign
 +1 for even i and -1 for odd i; j = i otherwise) whose key is a pure function of (seed, generation, j).
@@ -10,6 +12,8 @@ A member's weights theta + sign * sigma * eps_j are written into a work buffer a
 pointed at it; on exit they are pointed back, so the weights are restored bit for bit and never
 rewritten during evaluation. The update theta += lr / (N * sigma) * sum_i w_i eps_i regenerates the noise
 from the keys (see fastes.ops). Nothing random is stored: the whole run is (seed, per-generation weights).
+Each generation's history entry also records the lr, sigma and weight_decay its update used, so a run
+whose lr a scheduler changed replays bit for bit.
 """
 
 from __future__ import annotations
@@ -75,8 +79,13 @@ class Member:
         return f"Member(index={self.index}, direction={self.direction}, sign={self.sign:+.0f})"
 
 
-class ES:
-    """Evolution Strategies over a set of tensors, in the conventions of torch.optim.
+class ES(torch.optim.Optimizer):
+    """Evolution Strategies over a set of tensors: a torch.optim.Optimizer whose step takes rewards.
+
+    torch's LR schedulers attach to it (they set each group's "lr", which the next update uses), and
+    register_step_pre_hook / register_step_post_hook work as for any optimizer. state_dict() is ES's own
+    (the options, the generation and the history of update weights), not torch's per-parameter state:
+    ES keeps no per-parameter state.
 
     Args:
         params: tensors, (name, tensor) pairs (e.g. from `fastes.linear_weights(model)`), or param-group
@@ -151,8 +160,8 @@ class ES:
             )
         if not 0 <= seed < 2**64:
             raise ValueError(f"seed must be an integer in [0, 2^64), got {seed}")
-        self.defaults = {"sigma": sigma, "lr": lr, "weight_decay": weight_decay}
-        self.param_groups = [self._make_group(g, i) for i, g in enumerate(_as_groups(params))]
+        self.generation = 0
+        super().__init__(_as_groups(params), {"sigma": sigma, "lr": lr, "weight_decay": weight_decay})
         self.population = population
         self.antithetic = antithetic
         self.shaping = shaping
@@ -165,9 +174,7 @@ class ES:
         self.noise = noise
         self.checksum_every = checksum_every
         self.timeout = distributed.check_timeout(timeout)
-        self.generation = 0
         self.history: list[dict[str, Any]] = []
-        self._check_ids()
         self.inner = (
             None
             if inner_optimizer is None
@@ -178,6 +185,20 @@ class ES:
         self._perturbation_checked = -1  # the generation _check_perturbation last passed
 
     # --- parameters -------------------------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group of tensors to evolve ({"params": ..., "sigma", "lr", "weight_decay"}), before the
+        first generation: a run's noise streams and replay are fixed by the groups it started with."""
+        if self.generation:
+            raise ValueError(
+                f"ES param groups are fixed once a generation has run (this ES is at generation "
+                f"{self.generation}); build a new ES with every group instead"
+            )
+        self.param_groups.append(self._make_group(param_group, len(self.param_groups)))
+        self._check_ids()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(self.__dict__)  # torch.optim.Optimizer keeps only defaults, state and param groups
 
     def _make_group(self, group: dict, index: int) -> dict:
         entries = list(group["params"])
@@ -358,7 +379,15 @@ class ES:
         # The kernels take fp32 weights: record exactly those, so that replay is bit-exact.
         recorded = direction_weights.to(torch.float32).tolist()
         self._update(recorded, n_members=int(keep.sum()))
-        self.history.append({"generation": self.generation, "weights": recorded, "members": int(keep.sum())})
+        used = [{k: float(g[k]) for k in _GROUP_DEFAULT_KEYS} for g in self.param_groups]  # a scheduler's too
+        self.history.append(
+            {
+                "generation": self.generation,
+                "weights": recorded,
+                "members": int(keep.sum()),
+                "param_groups": used,
+            }
+        )
         self.generation += 1
         if self.checksum_every and self.generation % self.checksum_every == 0:
             self.verify_ranks_agree()
@@ -606,7 +635,8 @@ def replay(
 
     `params` lists the same tensors, in the same order, as the run's ES was built from; `state` is its
     `ES.state_dict()`. On the same backend this reproduces the trained weights bit for bit, from a log of
-    one float per noise direction per generation (pass the same inner_optimizer in gradient mode).
+    one float per noise direction per generation and the lr, sigma and weight_decay each update used (an
+    LR scheduler's included; pass the same inner_optimizer in gradient mode).
     """
     tensors = [t for g in _as_groups(params) for t in _plain_tensors(list(g["params"]))]
     groups, start = [], 0
@@ -630,6 +660,8 @@ def replay(
     warn_if_other_backend(state, es.resolved_backend, "replaying")
     for record in state["history"]:
         es.generation = record["generation"]
+        for group, used in zip(es.param_groups, record.get("param_groups", ())):  # absent in older states
+            group.update(used)
         es._update(record["weights"], n_members=record["members"])
 
 
