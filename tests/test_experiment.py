@@ -27,6 +27,7 @@ from fastes.generation import Generation
 from fastes.models import tiny_model_path
 from fastes.train import train
 
+ROOT = Path(__file__).resolve().parents[1]
 # --- equal budgets ----------------------------------------------------------------------------------
 
 
@@ -253,6 +254,20 @@ def test_smollm2_presets_fit_their_time_budgets():
         assert set(estimate) == set(experiment.STAGES)
         assert 0 < sum(estimate.values()) < minutes * 60, name
         assert preset.passk_samples == 32 and preset.perplexity_corpus == "text"
+
+
+def test_the_cost_model_predicts_the_committed_smollm2_study_stage_by_stage():
+    """The prediction against the stage times the smollm2 study measured (seed 0, committed in
+    docs/experiment/smollm2/metrics.json): every stage within 35%, the whole within 15%."""
+    measured = json.loads((ROOT / "docs" / "experiment" / "smollm2" / "metrics.json").read_text())["timings"]
+    preset = PRESETS["smollm2"]
+    plan = plan_budget(
+        preset.es_iterations, preset.population, preset.es_batch, preset.grpo_batch, preset.num_generations
+    )
+    predicted = experiment.estimate_seconds(preset, plan)
+    for stage in experiment.STAGES:
+        assert 0.65 < predicted[stage] / measured[stage] < 1.35, (stage, predicted[stage], measured[stage])
+    assert 0.85 < sum(predicted.values()) / measured["total"] < 1.15
 
 
 @pytest.mark.slow

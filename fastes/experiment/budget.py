@@ -269,31 +269,37 @@ def sweep_iterations(budget: int, population: int, batch: int) -> int:
 class Speed:
     """Seconds per unit of work on one machine, for one model: the time-left estimate's cost model."""
 
-    generate: float  # greedy or sampled generation: per row and new token
-    es_generate: float  # an ES iteration's population-batched (low-rank) generation: per row and new token
+    row: float  # one generated row's fixed cost, the prefill of its prompt (greedy or sampled)
+    token: float  # one generated row's cost per new token
+    es_generation: float  # an ES iteration's population-batched generation time over plain generation's
     grpo_loss: float  # GRPO's forward and backward of the loss: per completion
     load: float  # loading the model once (every probe and evaluation loads the model it measures)
 
 
-# SmolLM2-135M-Instruct on this 2-core CPU (docs/real_models.md, 2026-12-03): plain batched inference of
-# 64 rows x 16 new tokens took 4.0 s, a low-rank ES iteration of the same rows 6.7 s; a GRPO step of 8 x 8
-# completions of 24 tokens ~25 s, of which generation is ~6 s; a load from safetensors about a second.
-SMOLLM2_CPU = Speed(generate=4.0 / (64 * 16), es_generate=6.7 / (64 * 16), grpo_loss=19.0 / 64, load=1.5)
+# SmolLM2-135M-Instruct on this 2-core CPU, at the study's prompts (an instruct arithmetic question of
+# ~60 tokens with its chat template). Plain batched generation cost 94.7 ms a row at 16 new tokens and
+# 91.7 ms at 24 (benchmarks/results/real-model-cpu-2026-12-04-1815.md): at these lengths a row costs
+# mostly its prefill, and larger batches run faster per token. A low-rank ES iteration's generation ran
+# at 0.91-0.93 of plain's rate there. The smollm2 study's seed 0 (docs/experiment/smollm2/report.md,
+# 2026-12-05) measured ~99 ms a row over its evaluations, and ~27 s per GRPO step of 64 completions, ~6 s
+# of it generation. A load from safetensors takes about a second.
+SMOLLM2_CPU = Speed(row=0.070, token=0.0013, es_generation=1.08, grpo_loss=0.33, load=1.5)
 
 
 def estimate_seconds(preset: Preset, plan: BudgetPlan, speed: Speed = SMOLLM2_CPU) -> dict[str, float]:
     """Predicted seconds of every stage (STAGES), counting every completion at max_new_tokens tokens (an
-    upper bound: rows stop at EOS), training, probes and evaluations included. A prediction, not a
-    measurement: the experiment scales it by the speed it measures as it goes."""
-    p, tokens = preset, preset.max_new_tokens
-    greedy = tokens * speed.generate  # one generated row
+    upper bound: rows stop at EOS) and each teacher-forced pass over a row (KL, entropy) as one more
+    row, training, probes and evaluations included. A prediction, not a measurement: the experiment
+    scales it by the speed it measures as it goes."""
+    p = preset
+    greedy = speed.row + p.max_new_tokens * speed.token  # one generated row
     evaluation = p.eval_size * greedy + speed.load  # a run's greedy test evaluation
-    probe = p.probe_prompts * p.probe_samples * greedy + speed.load
+    probe = p.probe_prompts * p.probe_samples * 2 * greedy + speed.load  # samples, then their entropy
 
     def es(iterations: int, population: int, batch: int, every: int) -> float:
         segments = math.ceil(iterations / every)
         rows = iterations * population * batch
-        return rows * tokens * speed.es_generate + segments * (evaluation + probe + speed.load) + evaluation
+        return rows * greedy * speed.es_generation + segments * (evaluation + probe + speed.load) + evaluation
 
     grpo_steps = plan.grpo_steps
     grpo_every = max(1, round(p.probe_every * plan.es_samples_per_iteration / plan.grpo_samples_per_step))
@@ -303,7 +309,7 @@ def estimate_seconds(preset: Preset, plan: BudgetPlan, speed: Speed = SMOLLM2_CP
         p.eval_size * greedy
         + p.passk_prompts * p.passk_samples * greedy
         + heldout_rows * greedy
-        + heldout_rows * p.kl_samples * greedy
+        + heldout_rows * p.kl_samples * 3 * greedy  # sampled, then a pass under the model and the base
         + 2 * speed.load
     )
     masked = 2 + 3 * len([f for f in p.keep_fractions if f < 1.0])  # base, trained, every mask
