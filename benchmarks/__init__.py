@@ -17,7 +17,7 @@ def run(**options: Any) -> tuple[dict, dict]:
     """Run the suites and write the result files; see benchmarks.runner.run for the options."""
     # Imported on use: `python -m benchmarks.gpu_check` must control the Triton environment before
     # anything (transformers included) imports triton.
-    from .runner import run as run_suites
+    from benchmarks.runner import run as run_suites
 
     return run_suites(**options)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .runner import run
-from .suites import SUITES
+from benchmarks.runner import run
+from benchmarks.suites import SUITES
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     if args.static:
-        from .static import run_static
+        from benchmarks.static import run_static
 
         run_static(args.out)
         return

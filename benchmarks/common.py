@@ -18,8 +18,9 @@ from pathlib import Path
 
 import torch
 
-from fastes import linear_weights, noise
-from fastes.config import TrainConfig
+from fastes import linear_weights
+from fastes.engine import noise
+from fastes.run.config import TrainConfig
 from fastes.tasks import get_task
 
 # Benchmark models. "tiny" is the shipped checkpoint (random weights when it is missing); the synthetic
@@ -138,7 +139,7 @@ def environment(ctx: Context, load_at_start: list[float] | None) -> dict:
 
 
 def _resolved_backend(ctx: Context) -> str:
-    from fastes import ops
+    from fastes.engine import ops
 
     return ops.resolve_backend([torch.empty(0, device=ctx.device)], ctx.backend)
 
@@ -279,7 +280,7 @@ def load_bench_model(name: str, device: torch.device, dtype: torch.dtype) -> Ben
     """The tiny checkpoint (or a random tiny model when it is not shipped) or a synthetic Llama."""
     from transformers import LlamaForCausalLM
 
-    from fastes.models import (
+    from fastes.models.loading import (
         build_tiny_model,
         build_tokenizer,
         char_llama_config,
@@ -372,10 +373,10 @@ class IterationSetting:
 
 
 def make_run(bench: BenchModel, setting: IterationSetting, backend: str, eval_mode: str | None = None):
-    """A fastes.run.Run on `bench` for the countdown task, with the ES it iterates."""
-    from fastes import defaults
-    from fastes.es_step import make_es
-    from fastes.run import Run
+    """A fastes.run.shared.Run on `bench` for the countdown task, with the ES it iterates."""
+    from fastes.run import auto_settings
+    from fastes.run.es_loop import make_es
+    from fastes.run.shared import Run
 
     cfg = TrainConfig()
     cfg.batch_size = setting.batch
@@ -388,7 +389,7 @@ def make_run(bench: BenchModel, setting: IterationSetting, backend: str, eval_mo
         cfg.es.eval_mode = eval_mode
         if eval_mode == "lowrank":  # the low-rank eval mode evaluates low-rank noise (rank cfg.es.rank)
             cfg.es.noise_type = "lowrank"
-    cfg = defaults.resolve(cfg, bench.model, bench.tokenizer)  # what a run chooses for this model
+    cfg = auto_settings.resolve(cfg, bench.model, bench.tokenizer)  # what a run chooses for this model
     task = get_task(cfg.task, seed=cfg.task_seed)
     run = Run(cfg, bench.model, bench.tokenizer, task, Path(tempfile.gettempdir()) / "fastes-bench")
     return run, make_es(run)

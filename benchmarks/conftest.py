@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from .common import MODEL_NAMES, load_bench_model, resolve_device
+from benchmarks.common import MODEL_NAMES, load_bench_model, resolve_device
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

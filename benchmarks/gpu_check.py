@@ -207,7 +207,7 @@ def step_environment(c: Checks, device: torch.device, sizes: Sizes) -> None:
 
 
 def step_stream(c: Checks, device: torch.device, sizes: Sizes) -> None:
-    from fastes import kernels, noise
+    from fastes.engine import kernels, noise
 
     keys = [noise.member_key(1234, 7, 5), *EDGE_KEYS, (0, 0), (0xFFFFFFFF, 0xFFFFFFFF)]
     ids = [1, 0xFFFFFFFF, noise.tensor_id("model.layers.0.mlp.up_proj.weight")]
@@ -243,7 +243,7 @@ def step_stream(c: Checks, device: torch.device, sizes: Sizes) -> None:
 
 
 def step_perturb(c: Checks, device: torch.device, sizes: Sizes) -> None:
-    from fastes import noise, ops
+    from fastes.engine import noise, ops
 
     ids = [1, *(noise.tensor_id(n) for n in NAMES[1:])][: len(sizes.shapes)]
     for dtype in DTYPES:
@@ -272,7 +272,7 @@ def step_perturb(c: Checks, device: torch.device, sizes: Sizes) -> None:
 
 
 def step_update(c: Checks, device: torch.device, sizes: Sizes) -> None:
-    from fastes import noise, ops
+    from fastes.engine import noise, ops
 
     ids = [1, *(noise.tensor_id(n) for n in NAMES[1:])][: len(sizes.shapes)]
     cases = [
@@ -323,8 +323,8 @@ def step_update(c: Checks, device: torch.device, sizes: Sizes) -> None:
 
 
 def step_virtual(c: Checks, device: torch.device, sizes: Sizes) -> None:
-    from fastes import noise, ops
-    from fastes.kernels import launch_virtual_linear
+    from fastes.engine import noise, ops
+    from fastes.engine.kernels import launch_virtual_linear
 
     tolerance = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}
     for dtype in DTYPES:
@@ -401,7 +401,7 @@ def step_es(c: Checks, device: torch.device, sizes: Sizes) -> None:
 
 def step_large(c: Checks, device: torch.device, sizes: Sizes) -> None:
     """One tensor past 2^31 elements: 64-bit offsets in the kernels (about 13 GB of GPU memory)."""
-    from fastes import noise, ops
+    from fastes.engine import noise, ops
 
     def large() -> tuple[bool, str]:
         n = sizes.large
@@ -449,9 +449,8 @@ def _seconds(fn: Callable[[], object], device: torch.device, rounds: int) -> flo
 def _bench_dtype(
     c: Checks, device: torch.device, dtype: torch.dtype, n: int, rounds: int, directions: int
 ) -> None:
-    from fastes import noise, ops
-
-    from .naive import naive_update
+    from benchmarks.naive import naive_update
+    from fastes.engine import noise, ops
 
     name = str(dtype)[6:]
     src = torch.randn(n, device=device).to(dtype)
@@ -494,11 +493,10 @@ def step_model(c: Checks, device: torch.device, sizes: Sizes) -> None:
     from transformers import AutoModelForCausalLM
 
     import fastes
-    from fastes.batched import population_batched
-    from fastes.kernels import aot
-
-    from . import model_iteration as predicted
-    from .model_iteration import DEVICES
+    from benchmarks import aot
+    from benchmarks import model_iteration as predicted
+    from benchmarks.model_iteration import DEVICES
+    from fastes.es.population import population_batched
 
     name, overrides, population, prompts = sizes.model
     config = aot.model_config(name)
@@ -615,7 +613,7 @@ def _lowrank_in_float32(model: torch.nn.Module, forward: Callable, logits: dict,
     of the noise's own effect (measured on Qwen2.5-0.5B's shape on CPU: 0.30 of the largest logit after
     4 layers, 0.96 after 24, against 1e-4 in fp32), so only fp32 can tell a wrong forward."""
     import fastes
-    from fastes.batched import population_batched
+    from fastes.es.population import population_batched
 
     model.float()
     es = fastes.ES(
@@ -636,7 +634,7 @@ def _lowrank_in_float32(model: torch.nn.Module, forward: Callable, logits: dict,
 def _predicted_rates() -> dict:
     """The noise kernels' predicted rates per GPU, from a process without the interpreter (they come from
     SASS compiled for sm_90, which the interpreter cannot do)."""
-    from .model_iteration import NoiseRates
+    from benchmarks.model_iteration import NoiseRates
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "rates.json"

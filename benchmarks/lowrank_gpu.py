@@ -5,7 +5,7 @@
 For each projection shape of Qwen2.5-1.5B (hidden 1536, MLP 8960, 2 KV heads of 128) and a decode step
 of 32 members x 64 prompts (2048 rows), bf16, CUDA events over repeated calls:
 - plain: y = x W^T (cuBLAS);
-- unfused (what fastes.batched.LowRankLinear does off the CPU): plain, then per row the dot product
+- unfused (what fastes.es.population.LowRankLinear does off the CPU): plain, then per row the dot product
   with its member's input factor and an addcmul of its output factor into y;
 - one GEMM: the rank-r term as extra inner columns, y = [x | P] [W | A_stack]^T, where P holds each
   row's x . b_m in its member's column (zeros elsewhere): cuBLAS writes y once; building [x | P] and P

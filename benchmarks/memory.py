@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from .common import (
+from benchmarks.common import (
     IterationSetting,
     current_rss_bytes,
     load_bench_model,
@@ -31,9 +31,9 @@ from .common import (
 
 
 def measure(spec: dict) -> dict[str, dict]:
-    from fastes.es_step import es_iteration
-    from fastes.generation import generate
-    from fastes.run import batch_for
+    from fastes.models.generation import generate
+    from fastes.run.es_loop import es_iteration
+    from fastes.run.shared import batch_for
 
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))

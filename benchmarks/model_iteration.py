@@ -1,6 +1,6 @@
 """A predicted ES iteration of real models on an H100 and an H200: not measured.
 
-For each model of `fastes.kernels.aot.MODEL_CONFIGS` (shapes only, built on the meta device), one ES
+For each model of `benchmarks.aot.MODEL_CONFIGS` (shapes only, built on the meta device), one ES
 generation of POPULATION members x PROMPTS prompts x NEW_TOKENS new tokens in bf16 is costed in each
 evaluation mode from two kinds of figures:
 - the noise work of fastes, from the kernels' sm_90 SASS counts (`benchmarks.static`): perturb per
@@ -82,7 +82,7 @@ def model_shape(name: str) -> ModelShape:
     """Count a real model's parameters from its transformers config, built on the meta device."""
     from transformers import AutoModelForCausalLM
 
-    from fastes.kernels import aot
+    from benchmarks import aot
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(aot.model_config(name), dtype=torch.bfloat16)
@@ -173,7 +173,7 @@ def virtual_noise_seconds(
 
 def lowrank_noise_seconds(model: ModelShape, device, rates: NoiseRates, members: int, tokens: int) -> float:
     """Low-rank evaluation: the members' factors (normals), and the rank-r term over `tokens` rows as
-    fastes.batched.LowRankLinear adds it on a GPU, after the base GEMM: per rank and row of a matrix
+    fastes.es.population.LowRankLinear adds it on a GPU, after the base GEMM: per rank and row of a matrix
     [out, in], a product-sum over x (read x, write and read the bf16 product: 6 in bytes) and an addcmul
     into y (read and write it: 4 out bytes), at the copy bandwidth; its FLOPs are negligible."""
     factors = members * RANK * model.factor_rows * rates.fill
@@ -279,7 +279,7 @@ def reason(model: str, device: str, result: dict) -> str:
 
 def model_iterations(rates: dict, models: list[str] | None = None) -> dict:
     """Predictions for each model and device; `rates` maps a device name to its NoiseRates."""
-    from fastes.kernels import aot
+    from benchmarks import aot
 
     out = {}
     for name in models or list(aot.MODEL_CONFIGS):

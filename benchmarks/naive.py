@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fastes.generation import generate
+from fastes.models.generation import generate
 from fastes.tasks import Example, Task
 
 

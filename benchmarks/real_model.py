@@ -39,8 +39,8 @@ from pathlib import Path
 
 import torch
 
-from .common import cpu_model, current_rss_bytes, peak_rss_bytes, reset_peak_rss
-from .naive import naive_es_iteration
+from benchmarks.common import cpu_model, current_rss_bytes, peak_rss_bytes, reset_peak_rss
+from benchmarks.naive import naive_es_iteration
 
 TARGET_RATE_RATIO = 0.95  # an ES iteration's token rate over plain batched generation's
 TARGET_MEMBER_RATIO = 0.7  # member by member over plain generation of each member's rows
@@ -90,14 +90,14 @@ def _settings(args: argparse.Namespace) -> dict:
 
 def _setup(args: argparse.Namespace, mode: str):
     """(run, es, the iteration's prompts, their prompt tokens over all members) for eval mode `mode`."""
-    from fastes import defaults
-    from fastes.config import load_config
-    from fastes.es_step import make_es
-    from fastes.generation import generate
-    from fastes.model_sources import resolve_model
-    from fastes.models import is_character_tokenizer, load_model
-    from fastes.run import Run, batch_for
-    from fastes.train import make_task
+    from fastes.models.generation import generate
+    from fastes.models.loading import is_character_tokenizer, load_model
+    from fastes.models.sources import resolve_model
+    from fastes.run import auto_settings
+    from fastes.run.config import load_config
+    from fastes.run.es_loop import make_es
+    from fastes.run.shared import Run, batch_for
+    from fastes.run.train import make_task
 
     model, tokenizer = load_model(resolve_model(args.model), dtype="float32")
     overrides = {
@@ -105,7 +105,7 @@ def _setup(args: argparse.Namespace, mode: str):
         "es.eval_mode": mode,
         "es.noise_type": "lowrank" if mode == "lowrank" else "full",
     }
-    cfg = defaults.resolve(load_config(None, overrides), model, tokenizer)
+    cfg = auto_settings.resolve(load_config(None, overrides), model, tokenizer)
     task = make_task(cfg, is_character_tokenizer(tokenizer))
     run = Run(cfg, model, tokenizer, task, args.out / "real-model-run")
     prompts = run.prompts(batch_for(run, "es", 0))
@@ -124,8 +124,8 @@ def interleaved(args: argparse.Namespace, mode: str) -> dict:
 
     Plain generation is one batched call of every member's rows, or in "member" mode one call per member
     (what member-by-member evaluation does, without perturbing). Rates are tokens processed per second."""
-    from fastes.es_step import es_iteration
-    from fastes.generation import generate
+    from fastes.models.generation import generate
+    from fastes.run.es_loop import es_iteration
 
     run, es, prompts, prompt_tokens = _setup(args, mode)
     calls = [prompts] * args.population if mode == "member" else [prompts * args.population]
@@ -178,9 +178,9 @@ def interleaved(args: argparse.Namespace, mode: str) -> dict:
 
 def measure(args: argparse.Namespace, variant: str) -> dict:
     """One variant once in this process: seconds, tokens processed and peak RSS above the loaded model."""
-    from fastes.es_step import es_iteration, evolved_weights
-    from fastes.generation import generate
-    from fastes.run import batch_for
+    from fastes.models.generation import generate
+    from fastes.run.es_loop import es_iteration, evolved_weights
+    from fastes.run.shared import batch_for
 
     mode = variant.removeprefix("fastes ") if variant.startswith("fastes ") else "member"
     run, es, prompts, prompt_tokens = _setup(args, mode)
@@ -229,17 +229,17 @@ def _child(args: argparse.Namespace, shape: tuple[int, int, int], only: str) -> 
 
 def run(args: argparse.Namespace) -> dict:
     """Every measurement, each in a fresh process, one after the other; the matmul rate in between."""
-    from fastes import defaults
-    from fastes.config import load_config
-    from fastes.model_sources import resolve_model
-    from fastes.models import load_model
+    from fastes.models.loading import load_model
+    from fastes.models.sources import resolve_model
+    from fastes.run import auto_settings
+    from fastes.run.config import load_config
 
     load_average = os.getloadavg()[0]  # what else was running, at the start
     model, tokenizer = load_model(resolve_model(args.model), dtype="float32")  # converts a GGUF once
     params = sum(p.numel() for p in model.parameters())
     first = args.shapes[0]
     args.population, args.prompts, args.new_tokens = first
-    default_mode = defaults.resolve(load_config(None, _settings(args)), model, tokenizer).es.eval_mode
+    default_mode = auto_settings.resolve(load_config(None, _settings(args)), model, tokenizer).es.eval_mode
     del model
     rate = matmul_flops_per_second()
     shapes = {}

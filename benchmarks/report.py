@@ -6,7 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
-from .common import dated_stem
+from benchmarks.common import dated_stem
 
 # (suite, name, record field, comparison, threshold, device kinds, which records): the project's targets.
 # They are measured and reported, never asserted.
@@ -218,7 +218,8 @@ def markdown(data: dict, plot_name: str | None) -> str:
         lines += [
             "## Update vs population size",
             "",
-            "fastes = `fastes.ops.es_update` (fused: all N noises regenerated per element, one write); "
+            "fastes = `fastes.engine.ops.es_update` (fused: all N noises regenerated per element, one "
+            "write); "
             "naive = N passes of regenerate (seeded torch.Generator) + multiply + add_. Throughput in "
             "elements x members per second; 'of copy bw' = time of one copy of the weights / fastes time.",
             "",
@@ -243,7 +244,8 @@ def markdown(data: dict, plot_name: str | None) -> str:
         for r in results["iteration"]:
             lines += [
                 f"{r['model']} model ({r['source']} weights), {r['population']} members x {r['batch']} "
-                f"prompts x {r['max_new_tokens']} new tokens, greedy. fastes = `fastes.es_step.es_iteration` "
+                f"prompts x {r['max_new_tokens']} new tokens, greedy. fastes = "
+                "`fastes.run.es_loop.es_iteration` "
                 "in the default eval mode (fastes-<mode>: the other modes), antithetic off so that both "
                 "engines use N noise directions; naive = member by member, torch.Generator noise per "
                 "tensor, restore by subtraction, N-pass update; generate-only = N sequential generate "
@@ -354,7 +356,7 @@ def _step_md(records: list[dict]) -> list[str]:
             "",
             "step = one `fastes.ES.step` (antithetic: N/2 directions; not-antithetic: N); member = one "
             "`with member:` (out-of-place perturb + pointer swap back), member-reference the same on the "
-            "eager reference; update = `fastes.ops.es_update` over N directions. naive-* = seeded "
+            "eager reference; update = `fastes.engine.ops.es_update` over N directions. naive-* = seeded "
             "torch.Generator + randn per tensor, restore by subtraction, N-pass update.",
             "",
         ]

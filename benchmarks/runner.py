@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from .common import Context, device_slug, environment, load_average, resolve_device
-from .report import evaluate_targets, write_results
-from .suites import run_suites
+from benchmarks.common import Context, device_slug, environment, load_average, resolve_device
+from benchmarks.report import evaluate_targets, write_results
+from benchmarks.suites import run_suites
 
 
 def run(

@@ -3,10 +3,10 @@
     python -m benchmarks.side_by_side [--command "fastes eval ..."] [--out benchmarks/results]
 
 Runs the command once (warm-up: model conversion, compiled library), then, as fastes runs by default
-and with the threads fixed by OMP_NUM_THREADS (what every run did before fastes.cpu_share), twice one
+and with the threads fixed by OMP_NUM_THREADS (what every run did before fastes.engine.cpu_share), twice one
 after the other and twice started together, each its own process, and reports the pair's wall time over
 the sequential pair's (target: at most 1.2x; torch's spinning threads made it ~2.4x before fastes
-processes shared the cores, fastes.cpu_share). The default command evaluates SmolLM2-135M-Instruct
+processes shared the cores, fastes.engine.cpu_share). The default command evaluates SmolLM2-135M-Instruct
 (`bash scripts/setup.sh real`). Measured, not asserted. Writes <out>/side-by-side-<date>-<time>.json.
 """
 
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from fastes import cpu_share
+from fastes.engine import cpu_share
 
 DEFAULT = "fastes eval --model smollm2-135m-instruct --task arithmetic --limit 48 --samples 4"
 TARGET = 1.2

@@ -24,10 +24,9 @@ from pathlib import Path
 import torch
 
 import fastes
-from fastes import noise, ops
-from fastes.models import load_model, tiny_model_path
-
-from .common import cpu_model, dated_stem, load_average, measure
+from benchmarks.common import cpu_model, dated_stem, load_average, measure
+from fastes.engine import noise, ops
+from fastes.models.loading import load_model, tiny_model_path
 
 NOISES = noise.NOISES
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -48,7 +47,7 @@ def layouts(quick: bool) -> dict[str, list[int]]:
     return {"tiny model (135K)": tiny, "4 x 1024^2 (4.2M)": [1024 * 1024] * 4}
 
 
-# The CPU backends: the compiled one (fastes/compiled.py) where it exists, and the eager reference.
+# The CPU backends: the compiled one (fastes/engine/cpu_library.py) where it exists, and the eager reference.
 BACKENDS = [b for b in ("cpu", "torch") if b in ops.BACKENDS]
 
 

@@ -2,7 +2,7 @@
 
     python -m benchmarks --static [--out benchmarks/results]
 
-Each kernel variant the runtime launches is compiled for sm_90 without a GPU (`fastes.kernels.aot`);
+Each kernel variant the runtime launches is compiled for sm_90 without a GPU (`benchmarks.aot`);
 the SASS of its cubin gives, per element, the instructions of the path a full, aligned tile takes
 (and of one iteration of the update's direction loop), the width of its global loads and stores,
 registers and spills. A throughput model of an H100 / H200 SM (assumptions in `MODEL_NOTES`, written
@@ -22,10 +22,9 @@ from pathlib import Path
 
 import torch
 
-from fastes.kernels import aot
-
-from .model_iteration import DEVICES, POPULATION, Device, NoiseRates, model_iterations
-from .model_iteration import markdown as model_markdown
+from benchmarks import aot
+from benchmarks.model_iteration import DEVICES, POPULATION, Device, NoiseRates, model_iterations
+from benchmarks.model_iteration import markdown as model_markdown
 
 # Pipes of an sm_90 SM, in thread-instructions per clock (CUDA C++ Programming Guide, arithmetic
 # instruction throughput, compute capability 9.0): what each SASS opcode is charged to.
@@ -275,8 +274,8 @@ def virtual_decode_figures(virtual: KernelReport, perturb: KernelReport) -> dict
 
 def real_virtual_launches() -> list[aot.Launch]:
     """The launches of REAL_VIRTUAL, recorded on meta tensors (two members)."""
-    from fastes.kernels import launch_virtual_linear
-    from fastes.ops import triton_dtype
+    from fastes.engine.kernels import launch_virtual_linear
+    from fastes.engine.ops import triton_dtype
 
     launches = []
     for label, (dtype, rows) in REAL_VIRTUAL.items():

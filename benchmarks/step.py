@@ -7,7 +7,7 @@ negligible cost. Variants, timed side by side in one run:
   regenerating + sub_; then the naive 30-pass update);
 - member: one member's perturb + exact restore (`with member:`) vs naive perturb + restore, and the
   same member on the eager reference backend;
-- update: `fastes.ops.es_update` over 30 directions vs the naive 30-pass update.
+- update: `fastes.engine.ops.es_update` over 30 directions vs the naive 30-pass update.
 Compile: a fresh process with an empty build cache times its first compiled call (cold), a second
 process with that cache does it again (warm). Memory: a fresh process reports the peak RSS of one ES
 step beyond the weights, over the evolved bytes (the work buffer alone is 1x).
@@ -27,10 +27,10 @@ from collections.abc import Callable
 
 import torch
 
-from fastes import ES, Member, noise, ops
-
-from . import naive
-from .common import Context, current_rss_bytes, measure, peak_rss_bytes, ratio, reset_peak_rss
+from benchmarks import naive
+from benchmarks.common import Context, current_rss_bytes, measure, peak_rss_bytes, ratio, reset_peak_rss
+from fastes import ES, Member
+from fastes.engine import noise, ops
 
 SIGMA = 1e-3
 

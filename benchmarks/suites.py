@@ -19,11 +19,19 @@ from pathlib import Path
 
 import torch
 
-from fastes import ES, Member, noise, ops
-
-from . import naive
-from .common import BenchModel, Context, IterationSetting, load_bench_model, make_run, measure, ratio
-from .step import run_step
+from benchmarks import naive
+from benchmarks.common import (
+    BenchModel,
+    Context,
+    IterationSetting,
+    load_bench_model,
+    make_run,
+    measure,
+    ratio,
+)
+from benchmarks.step import run_step
+from fastes import ES, Member
+from fastes.engine import noise, ops
 
 SIGMA = 1e-3  # the ES-at-scale setting; the value does not change any cost
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -120,7 +128,7 @@ def noise_variants(
     key = noise.member_key(0, 0, 0)
     tid = noise.tensor_id("bench.noise")
     if device.type == "cuda":
-        from fastes.kernels import launch_fill
+        from fastes.engine.kernels import launch_fill
 
         out = torch.empty(numel, dtype=torch.float32, device=device)
         ref = torch.empty_like(out)
@@ -314,11 +322,11 @@ _probed: dict[tuple, tuple[list[str], dict[str, str]]] = {}
 def eval_modes(bench: BenchModel, backend: str) -> tuple[list[str], dict[str, str]]:
     """The ES eval modes that run here (default first) and why the others do not.
 
-    fastes.config.EVAL_MODES lists them; some need CUDA (e.g. a Triton-only mode), so each non-default
+    fastes.run.config.EVAL_MODES lists them; some need CUDA (e.g. a Triton-only mode), so each non-default
     mode is tried once on a throwaway copy with a one-token iteration, and kept when it works.
     """
-    from fastes import config
-    from fastes.es_step import es_iteration
+    from fastes.run import config
+    from fastes.run.es_loop import es_iteration
 
     cache_key = (str(bench.tensors[0].device), str(bench.dtype), backend)
     if cache_key in _probed:
@@ -341,7 +349,7 @@ def eval_modes(bench: BenchModel, backend: str) -> tuple[list[str], dict[str, st
 def iteration_variants(
     bench: BenchModel, setting: IterationSetting, backend: str
 ) -> tuple[dict[str, Callable[[], object]], dict[str, dict]]:
-    """fastes.es_step.es_iteration (each eval mode) vs the naive loop vs generation alone.
+    """fastes.run.es_loop.es_iteration (each eval mode) vs the naive loop vs generation alone.
 
     Also plain batched inference of members x prompts rows in one generate call: each mode's
     tokens/s over its tokens/s is the share of plain inference throughput that mode reaches.
@@ -349,9 +357,9 @@ def iteration_variants(
     Every variant gets its own copy of the model, so all start from the same weights and see the same
     prompts (step 0's batch). The second dict receives each variant's last output (tokens, ...).
     """
-    from fastes.es_step import es_iteration
-    from fastes.generation import generate
-    from fastes.run import batch_for
+    from fastes.models.generation import generate
+    from fastes.run.es_loop import es_iteration
+    from fastes.run.shared import batch_for
 
     outputs: dict[str, dict] = {}
     variants: dict[str, Callable[[], object]] = {}
@@ -409,7 +417,7 @@ def iteration_variants(
 
 
 def run_iteration(ctx: Context, plan: Plan, models: dict[str, BenchModel]) -> list[dict]:
-    from fastes.generation import generate
+    from fastes.models.generation import generate
 
     bench = models["tiny"]
     setting = plan.iteration

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from .common import IterationSetting, load_bench_model
-from .suites import iteration_variants
+from benchmarks.common import IterationSetting, load_bench_model
+from benchmarks.suites import iteration_variants
 
 SETTING = IterationSetting(population=8, batch=16, max_new_tokens=8)
 # Eval modes this fastes does not have, or this device cannot run, are skipped.

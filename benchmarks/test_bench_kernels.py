@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from .suites import noise_variants, perturb_variants, preserved, update_variants
+from benchmarks.suites import noise_variants, perturb_variants, preserved, update_variants
 
 
 @pytest.mark.parametrize("variant", ["fastes", "torch.randn"])

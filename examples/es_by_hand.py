@@ -14,8 +14,8 @@ import random
 import torch
 
 import fastes
-from fastes.generation import generate
-from fastes.models import load_model, tiny_model_path
+from fastes.models.generation import generate
+from fastes.models.loading import load_model, tiny_model_path
 from fastes.tasks import get_task
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -14,7 +14,7 @@ import sys
 
 from datasets import Dataset
 
-from fastes.models import tiny_model_path
+from fastes.models.loading import tiny_model_path
 from fastes.tasks import task_dataset
 
 rows, correct = task_dataset("countdown", limit=64)  # prompts + the countdown verifier as a reward function

@@ -1,9 +1,9 @@
 """fastes: Triton-kernel-optimised Evolution Strategies (and GRPO) for post-training language models."""
 
 from .distributed import CollectiveError
-from .es import ES, Member, replay
-from .params import linear_weights
-from .shaping import SHAPINGS, shape_rewards
+from .es.optimizer import ES, Member, replay
+from .es.params import linear_weights
+from .es.shaping import SHAPINGS, shape_rewards
 from .version import __version__
 
 # The TRL-shaped trainers import transformers: loaded on first use, so `import fastes` stays light.

@@ -19,10 +19,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from . import cpu_share, distributed, pretrain
-from .config import PROMPT_SETTINGS, ConfigError, TrainConfig, flag_help, flag_specs, load_config
+from . import distributed
 from .distributed import CollectiveError
+from .engine import cpu_share
 from .errors import FastesError
+from .run import pretrain
+from .run.config import PROMPT_SETTINGS, ConfigError, TrainConfig, flag_help, flag_specs, load_config
 from .version import __version__
 
 DEMO_EVAL_SIZE = 500  # test problems the demo reports on
@@ -156,7 +158,7 @@ def _curve_plot(metrics: list[dict], path: Path, task: str) -> Path:
 
 def _resume_hint(command: str, out_dir: str) -> str:
     from .checkpoint import checkpoint_steps
-    from .rundir import RUN_FILE
+    from .run.rundir import RUN_FILE
 
     if not (Path(out_dir) / RUN_FILE).is_file():
         return "interrupted before the run started; nothing was written"
@@ -166,8 +168,8 @@ def _resume_hint(command: str, out_dir: str) -> str:
 
 
 def cmd_train(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> dict:
-    from .rundir import saved_identity
-    from .train import train
+    from .run.rundir import saved_identity
+    from .run.train import train
 
     overrides = _overrides(args, defaults)
     cfg = load_config(args.config, overrides)
@@ -222,11 +224,11 @@ def cmd_train(args: argparse.Namespace, defaults: dict[str, Any] | None = None) 
 
 
 def cmd_eval(args: argparse.Namespace) -> dict:
-    from . import defaults
-    from .evaluation import Evaluator, pass_at_k
-    from .model_sources import resolve_model
-    from .models import is_character_tokenizer, load_model
-    from .train import check_task, make_task
+    from .models.loading import is_character_tokenizer, load_model
+    from .models.sources import resolve_model
+    from .run import auto_settings
+    from .run.evaluation import Evaluator, pass_at_k
+    from .run.train import check_task, make_task
 
     # The run's own settings, checked and chosen as a run would: the same prompts, task and verifier.
     given = {key: getattr(args, key) for key in EVAL_SETTINGS if hasattr(args, key)}
@@ -234,7 +236,7 @@ def cmd_eval(args: argparse.Namespace) -> dict:
         given["eval_size"] = args.limit
     cfg = load_config(None, given)
     model, tokenizer = load_model(resolve_model(cfg.model), dtype=args.dtype)
-    cfg = defaults.resolve(cfg, model, tokenizer)
+    cfg = auto_settings.resolve(cfg, model, tokenizer)
     task = make_task(cfg, strict_alphabet=is_character_tokenizer(tokenizer))
     check_task(task, cfg)
     examples = task.split(args.split)[: args.limit]

@@ -25,6 +25,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from .errors import ConfigError
+
 T = TypeVar("T")
 
 DEFAULT_TIMEOUT = 1800.0  # seconds; torch's own default for gloo process groups
@@ -143,8 +145,6 @@ def teardown(joined: bool) -> None:
 
 def require_divisible(count: int, what: str, fix: str) -> None:
     """A clear error, before any work, when `count` cannot be shared equally by the processes."""
-    from .config import ConfigError
-
     _, world = rank_and_world()
     if count % world:
         raise ConfigError(
@@ -235,8 +235,6 @@ def _broadcast_tensors(value: Any) -> Any:
 
 def require_same(value: str, what: str) -> None:
     """Every process must hold rank 0's `value` (e.g. a run id); when one differs, all of them raise."""
-    from .config import ConfigError
-
     _, world = rank_and_world()
     if world == 1:
         return

@@ -14,8 +14,8 @@ class FastesError(Exception):
 
 
 class ConfigError(FastesError, ValueError):
-    """A configuration value is missing, unknown, of the wrong type or out of range (fastes.config, and
-    fastes.adapters, which fastes.config's imports lead back to, raise it)."""
+    """A configuration value is missing, unknown, of the wrong type or out of range (fastes.run.config, and
+    fastes.models.adapters, which fastes.run.config's imports lead back to, raise it)."""
 
 
 class MissingFileError(FastesError, FileNotFoundError):

@@ -21,9 +21,9 @@ import time
 import torch
 
 from fastes import ES, linear_weights
-from fastes.batched import population_batched
-from fastes.generation import generate
-from fastes.models import load_model, tiny_model_path
+from fastes.es.population import population_batched
+from fastes.models.generation import generate
+from fastes.models.loading import load_model, tiny_model_path
 from fastes.tasks import get_task
 
 VALIDATION = slice(1000, 2000)

@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file
 
 from fastes import cli
-from fastes.models import tiny_model_path
+from fastes.models.loading import tiny_model_path
 
 PROMPTS = ["2+2=", "", "\u0663 \u2603 \x00", "x" * 300, 3, None, [{"role": "user", "content": "hi"}]]
 PROMPTS += [[{"role": "wizard", "content": "hi"}], [{"role": "user"}]]

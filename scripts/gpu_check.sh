@@ -6,7 +6,7 @@
 # Steps, each in its own process with its own time limit, so that a failure, a crash or a hang in one
 # (a CUDA error poisons its process) never stops the others:
 #   facts        nvidia-smi, python / torch / triton versions            -> out/facts.log
-#   install      pip install -e . --no-deps, only when fastes.kernels does not import
+#   install      pip install -e . --no-deps, only when fastes.engine.kernels does not import
 #   environment stream perturb update virtual es large bench
 #                python -m benchmarks.gpu_check --steps <step>: compiled kernels vs the torch reference
 #                (keys and tensor ids of 1 included), a tensor past 2^31 elements, a short benchmark
@@ -88,8 +88,8 @@ PY
 }
 
 install() {
-  # fastes (with fastes.kernels) must be installed (editable) for the steps to import it.
-  if "$py" -c "import fastes.kernels" 2>/dev/null; then
+  # fastes (with fastes.engine.kernels) must be installed (editable) for the steps to import it.
+  if "$py" -c "import fastes.engine.kernels" 2>/dev/null; then
     echo "fastes is installed: $("$py" -c 'import fastes, os; print(os.path.dirname(fastes.__file__))')"
   else
     "$py" -m pip install -q --no-deps --no-build-isolation -e .

@@ -319,7 +319,7 @@ def zen_dataset(
 
 def tokenizer():
     """fastes' offline character tokenizer, with a chat template, a pad token and room for 2048 positions."""
-    from fastes.models import build_tokenizer
+    from fastes.models.loading import build_tokenizer
 
     tok = build_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": EXTRA_TOKENS})

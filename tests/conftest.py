@@ -15,8 +15,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from fastes.model_sources import resolve_model  # noqa: E402
-from fastes.models import build_tiny_model, build_tokenizer  # noqa: E402
+from fastes.models.loading import build_tiny_model, build_tokenizer  # noqa: E402
+from fastes.models.sources import resolve_model  # noqa: E402
 
 # The models under test are tiny: a second thread costs more in synchronisation than it gives, and on a
 # shared 2-core machine it makes every test several times slower.

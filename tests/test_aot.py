@@ -1,6 +1,6 @@
 """Ahead-of-time GPU compilation of every kernel launch the runtime makes (no GPU needed).
 
-`python -m fastes.kernels.aot` records the launches of `launch_perturb`, `launch_update`, `launch_fill`,
+`python -m benchmarks.aot` records the launches of `launch_perturb`, `launch_update`, `launch_fill`,
 `launch_normals` and `launch_virtual_linear` on CPU tensors (keys, tensor ids and offsets of 1, 16,
 2^31, 2^32 - 1) and those one ES iteration of four real models makes in every dtype, noise, evaluation
 and update mode (meta tensors through fastes.ES and population_batched), specialises each with
@@ -14,11 +14,12 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from benchmarks import aot
 from benchmarks.static import fast_path
-from fastes.kernels import aot
 
 # The targets of each subprocess, run side by side (CI has 2 cores; each records the launches, ~10 s).
 RUNS = ["sm_90", "sm_80", "gfx942"]
@@ -29,6 +30,7 @@ DTYPES = ("fp32", "bf16", "fp16")
 # one-launch normals on 2 streams; on gfx942 also the 128-row virtual_linear tiles of an output over
 # 2 GiB (64-bit pointers).
 VARIANT_BOUND = {"sm_90": 48, "sm_80": 48, "gfx942": 54}
+ROOT = Path(__file__).resolve().parents[1]  # benchmarks.aot is run from the repository's root
 
 
 @pytest.fixture(scope="module")
@@ -41,20 +43,22 @@ def compiled(tmp_path_factory):
         args = [
             sys.executable,
             "-m",
-            "fastes.kernels.aot",
+            "benchmarks.aot",
             "--targets",
             targets,
             "--json",
             str(out / f"{i}.json"),
         ]
         processes.append(
-            subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            subprocess.Popen(
+                args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
         )
     reports = []
     for i, process in enumerate(processes):
         log, _ = process.communicate(timeout=900)
         path = out / f"{i}.json"
-        assert path.exists(), f"python -m fastes.kernels.aot crashed:\n{log[-4000:]}"
+        assert path.exists(), f"python -m benchmarks.aot crashed:\n{log[-4000:]}"
         reports.append((json.loads(path.read_text()), process.returncode, log))
     return reports
 

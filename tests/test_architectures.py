@@ -8,8 +8,8 @@ import torch
 import transformers
 
 import fastes
-from fastes.batched import population_batched
-from fastes.params import projections
+from fastes.es.params import projections
+from fastes.es.population import population_batched
 
 SHAPE = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
 
@@ -129,9 +129,9 @@ def test_a_matrix_in_an_unknown_layer_type_is_reported():
 @pytest.mark.parametrize("mode", ["materialised", "member"])
 def test_fastes_train_runs_es_on_a_gpt2_directory(tmp_path, mode):
     """The command line path end to end on a GPT-2 checkpoint: Conv1D layers generate with the KV cache."""
-    from fastes.config import load_config
-    from fastes.models import build_tokenizer, save_model
-    from fastes.train import train
+    from fastes.models.loading import build_tokenizer, save_model
+    from fastes.run.config import load_config
+    from fastes.run.train import train
 
     tokenizer = build_tokenizer()
     config = transformers.GPT2Config(

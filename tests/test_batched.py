@@ -5,8 +5,8 @@ import torch
 from conftest import NOISE_KINDS
 
 import fastes
-from fastes.batched import PopulationLinear, member_groups, population_batched
-from fastes.generation import generate
+from fastes.es.population import PopulationLinear, member_groups, population_batched
+from fastes.models.generation import generate
 
 PROMPTS = ["cd 2 4 8 > 24:", "12+34=", "rev 123:", "cmp 5 7:"]
 

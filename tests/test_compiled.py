@@ -1,4 +1,4 @@
-"""The compiled CPU backend (fastes.compiled, backend "cpu") against the eager reference.
+"""The compiled CPU backend (fastes.engine.cpu_library, backend "cpu") against the eager reference.
 
 Raw Philox words and uniforms must be bit-identical; normals within the contract's 1e-6; perturb and
 update (every mode) within the dtype-aware tolerances of test_perturb / test_update for Gaussian noise,
@@ -20,11 +20,11 @@ from test_perturb import assert_matches_reference
 from test_update import assert_close_to, magnitude_of
 
 import fastes
-from fastes import compiled, lowrank, noise, ops
+from fastes.engine import cpu_library, lowrank, noise, ops
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Odd sizes, one spanning two chunks (its second chunk starts at element CHUNK).
-SHAPES = [(1,), (7,), (33, 5), (4097,), (compiled.CHUNK + 5,)]
+SHAPES = [(1,), (7,), (33, 5), (4097,), (cpu_library.CHUNK + 5,)]
 IDS = [noise.tensor_id(n) for n in ("emb", "q.weight", "mlp.weight", "lm_head.weight", "big.weight")]
 SEEDS = [0, 31337]
 
@@ -48,8 +48,8 @@ def test_philox_known_answers_bit_exact(n_blocks):
     reference's words of the next counters."""
     for (c0, c1, c2, c3), key, expected in PHILOX_KAT:
         first = c0 | c1 << 32
-        table = compiled._table([(0, 4 * first, 4 * n_blocks, 0)], [c2], 4)
-        out = compiled._run("words", table, c3, compiled.round_keys(key), n_blocks).view(-1, 4)
+        table = cpu_library._table([(0, 4 * first, 4 * n_blocks, 0)], [c2], 4)
+        out = cpu_library._run("words", table, c3, cpu_library.round_keys(key), n_blocks).view(-1, 4)
         assert [w & 0xFFFFFFFF for w in out[0].tolist()] == list(expected)
         blocks = [(first + i) % 2**64 for i in range(n_blocks)]  # 64-bit block indices wrap
         low = torch.tensor([b & noise.MASK32 for b in blocks])
@@ -64,9 +64,9 @@ def test_raw_words_and_uniforms_bit_exact(seed, stream):
     # Offsets: unaligned, across the 2^32-block boundary (counter word 1 becomes non-zero), past 2^34.
     for tid in (noise.tensor_id("a"), 0xFFFFFFFF):
         for offset, numel in ((0, 9), (3, 70_001), (4 * (2**32 - 8) + 1, 100), (2**34 + 2, 37)):
-            words = compiled.words(key, tid, numel, offset=offset, stream=stream)
+            words = cpu_library.words(key, tid, numel, offset=offset, stream=stream)
             assert torch.equal(words, reference_words(key, tid, numel, offset, stream))
-            u = compiled.uniform(key, tid, numel, offset=offset, stream=stream)
+            u = cpu_library.uniform(key, tid, numel, offset=offset, stream=stream)
             assert torch.equal(u, noise.uniform(key, tid, numel, offset=offset, stream=stream))
 
 
@@ -75,7 +75,7 @@ def test_raw_words_and_uniforms_bit_exact(seed, stream):
 def test_normals_within_contract_tolerance(seed, offset, numel):
     key = noise.member_key(seed, 1, 2)
     tid = noise.tensor_id("model.layers.0.mlp.up_proj.weight")
-    fast = compiled.normal(key, tid, numel, offset=offset)
+    fast = cpu_library.normal(key, tid, numel, offset=offset)
     ref = noise.normal(key, tid, numel, offset=offset)
     assert fast.shape == ref.shape and fast.dtype == torch.float32
     assert (fast - ref).abs().max().item() <= 1e-6
@@ -83,23 +83,23 @@ def test_normals_within_contract_tolerance(seed, offset, numel):
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_many_tensors_normals_in_shared_calls_equal_each_tensors(seed):
-    """compiled.normals packs small tensors into shared calls and cuts large ones at CHUNK: each tensor's
+    """cpu_library.normals packs small tensors into shared calls and cuts large ones at CHUNK: each tensor's
     normals are still its own stream's, bit for bit against one call per tensor."""
     key = noise.member_key(seed, 3, 0)
-    numels = [1, 5, 4099, compiled.CHUNK + 3, 70, 2 * compiled.CHUNK]
+    numels = [1, 5, 4099, cpu_library.CHUNK + 3, 70, 2 * cpu_library.CHUNK]
     ids = [noise.tensor_id(f"t{i}") for i in range(len(numels))]
-    together = compiled.normals(key, ids, numels, noise.STREAM_LOWRANK_A)
+    together = cpu_library.normals(key, ids, numels, noise.STREAM_LOWRANK_A)
     for tid, numel, values in zip(ids, numels, together):
-        assert torch.equal(values, compiled.normal(key, tid, numel, stream=noise.STREAM_LOWRANK_A))
+        assert torch.equal(values, cpu_library.normal(key, tid, numel, stream=noise.STREAM_LOWRANK_A))
 
 
 def test_docs_test_vectors():
     """docs/noise.md section 12: member_key(42, 0, 0), tensor model.layers.0.mlp.up_proj.weight."""
     key, tid = noise.member_key(42, 0, 0), 0xB16528AF
-    words = compiled.words(key, tid, 4).tolist()
+    words = cpu_library.words(key, tid, 4).tolist()
     assert words == [0x827C992A, 0x1394FBFD, 0x285EB7F1, 0xB19010E4]
     expected = torch.tensor([1.029431, 0.536736, -0.666893, -1.802619])
-    assert torch.allclose(compiled.normal(key, tid, 4), expected, atol=2e-6)
+    assert torch.allclose(cpu_library.normal(key, tid, 4), expected, atol=2e-6)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -168,18 +168,18 @@ def test_update_matches_reference(noise_kind, dtype, mode):
 def test_noise_does_not_depend_on_packing_or_other_tensors(dtype):
     """Within the compiled backend, bit for bit: alone, packed with others, or in a large layout."""
     key = noise.member_key(2, 0, 1)
-    a, b, c = make_tensors(dtype, 9, [(1030,), (compiled.CHUNK - 3,), (5,)])
+    a, b, c = make_tensors(dtype, 9, [(1030,), (cpu_library.CHUNK - 3,), (5,)])
     alone = torch.empty_like(a)
     ops.perturb([a], [alone], [IDS[1]], key, 0.1, backend="cpu")
     together = [torch.empty_like(t) for t in (b, a, c)]
     ops.perturb([b, a, c], together, [IDS[0], IDS[1], IDS[2]], key, 0.1, backend="cpu")
     assert torch.equal(together[1], alone)
-    eps = compiled.normal(key, IDS[1], a.numel())
+    eps = cpu_library.normal(key, IDS[1], a.numel())
     # src + fp32(scale) * eps, the product and the sum each rounded once, then rounded to the dtype
     assert torch.equal(alone, (a.float() + eps * 0.1).to(dtype))
-    big = torch.zeros(compiled.CHUNK * 3 + 11, dtype=dtype)  # chunk starts line up with the stream
+    big = torch.zeros(cpu_library.CHUNK * 3 + 11, dtype=dtype)  # chunk starts line up with the stream
     ops.perturb([big], [big], [IDS[4]], key, 1.0, backend="cpu")
-    assert torch.equal(big, compiled.normal(key, IDS[4], big.numel()).to(dtype))
+    assert torch.equal(big, cpu_library.normal(key, IDS[4], big.numel()).to(dtype))
 
 
 def test_lowrank_factors_match_reference():
@@ -191,7 +191,7 @@ def test_lowrank_factors_match_reference():
 
 
 def test_thread_count_does_not_change_the_noise(monkeypatch):
-    monkeypatch.setattr(compiled, "_MIN_BLOCKS_PER_THREAD", 1)  # split even small calls across threads
+    monkeypatch.setattr(cpu_library, "_MIN_BLOCKS_PER_THREAD", 1)  # split even small calls across threads
     key, rounding = noise.member_key(5, 2, 7), noise.rounding_key(5, 2)
     keys, weights = [noise.member_key(5, 2, j) for j in range(3)], [0.5, -1.0, 0.25]
     results = []
@@ -199,11 +199,11 @@ def test_thread_count_does_not_change_the_noise(monkeypatch):
     try:
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
-            params = make_tensors(torch.bfloat16, 3, [(4097,), (7,), (compiled.CHUNK + 5,)])
+            params = make_tensors(torch.bfloat16, 3, [(4097,), (7,), (cpu_library.CHUNK + 5,)])
             ops.es_update(params, IDS[:3], keys, weights, coef=0.1, rounding_key=rounding, backend="cpu")
             signs = [t.float() for t in params]
             ops.es_update(signs, IDS[:3], keys, weights, coef=0.1, noise_kind="rademacher", backend="cpu")
-            results.append([compiled.normal(key, IDS[0], 10_001, offset=3), *params, *signs])
+            results.append([cpu_library.normal(key, IDS[0], 10_001, offset=3), *params, *signs])
     finally:
         torch.set_num_threads(previous)
     assert all(torch.equal(x, y) for other in results[1:] for x, y in zip(results[0], other))
@@ -221,25 +221,30 @@ def test_portable_build_gives_the_same_bits(monkeypatch, tmp_path):
         ops.es_update(updated, IDS[:2], keys, weights, coef=0.1, rounding_key=(3, 4), backend="cpu")
         signs = [t.float() for t in params]
         ops.es_update(signs, IDS[:2], keys, weights, coef=0.1, noise_kind="rademacher", backend="cpu")
-        return [compiled.normal(key, tid, 70_001, offset=5), compiled.words(key, tid, 999), *updated, *signs]
+        return [
+            cpu_library.normal(key, tid, 70_001, offset=5),
+            cpu_library.words(key, tid, 999),
+            *updated,
+            *signs,
+        ]
 
     native = outputs()
-    monkeypatch.setattr(compiled, "_ARCH_FLAGS", {})
-    monkeypatch.setattr(compiled, "_library", None)
+    monkeypatch.setattr(cpu_library, "_ARCH_FLAGS", {})
+    monkeypatch.setattr(cpu_library, "_library", None)
     monkeypatch.setenv("FASTES_CACHE_DIR", str(tmp_path))
     portable = outputs()
-    assert compiled._load()._name.startswith(str(tmp_path))  # really the portable build
+    assert cpu_library._load()._name.startswith(str(tmp_path))  # really the portable build
     assert all(torch.equal(a, b) for a, b in zip(native, portable))
 
 
 def test_library_is_built_once_per_machine_and_reused(tmp_path):
     """Any tensor size, key or process reuses the one cached build: nothing is compiled per shape."""
     code = (
-        "import torch; from fastes import compiled, noise, ops\n"
+        "import torch; from fastes.engine import cpu_library, noise, ops\n"
         "for i, n in enumerate([1, 5, 333, 65_537, 300_001]):\n"
         "    t = torch.randn(n); ops.perturb([t], [torch.empty_like(t)], [i], (i, 1), 0.1, backend='cpu')\n"
         "    ops.es_update([t.bfloat16()], [i], [(i, 2)] * 3, [1.0] * 3, coef=0.1, rounding_key=(0, i))\n"
-        "print(compiled._load()._name)\n"
+        "print(cpu_library._load()._name)\n"
     )
     env = {**os.environ, "FASTES_CACHE_DIR": str(tmp_path)}
     paths, stamps = [], []
@@ -266,7 +271,7 @@ def test_failed_build_falls_back_to_reference_with_one_warning(monkeypatch, tmp_
     monkeypatch.setenv("CC", str(broken))
     monkeypatch.setenv("FASTES_CACHE_DIR", str(tmp_path / "cache"))  # no earlier build to reuse
     for name, value in (("_library", None), ("_unavailable", None)):
-        monkeypatch.setattr(compiled, name, value)
+        monkeypatch.setattr(cpu_library, name, value)
     src = make_tensors(torch.bfloat16, 1, SHAPES)
     ref = [torch.empty_like(t) for t in src]
     ops.perturb(src, ref, IDS, (5, 6), 0.1, backend="torch")
@@ -283,7 +288,7 @@ def test_failed_build_falls_back_to_reference_with_one_warning(monkeypatch, tmp_
 
 def test_without_a_c_compiler_the_reference_runs(tmp_path):
     code = (
-        "import torch, warnings; from fastes import noise, ops\n"
+        "import torch, warnings; from fastes.engine import noise, ops\n"
         "t = [torch.randn(1000)]; a = [torch.empty(1000)]; b = [torch.empty(1000)]\n"
         "with warnings.catch_warnings(record=True) as w:\n"
         "    warnings.simplefilter('always')\n"

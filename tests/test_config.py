@@ -3,7 +3,7 @@
 import pytest
 
 from fastes.cli import main
-from fastes.config import ConfigError, load_config
+from fastes.run.config import ConfigError, load_config
 
 
 def test_defaults_are_valid_and_overrides_apply(tmp_path):
@@ -59,7 +59,7 @@ def test_every_key_has_its_help_next_to_it(capsys):
     """A key's help line is its field's metadata (no separate table to keep in step); the CLI shows it."""
     import dataclasses
 
-    import fastes.config as config
+    import fastes.run.config as config
 
     assert not hasattr(config, "HELP")
     for section in (config.TrainConfig, config.ESConfig, config.GRPOConfig):

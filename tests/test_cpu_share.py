@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from fastes import cpu_share
+from fastes.engine import cpu_share
 
 
 @pytest.fixture

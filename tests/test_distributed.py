@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 
 import fastes
 from fastes import cli, distributed
-from fastes.config import load_config
-from fastes.train import train
+from fastes.run.config import load_config
+from fastes.run.train import train
 
 # sigma large enough that the members score differently on these easy prompts, so ES moves at all
 ES = {"es.iterations": 3, "es.population": 4, "es.sigma": 0.02, "es.lr": 5e-5}
@@ -100,7 +100,7 @@ def test_member_mode_es_equals_one_process_bit_for_bit_with_one_writer(two_proce
     assert len(metrics(multi)) == 1 + 3
     assert (multi / "curve.png").is_file() and (multi / "summary.json").is_file()
     # and the run really moved: not a vacuous comparison
-    from fastes.models import tiny_model_path
+    from fastes.models.loading import tiny_model_path
 
     base = load_file(str(tiny_model_path() / "model.safetensors"))
     assert any(not torch.equal(base[k], got[k]) for k in got if k in base)
@@ -133,7 +133,7 @@ def test_data_parallel_grpo_matches_one_process(two_processes, task, tmp_path):
     expected, got = weights(single), weights(two_processes / "grpo")
     for k in expected:  # gradients summed over two processes: float reduction order only
         torch.testing.assert_close(got[k], expected[k], rtol=1e-4, atol=1e-5)
-    from fastes.models import tiny_model_path
+    from fastes.models.loading import tiny_model_path
 
     base = load_file(str(tiny_model_path() / "model.safetensors"))
     assert any(not torch.equal(base[k], got[k]) for k in got if k in base)

@@ -10,8 +10,8 @@ import torch.multiprocessing as mp
 from conftest import NOISE_KINDS
 
 import fastes
-from fastes import noise
-from fastes.shaping import centered_rank, group_zscore, shape_rewards, zscore
+from fastes.engine import noise
+from fastes.es.shaping import centered_rank, group_zscore, shape_rewards, zscore
 
 
 def make_net(seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -336,7 +336,7 @@ OLD_STATE = {
 def test_state_dict_options_are_the_constructor_arguments_that_rebuild_the_es():
     import inspect
 
-    from fastes.es import RUN_OPTIONS
+    from fastes.es.optimizer import RUN_OPTIONS
 
     es = run_es(make_net(), 2, **OLD_OPTIONS)
     state = es.state_dict()
@@ -356,7 +356,7 @@ def test_state_dict_options_are_the_constructor_arguments_that_rebuild_the_es():
 
 
 def test_a_state_written_before_options_had_one_entry_resumes_and_replays_exactly():
-    from fastes.es import saved_options
+    from fastes.es.optimizer import saved_options
 
     straight = make_net()
     run_es(straight, 5, **OLD_OPTIONS)
@@ -393,8 +393,8 @@ def test_the_run_config_sets_es_arguments_from_one_mapping():
     all, and every option a state records (RUN_OPTIONS) can be set from the config."""
     import inspect
 
-    from fastes.config import TrainConfig, es_kwargs
-    from fastes.es import RUN_OPTIONS
+    from fastes.es.optimizer import RUN_OPTIONS
+    from fastes.run.config import TrainConfig, es_kwargs
 
     kwargs = es_kwargs(TrainConfig())
     assert set(kwargs) <= set(inspect.signature(fastes.ES.__init__).parameters)

@@ -1,4 +1,4 @@
-"""One evaluation path (fastes/evaluation.py): every face renders an example's prompt the same way, and
+"""One evaluation path (fastes/run/evaluation.py): every face renders an example's prompt the same way, and
 `fastes eval` of a finished run's final/ with the run's settings reproduces the run's own test figures,
 on the built-in tiny model and on a random-weight Llama with a chat template (conftest.chat_llama)."""
 
@@ -10,14 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from fastes import ESConfig, ESTrainer, cli, evaluation
-from fastes.config import load_config
-from fastes.evaluation import general_text_corpus, heldout_tasks
+from fastes import ESConfig, ESTrainer, cli
 from fastes.experiment import PRESETS, make_context, plan_budget
 from fastes.experiment.progress import Progress
-from fastes.models import tiny_model_path
+from fastes.models.loading import tiny_model_path
+from fastes.run import evaluation
+from fastes.run.config import load_config
+from fastes.run.evaluation import general_text_corpus, heldout_tasks
+from fastes.run.train import train
 from fastes.tasks import get_task
-from fastes.train import train
 
 TASK = "arithmetic:max_operand=20,operations=+-,n_train=40,n_test=20"
 

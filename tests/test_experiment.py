@@ -12,20 +12,13 @@ from safetensors.torch import load_file
 
 from fastes import experiment
 from fastes.cli import main
-from fastes.config import load_config
-from fastes.evaluation import completion_entropy
-from fastes.experiment import (
-    PLOTS,
-    PRESETS,
-    make_context,
-    plan_budget,
-    segment_ends,
-    sweep_iterations,
-)
+from fastes.experiment import PLOTS, PRESETS, make_context, plan_budget, segment_ends, sweep_iterations
 from fastes.experiment.progress import Progress
-from fastes.generation import Generation
-from fastes.models import tiny_model_path
-from fastes.train import train
+from fastes.models.generation import Generation
+from fastes.models.loading import tiny_model_path
+from fastes.run.config import load_config
+from fastes.run.evaluation import completion_entropy
+from fastes.run.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
 # --- equal budgets ----------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from fastes.generation import generate, generate_in_chunks
-from fastes.models import build_tiny_model, build_tokenizer, load_model, tiny_model_path
+from fastes.models.generation import generate, generate_in_chunks
+from fastes.models.loading import build_tiny_model, build_tokenizer, load_model, tiny_model_path
 
 PROMPTS = ["12+34=", "7*8=", "(1+2)*3=", "a b c"]
 
@@ -202,7 +202,7 @@ def _transformers_distribution(logits, temperature, top_k=0, top_p=1.0, min_p=No
 
 
 def _sampler(temperature, top_p=1.0, top_k=0, min_p=None):
-    from fastes.generation import RowSampler
+    from fastes.models.generation import RowSampler
 
     return RowSampler(0, temperature, top_p, 0, 0, 1, top_k=top_k, min_p=min_p)
 
@@ -389,7 +389,7 @@ def test_bad_cuts(model_and_tok, settings, message):
 
 @pytest.mark.parametrize("section", ["es", "grpo"])
 def test_config_keys(section):
-    from fastes.config import ConfigError, load_config
+    from fastes.run.config import ConfigError, load_config
 
     cfg = load_config(
         None, {f"{section}.top_k": 5, f"{section}.min_p": 0.1, f"{section}.repetition_penalty": 1.2}
@@ -412,9 +412,9 @@ def test_config_keys(section):
 @pytest.mark.parametrize("algorithm", ["grpo", "es"])
 def test_grpo_and_es_hand_the_keys_to_generate(tmp_path, monkeypatch, algorithm):
     """GRPO's sampling (sample_and_score) and ES's members (es_iteration) use the config's settings."""
-    from fastes import defaults, es_step, grpo
-    from fastes.config import load_config
-    from fastes.run import Run
+    from fastes.run import auto_settings, es_loop, grpo_loop
+    from fastes.run.config import load_config
+    from fastes.run.shared import Run
     from fastes.tasks import get_task
 
     section = "grpo" if algorithm == "grpo" else "es"
@@ -431,7 +431,7 @@ def test_grpo_and_es_hand_the_keys_to_generate(tmp_path, monkeypatch, algorithm)
     if algorithm == "es":
         overrides.update({"es.population": 2, "es.temperature": 1.0, "es.eval_mode": "member"})
     model, tokenizer = load_model(tiny_model_path())
-    cfg = defaults.resolve(load_config(None, overrides), model, tokenizer)
+    cfg = auto_settings.resolve(load_config(None, overrides), model, tokenizer)
     run = Run(cfg, model, tokenizer, get_task("compare"), tmp_path)
     calls = []
 
@@ -439,12 +439,12 @@ def test_grpo_and_es_hand_the_keys_to_generate(tmp_path, monkeypatch, algorithm)
         calls.append(kwargs)
         return generate(*args, **kwargs)
 
-    module = grpo if algorithm == "grpo" else es_step
+    module = grpo_loop if algorithm == "grpo" else es_loop
     monkeypatch.setattr(module, "generate", recording)
     if algorithm == "grpo":
-        grpo.sample_and_score(run, 0)
+        grpo_loop.sample_and_score(run, 0)
     else:
-        es_step.es_iteration(run, es_step.make_es(run), 0)
+        es_loop.es_iteration(run, es_loop.make_es(run), 0)
     assert calls and all(settings.items() <= call.items() for call in calls)
 
 

@@ -43,7 +43,7 @@ def test_kernel_steps_pass_on_the_interpreter_and_write_their_files(tmp_path):
 
 
 def test_a_failing_or_crashing_step_does_not_stop_the_others(tmp_path, monkeypatch):
-    import fastes.kernels
+    import fastes.engine.kernels
 
     def crash(*args):
         raise RuntimeError("simulated crash")
@@ -52,7 +52,7 @@ def test_a_failing_or_crashing_step_does_not_stop_the_others(tmp_path, monkeypat
         pass
 
     monkeypatch.setitem(gpu_check.STEPS, "stream", crash)
-    monkeypatch.setattr(fastes.kernels, "launch_perturb", wrong_perturb)
+    monkeypatch.setattr(fastes.engine.kernels, "launch_perturb", wrong_perturb)
     assert run(tmp_path, "stream,perturb,environment") == 1
     stream, perturb, environment = (read(tmp_path, s) for s in ("stream", "perturb", "environment"))
     assert (
@@ -140,7 +140,7 @@ def facts_ratio_is_positive(record: dict) -> bool:
 
 @pytest.mark.slow
 def test_model_step_fails_when_low_rank_members_miss_their_noise(tmp_path, monkeypatch):
-    from fastes.batched import LowRankLinear
+    from fastes.es.population import LowRankLinear
 
     real = LowRankLinear.__init__
 
@@ -154,14 +154,14 @@ def test_model_step_fails_when_low_rank_members_miss_their_noise(tmp_path, monke
 
 @pytest.mark.slow
 def test_model_step_fails_when_virtual_members_miss_their_noise(tmp_path, monkeypatch):
-    import fastes.kernels
+    import fastes.engine.kernels
 
-    real = fastes.kernels.launch_virtual_linear
+    real = fastes.engine.kernels.launch_virtual_linear
 
     def without_noise(x, weight, y, keys, scales, *args, **kwargs):
         real(x, weight, y, keys, scales * 0, *args, **kwargs)
 
-    monkeypatch.setattr(fastes.kernels, "launch_virtual_linear", without_noise)
+    monkeypatch.setattr(fastes.engine.kernels, "launch_virtual_linear", without_noise)
     assert run(tmp_path, "model") == 1
     assert read(tmp_path, "model")["failed"] == ["model virtual logits vs materialised"]
 

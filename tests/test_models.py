@@ -2,8 +2,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from fastes.generation import generate
-from fastes.models import (
+from fastes.models.generation import generate
+from fastes.models.loading import (
     MODEL_SIZES,
     build_tiny_model,
     build_tokenizer,

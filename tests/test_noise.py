@@ -1,8 +1,8 @@
 """The noise contract: Philox4x32-10 bits, counter layout, normals, uniforms and signs (docs/noise.md).
 
-The reference (`fastes.noise`) is pinned by Random123's published known-answer vectors and by the sign
-vectors printed in docs/noise.md section 6a; the interpreted Triton stream (`fastes.kernels.launch_fill`)
-must give the same raw bits and signs, and normals to float tolerance.
+The reference (`fastes.engine.noise`) is pinned by Random123's published known-answer vectors and by the sign
+vectors printed in docs/noise.md section 6a; the interpreted Triton stream
+(`fastes.engine.kernels.launch_fill`) must give the same raw bits and signs, and normals to float tolerance.
 """
 
 import hashlib
@@ -15,7 +15,7 @@ import triton.language as tl
 from conftest import correlation
 
 import fastes
-from fastes import kernels, noise, ops
+from fastes.engine import kernels, noise, ops
 
 launch_fill = kernels.launch_fill
 philox4x32_10 = kernels.philox.philox4x32_10
@@ -397,7 +397,7 @@ def test_kernel_normals_of_many_tensors_equal_one_fill_per_tensor(key, stream):
 
 
 def test_kernel_normals_of_many_tensors_is_one_launch(monkeypatch):
-    from fastes.kernels import noise as noise_kernels
+    from fastes.engine.kernels import noise as noise_kernels
 
     grids = []
 

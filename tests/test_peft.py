@@ -14,12 +14,12 @@ from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
 import fastes
-from fastes import ESConfig, ESTrainer, GRPOConfig, GRPOTrainer, adapters
-from fastes.batched import population_batched
+from fastes import ESConfig, ESTrainer, GRPOConfig, GRPOTrainer
 from fastes.checkpoint import latest_checkpoint
-from fastes.config import ConfigError
 from fastes.errors import MissingPackageError
-from fastes.models import (
+from fastes.es.population import population_batched
+from fastes.models import adapters
+from fastes.models.loading import (
     ModelError,
     build_tiny_model,
     build_tokenizer,
@@ -27,11 +27,12 @@ from fastes.models import (
     load_model,
     tiny_model_path,
 )
-from fastes.rundir import RunDirError
+from fastes.run.config import ConfigError
+from fastes.run.rundir import RunDirError
 from fastes.tasks import task_dataset
 
 peft = pytest.importorskip("peft")  # the test extra installs it: CI runs every test here
-# peft's own calls into transformers 5 warn on every wrap (fastes.adapters hides it for its own calls).
+# peft's own calls into transformers 5 warn on every wrap (fastes.models.adapters hides it for its own calls).
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
 
 MODEL = str(tiny_model_path())

@@ -8,8 +8,8 @@ import triton
 import triton.language as tl
 from conftest import NOISE_KINDS, bits, make_tensors, ordered
 
-from fastes import noise, ops
-from fastes.kernels.rounding import round_to
+from fastes.engine import noise, ops
+from fastes.engine.kernels.rounding import round_to
 
 SHAPES = [(1,), (7,), (33, 5), (4097,)]  # odd sizes; the last spans 33 sign blocks and 5 kernel tiles
 NAMES = ["emb", "layers.0.q.weight", "layers.0.mlp.weight", "lm_head.weight"]
@@ -167,8 +167,8 @@ def _to_bf16_kernel(src, dst, N: tl.constexpr):
 
 
 def test_kernel_bf16_rounding_matches_torch():
-    # fastes.kernels.rounding.round_to: fp32 -> bf16 to nearest, ties to even, overflow to inf, NaN kept,
-    # as torch does. (The interpreter's own cast truncates: 1 + 5/8 ulp would become 1.)
+    # fastes.engine.kernels.rounding.round_to: fp32 -> bf16 to nearest, ties to even, overflow to inf, NaN
+    # kept, as torch does. (The interpreter's own cast truncates: 1 + 5/8 ulp would become 1.)
     one_ulp = 2.0**-7
     values = [
         1 + one_ulp / 2,

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from fastes.cli import main
-from fastes.models import load_model, tiny_model_path
-from fastes.pretrain import SHIPPED_STYLE_MIX, _rows, pretrain
+from fastes.models.loading import load_model, tiny_model_path
+from fastes.run.pretrain import SHIPPED_STYLE_MIX, _rows, pretrain
 from fastes.tasks import get_task
 from fastes.tasks.base import Score
 
@@ -107,7 +107,7 @@ def test_the_default_recipe_rebuilds_the_shipped_model():
 
 def test_fastes_pretrain_and_the_module_take_the_same_flags():
     from fastes.cli import build_parser
-    from fastes.pretrain import add_arguments
+    from fastes.run.pretrain import add_arguments
 
     module = argparse.ArgumentParser()
     add_arguments(module)

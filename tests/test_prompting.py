@@ -1,5 +1,5 @@
 """Prompting for instruct models: the chat template on, off or auto, the system prompt, and the settings
-fastes chooses from the model (fastes.defaults)."""
+fastes chooses from the model (fastes.run.auto_settings)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,15 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from fastes import defaults
-from fastes.config import TrainConfig, load_config, validate
-from fastes.models import ModelError, build_tiny_model, build_tokenizer, format_prompt, is_character_tokenizer
+from fastes.models.loading import (
+    ModelError,
+    build_tiny_model,
+    build_tokenizer,
+    format_prompt,
+    is_character_tokenizer,
+)
+from fastes.run import auto_settings
+from fastes.run.config import TrainConfig, load_config, validate
 
 # A template like SmolLM2's: a default system turn when the messages bring none.
 TEMPLATE = (
@@ -76,7 +82,7 @@ def test_character_tokenizer_is_recognised(chat_tokenizer):
 
 def test_auto_settings_of_the_tiny_model_are_the_old_defaults():
     tokenizer = build_tokenizer()
-    cfg = defaults.resolve(TrainConfig(), build_tiny_model("tiny", tokenizer), tokenizer)
+    cfg = auto_settings.resolve(TrainConfig(), build_tiny_model("tiny", tokenizer), tokenizer)
     assert (cfg.prompt_style, cfg.max_new_tokens, cfg.es.eval_mode, cfg.es.noise_type) == (
         "plain",
         12,
@@ -102,10 +108,10 @@ def test_auto_settings_of_a_real_sized_instruct_model():
         model = LlamaForCausalLM(config)
     tokenizer = build_tokenizer()
     tokenizer.chat_template = TEMPLATE
-    cfg = defaults.resolve(TrainConfig(), model, tokenizer)
+    cfg = auto_settings.resolve(TrainConfig(), model, tokenizer)
     assert (cfg.prompt_style, cfg.max_new_tokens, cfg.es.eval_mode, cfg.es.noise_type) == (
         "instruct",
-        defaults.INSTRUCT_NEW_TOKENS,
+        auto_settings.INSTRUCT_NEW_TOKENS,
         "lowrank",
         "lowrank",
     )
@@ -113,7 +119,7 @@ def test_auto_settings_of_a_real_sized_instruct_model():
     validate(cfg)
     chosen = TrainConfig(max_new_tokens=7, prompt_style="plain")
     chosen.es.eval_mode = "member"
-    kept = defaults.resolve(chosen, model, tokenizer)  # what the user set is never changed
+    kept = auto_settings.resolve(chosen, model, tokenizer)  # what the user set is never changed
     assert (kept.max_new_tokens, kept.prompt_style, kept.es.eval_mode, kept.es.noise_type) == (
         7,
         "plain",
@@ -123,15 +129,15 @@ def test_auto_settings_of_a_real_sized_instruct_model():
     validate(kept)
     extra = TrainConfig()
     extra.es.include_norms = True  # auto then means member mode, the only one that evolves norms
-    validate(defaults.resolve(extra, model, tokenizer))
+    validate(auto_settings.resolve(extra, model, tokenizer))
 
 
 def test_a_resume_takes_the_first_starts_choices():
     tokenizer = build_tokenizer()
     model = build_tiny_model("tiny", tokenizer)
-    saved = defaults.resolve(TrainConfig(), model, tokenizer)
+    saved = auto_settings.resolve(TrainConfig(), model, tokenizer)
     saved.es.materialise_mb = 12345.0  # chosen on a machine with other free memory
-    from fastes.config import config_dict
+    from fastes.run.config import config_dict
 
-    again = defaults.resolve(TrainConfig(), model, tokenizer, saved=config_dict(saved))
+    again = auto_settings.resolve(TrainConfig(), model, tokenizer, saved=config_dict(saved))
     assert again.es.materialise_mb == 12345.0

@@ -25,10 +25,10 @@ import torch.distributed as dist
 from conftest import is_timing
 
 import fastes
-from fastes.batched import PopulationLinear, population_batched
 from fastes.checkpoint import latest_checkpoint, save_checkpoint
-from fastes.config import ConfigError, load_config
-from fastes.models import build_tiny_model, build_tokenizer, load_model, save_model, tiny_model_path
+from fastes.es.population import PopulationLinear, population_batched
+from fastes.models.loading import build_tiny_model, build_tokenizer, load_model, save_model, tiny_model_path
+from fastes.run.config import ConfigError, load_config
 from fastes.tasks import JsonlTaskError, get_task
 
 # Forked children inherit the imported modules: a run starts in milliseconds instead of the ~10 s that
@@ -81,7 +81,7 @@ def run_settings(task: str, out_dir: Path) -> dict:
 
 
 def _train_in_child(settings: dict, resume: bool) -> None:
-    from fastes.train import train
+    from fastes.run.train import train
 
     torch.set_num_threads(1)
     train(load_config(None, settings), resume=resume)
@@ -200,7 +200,7 @@ def test_a_run_writes_only_under_its_out_dir(straight_run):
 def test_a_metrics_line_cut_short_by_a_crash_is_found(tmp_path):
     """read_metrics stops at the first damaged line and says which (a resume then rewrites the file from
     its checkpoint: tests/test_runs.py)."""
-    from fastes.rundir import read_metrics
+    from fastes.run.rundir import read_metrics
 
     lines = [json.dumps({"global_step": i, "reward": 0.5}) for i in range(3)]
     (tmp_path / "metrics.jsonl").write_text(lines[0] + "\n" + lines[1] + "\n" + lines[2][:9])

@@ -10,9 +10,9 @@ import time
 import pytest
 
 from fastes import cli
-from fastes.config import ConfigError, load_config
+from fastes.run.config import ConfigError, load_config
+from fastes.run.train import train
 from fastes.tasks import RewardFunctionError, get_task
-from fastes.train import train
 
 REWARDS = """
 def score(completions, answer, **columns):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fastes import ESConfig, ESTrainer, GRPOConfig, GRPOTrainer
-from fastes.models import build_tokenizer, load_model, tiny_model_path
+from fastes.models.loading import build_tokenizer, load_model, tiny_model_path
 from fastes.tasks import DatasetTask, RewardFunctionError, RewardModel, task_dataset
 
 MODEL = str(tiny_model_path())

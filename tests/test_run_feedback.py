@@ -8,8 +8,8 @@ import json
 import pytest
 
 from fastes import cli
-from fastes.config import load_config
-from fastes.train import NO_SIGNAL_STEPS, NoSignal, train
+from fastes.run.config import load_config
+from fastes.run.train import NO_SIGNAL_STEPS, NoSignal, train
 
 
 def run_config(tmp_path, **extra):

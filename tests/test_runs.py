@@ -24,13 +24,13 @@ from safetensors.torch import load_file, save_file
 import fastes
 from fastes.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from fastes.cli import build_parser, main
-from fastes.config import ConfigError, config_dict, flag_specs, load_config
 from fastes.errors import FastesError, MissingFileError
-from fastes.es_step import make_es
-from fastes.models import ModelError, load_model, tiny_model_path
-from fastes.rundir import RunDirError, config_changes
+from fastes.models.loading import ModelError, load_model, tiny_model_path
+from fastes.run.config import ConfigError, config_dict, flag_specs, load_config
+from fastes.run.es_loop import make_es
+from fastes.run.rundir import RunDirError, config_changes
+from fastes.run.train import train
 from fastes.tasks import get_task
-from fastes.train import train
 
 FORK = multiprocessing.get_context("fork")
 
@@ -441,7 +441,7 @@ def test_impossible_settings_are_refused_before_any_work(easy_task, tmp_path, mo
     def no_work(*args, **kwargs):
         raise AssertionError("the run started working before its checks were done")
 
-    monkeypatch.setattr("fastes.train.evaluate", no_work)
+    monkeypatch.setattr("fastes.run.train.evaluate", no_work)
     only_test = tmp_path / "only_test.jsonl"
     only_test.write_text('{"prompt": "1+1=", "answer": "2", "verifier": "numeric", "split": "test"}\n')
     with pytest.raises(ConfigError, match="has no train problems"):
@@ -450,7 +450,7 @@ def test_impossible_settings_are_refused_before_any_work(easy_task, tmp_path, mo
     def nothing_to_evolve(model, **selection):
         raise ValueError(f"{type(model).__name__} has no nn.Linear weights to evolve")
 
-    monkeypatch.setattr("fastes.es_step.linear_weights", nothing_to_evolve)
+    monkeypatch.setattr("fastes.run.es_loop.linear_weights", nothing_to_evolve)
     with pytest.raises(ModelError, match="has no nn.Linear weights to evolve. ES cannot train it"):
         train(load_config(None, settings(easy_task, tmp_path / "b")))
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # nothing written
@@ -564,7 +564,7 @@ def test_version_help_and_flag_spellings(capsys):
 
 
 def test_experiment_overwrite_says_what_it_replaces(tmp_path, capsys):
-    from fastes.experiment.run import _read_out, _start
+    from fastes.experiment.runner import _read_out, _start
 
     (tmp_path / "runs").mkdir()
     (tmp_path / "report.md").write_text("old")
@@ -596,7 +596,7 @@ RANK_SCRIPT = textwrap.dedent(
     """
     import datetime, os, sys, time
     import torch.distributed as dist
-    import fastes.train
+    import fastes.run.train
     from fastes.cli import main
 
     rank, init, task, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
@@ -604,12 +604,12 @@ RANK_SCRIPT = textwrap.dedent(
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60))
     if rank == 1:  # stops answering in its second iteration
-        real = fastes.train.es_iteration
+        real = fastes.run.train.es_iteration
         def hang(run, es, step):
             if step == 1:
                 time.sleep(120)
             return real(run, es, step)
-        fastes.train.es_iteration = hang
+        fastes.run.train.es_iteration = hang
     sys.exit(main(["train", "--task", task, "--out_dir", f"{out}/rank{rank}", "--batch_size", "4",
                    "--max_new_tokens", "2", "--eval_size", "2", "--eval_every", "0", "--progress", "false",
                    "--es.iterations", "3", "--es.population", "4", "--es.eval_mode", "member",

@@ -11,10 +11,10 @@ import pytest
 from conftest import is_timing
 from safetensors.torch import load_file
 
-from fastes.config import load_config
-from fastes.models import load_model
+from fastes.models.loading import load_model
+from fastes.run.config import load_config
+from fastes.run.train import make_task, paired_gain, train
 from fastes.tasks import get_task
-from fastes.train import make_task, paired_gain, train
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def easy_task(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def style_task(tmp_path_factory) -> str:
     """24 fixed countdown problems: the shipped base answers about half of them in a style the verifier
-    refuses ("expression=target;", see fastes/pretrain.py), so post-training has a reward to climb."""
+    refuses ("expression=target;", see fastes/run/pretrain.py), so post-training has a reward to climb."""
     path = tmp_path_factory.mktemp("task") / "countdown.jsonl"
     task = get_task("countdown")
     chosen = {"train": task.split("train")[:24], "test": task.split("test")[:8]}

@@ -11,9 +11,9 @@ import torch
 from conftest import is_timing
 
 from fastes import ESConfig, ESTrainer, GRPOConfig, GRPOTrainer
-from fastes.config import ConfigError
-from fastes.models import load_model, tiny_model_path
-from fastes.rundir import RunDirError
+from fastes.models.loading import load_model, tiny_model_path
+from fastes.run.config import ConfigError
+from fastes.run.rundir import RunDirError
 from fastes.tasks import DatasetError, RewardFunctionError, task_dataset
 
 MODEL = str(tiny_model_path())
@@ -447,7 +447,7 @@ def test_grpo_trainer_samples_groups_of_the_completions_asked_for(tmp_path):
 
 
 def test_chat_prompts_apply_the_template_and_completions_are_messages(tmp_path):
-    from fastes.models import format_prompt
+    from fastes.models.loading import format_prompt
     from fastes.tasks import DatasetTask
 
     seen = {}
@@ -570,8 +570,8 @@ def test_cli_mistakes_are_one_line_before_any_work(files, extra, message, capsys
 
 
 def test_config_keys_of_a_dataset_run(files):
-    from fastes.config import load_config
-    from fastes.train import train
+    from fastes.run.config import load_config
+    from fastes.run.train import train
 
     base = {"out_dir": str(files / "run"), "reward": f"{files / 'rewards.py'}:correct"}
     data = str(files / "data.jsonl")
@@ -661,7 +661,7 @@ def test_task_dataset_seed_and_limit():
 @pytest.mark.parametrize("section, config_class", [("es", ESConfig), ("grpo", GRPOConfig)])
 def test_every_option_of_the_run_config_section_has_a_trainer_field(section, config_class):
     """A new [es] or [grpo] option fails here until the TRL-style config sets it too."""
-    from fastes import config
+    from fastes.run import config
 
     internal = dataclasses.fields(getattr(config, f"{section.upper()}Config"))
     reachable = set(config_class.keys().values()) | set(config_class.SPECIAL)

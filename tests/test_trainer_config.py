@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from fastes import ESConfig, GRPOConfig
-from fastes.config import ConfigError
-from fastes.trainer_config import OUTCOMES, fields_table
+from fastes.run.config import ConfigError
+from fastes.trainer.configs import OUTCOMES, fields_table
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "trainer.md"
 # TRL's defaults that fastes' GRPOConfig does not take, and why.
@@ -23,7 +23,7 @@ OWN_DEFAULTS = {
 
 def test_docs_hold_the_table_the_configs_give():
     text = DOCS.read_text()
-    start = text.index("<!-- fields table: python -m fastes.trainer_config -->\n")
+    start = text.index("<!-- fields table: python -m fastes.trainer.configs -->\n")
     end = text.index("<!-- end of the fields table -->")
     assert text[start:end].split("\n", 1)[1] == fields_table()
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import NOISE_KINDS, bits, make_tensors, ordered
 
-from fastes import noise, ops
+from fastes.engine import noise, ops
 
 SHAPES = [(1,), (7,), (33, 5), (4097,)]
 IDS = [noise.tensor_id(n) for n in ("emb", "layers.0.q.weight", "layers.0.mlp.weight", "lm_head.weight")]

@@ -6,10 +6,10 @@ from conftest import NOISE_KINDS
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import fastes
-from fastes import noise, ops
-from fastes.batched import PopulationLinear, VirtualLinear, population_batched
-from fastes.kernels import launch_virtual_linear
-from fastes.models import build_tokenizer
+from fastes.engine import noise, ops
+from fastes.engine.kernels import launch_virtual_linear
+from fastes.es.population import PopulationLinear, VirtualLinear, population_batched
+from fastes.models.loading import build_tokenizer
 
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3)}
 

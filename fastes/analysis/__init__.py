@@ -8,17 +8,11 @@
 - plots: the figures (imports matplotlib, so import it explicitly: `from fastes.analysis import plots`)
 """
 
-from fastes.analysis.diversity import (
-    JSDiversity,
-    binary_entropy,
-    generalized_js,
-    js_diversity,
-    shannon_entropy,
-)
-from fastes.analysis.drift import masked_nll, perplexity, token_kl
-from fastes.analysis.entropy import token_entropies, token_entropy
-from fastes.analysis.passk import k_values, pass_at_k, pass_at_k_curve
-from fastes.analysis.sparsity import (
+from .diversity import JSDiversity, binary_entropy, generalized_js, js_diversity, shannon_entropy
+from .drift import masked_nll, perplexity, token_kl
+from .entropy import token_entropies, token_entropy
+from .passk import k_values, pass_at_k, pass_at_k_curve
+from .sparsity import (
     DEFAULT_TOLERANCES,
     KEEP_FRACTIONS,
     DeltaHistogram,

@@ -18,7 +18,7 @@ import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from fastes.analysis.sparsity import DeltaHistogram
+from .sparsity import DeltaHistogram
 
 Series = Mapping[float, float] | tuple[Sequence[float], Sequence[float]]
 

@@ -30,7 +30,7 @@ Stopped with Ctrl-C or killed, the same command continues: finished arms and eva
 in progress.json and not redone.
 
 Read in this order: budget.py (presets, equal budgets, what each stage costs), arms.py (training the
-arms and the sweep), evaluate.py (measurements, through fastes.evaluation, the one evaluation path),
+arms and the sweep), evaluate.py (measurements, through fastes.run.evaluation, the one evaluation path),
 findings.py (the paper's claims, checked), seeds.py (ES vs GRPO over seeds), plots.py and report.py
 (the output), progress.py (what is finished), run.py (the whole run).
 """
@@ -54,7 +54,7 @@ from .evaluate import MASK_KINDS, evaluate_models, gain_retained_curves
 from .findings import findings, paired_difference, paired_standard_error
 from .plots import PLOTS, write_plots
 from .report import write_report
-from .run import rewrite_report, run_experiment
+from .runner import rewrite_report, run_experiment
 from .seeds import headline, other_seeds
 
 __all__ = [

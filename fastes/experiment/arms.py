@@ -24,13 +24,14 @@ import numpy as np
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .. import defaults
-from ..config import TrainConfig, load_config
-from ..evaluation import Evaluator
-from ..models import is_character_tokenizer, load_model, num_params, tiny_model_path
-from ..rundir import RUN_FILE
-from ..tasks import Task
-from ..train import make_task, train
+from fastes.models.loading import is_character_tokenizer, load_model, num_params, tiny_model_path
+from fastes.run import auto_settings
+from fastes.run.config import TrainConfig, load_config
+from fastes.run.evaluation import Evaluator
+from fastes.run.rundir import RUN_FILE
+from fastes.run.train import make_task, train
+from fastes.tasks import Task
+
 from .budget import BudgetPlan, Preset, segment_ends, sweep_iterations
 from .progress import Progress
 
@@ -102,10 +103,10 @@ def make_context(
     done: Progress,
 ) -> Context:
     """The Context of an experiment: its shared settings resolved for the base model as a run resolves
-    them (fastes.defaults), and its task built as a run builds it (fastes.train.make_task)."""
+    them (fastes.run.auto_settings), and its task built as a run builds it (fastes.run.train.make_task)."""
     model, tokenizer = load_model(base_path, dtype=preset.dtype, device=device)
     given = load_config(None, {**shared_settings(preset, device), "model": str(base_path)})
-    cfg = defaults.resolve(given, model, tokenizer)
+    cfg = auto_settings.resolve(given, model, tokenizer)
     task = make_task(cfg, strict_alphabet=is_character_tokenizer(tokenizer))
     return Context(preset, out_dir, base_path, device, plan, progress, cfg, task, done)
 
@@ -294,7 +295,7 @@ def training_curves(arms: dict[str, dict[str, Any]], plan: BudgetPlan) -> dict[s
 def _small_model(ctx: Context) -> Path:
     """The built-in "small" model, pretrained once into the experiment directory and reused after, with
     the shipped tiny model's data recipe (its style_mix), so that the two sizes differ only in size."""
-    from ..pretrain import pretrain
+    from fastes.run.pretrain import pretrain
 
     recipe = json.loads((tiny_model_path() / "pretrain.json").read_text())
     wanted = {"steps": ctx.preset.small_pretrain_steps, "seed": ctx.preset.seed}

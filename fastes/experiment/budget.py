@@ -24,7 +24,7 @@ class Preset:
     model: str = ""  # "": the built-in tiny model; else a directory, .gguf file or shipped model's name
     task: str = "countdown"
     seed: int = 0
-    # How prompts are written, as in a run (fastes/defaults.py chooses "auto" from the tokenizer).
+    # How prompts are written, as in a run (fastes/run/auto_settings.py chooses "auto" from the tokenizer).
     prompt_style: str = "auto"
     chat_template: str = "auto"
     system_prompt: str = ""

@@ -1,5 +1,5 @@
 """Evaluation of the trained models: accuracy, Pass@K, forgetting, drift, and the gain that sparse
-updates keep. Every measurement goes through fastes.evaluation (the one evaluation path), with the
+updates keep. Every measurement goes through fastes.run.evaluation (the one evaluation path), with the
 experiment's run settings; each finished evaluation is recorded, and not redone on a continued start."""
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..analysis.sparsity import gain_retained, topk_mask_state
-from ..evaluation import Evaluator, general_text_corpus, heldout_tasks, pass_at_k
-from ..tasks import Example, Task
+from fastes.analysis.sparsity import gain_retained, topk_mask_state
+from fastes.run.evaluation import Evaluator, general_text_corpus, heldout_tasks, pass_at_k
+from fastes.tasks import Example, Task
+
 from .arms import Context
 
 MASK_KINDS = {"top": "top-k (global)", "random": "random (same density)", "bottom": "bottom-k"}

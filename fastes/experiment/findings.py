@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from ..analysis.passk import pass_at_k
+from fastes.analysis.passk import pass_at_k
+
 from .budget import MODELS
 
 Finding = dict[str, str]

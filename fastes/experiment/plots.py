@@ -29,7 +29,7 @@ def _xy(points: list[list[float]]) -> tuple[list[float], list[float]]:
 
 def _training_plots(metrics: dict[str, Any], out_dir: Path) -> None:
     """Entropy, JS diversity and test accuracy over training."""
-    from ..analysis import plots
+    from fastes.analysis import plots
 
     curves = metrics["training"]
     plots.plot_metric_over_steps(
@@ -60,7 +60,7 @@ def _training_plots(metrics: dict[str, Any], out_dir: Path) -> None:
 
 def _model_plots(metrics: dict[str, Any], out_dir: Path) -> None:
     """Pass@K and the held-out measurements of the four models, and ES's gain retained."""
-    from ..analysis import plots
+    from fastes.analysis import plots
 
     models, p = metrics["models"], metrics["preset"]
     plots.plot_pass_at_k(
@@ -105,7 +105,7 @@ def _model_plots(metrics: dict[str, Any], out_dir: Path) -> None:
 
 def _sweep_plots(metrics: dict[str, Any], out_dir: Path) -> None:
     """Final test accuracy and reward against the population size, per model size."""
-    from ..analysis import plots
+    from fastes.analysis import plots
 
     sweep = metrics["population_sweep"]
     for key, metric, ylabel in [

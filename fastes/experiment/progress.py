@@ -4,7 +4,7 @@ progress.json holds the experiment's identity (its settings and starting model) 
 piece of work by key: a probe of an arm at a segment end, an arm, the evaluation of one model, one
 masked evaluation of the sparsity stage, one run of the sweep, and the seconds each stage took. Run
 again after Ctrl-C or a kill, the same command reads it back and redoes none of it; an arm stopped
-between probes continues from its run's newest checkpoint (fastes.train resumes exactly).
+between probes continues from its run's newest checkpoint (fastes.run.train resumes exactly).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import write_atomic
+from fastes.checkpoint import write_atomic
 
 PROGRESS_FILE = "progress.json"
 

@@ -10,7 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from ..analysis.passk import pass_at_k
+from fastes.analysis.passk import pass_at_k
+
 from .budget import ARMS, LABELS, MODELS
 from .findings import paired_difference, paired_standard_error, standard_error
 from .plots import PLOTS

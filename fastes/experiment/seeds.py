@@ -19,8 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from ..analysis.passk import pass_at_k
-from ..config import ConfigError
+from fastes.analysis.passk import pass_at_k
+from fastes.run.config import ConfigError
+
 from .findings import paired_standard_error
 
 HEADLINE_MODELS = ("base", "es", "grpo")

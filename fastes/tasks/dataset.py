@@ -26,7 +26,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import FastesError, MissingFileError, MissingPackageError
+from fastes.errors import FastesError, MissingFileError, MissingPackageError
+
 from .base import Example, check_split
 from .registry import get_task
 from .reward_file import PASSED, Rewards, RewardScoredTask

@@ -85,7 +85,7 @@ class InstructTask(Task):
     `instruction` replaces the task's own request for the answer format (e.g. to try another wording);
     one that starts in lower case continues the question's sentence ("Calculate 12 + 34 and write ...").
     `answer_prefix` replaces the task's own opening words of the reply ("" for none); each example
-    carries it as meta["answer_prefix"] for fastes.evaluation.render_prompts to write after the prompt.
+    carries it as meta["answer_prefix"] for fastes.run.evaluation.render_prompts to write after the prompt.
     """
 
     def __init__(

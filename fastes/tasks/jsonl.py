@@ -27,7 +27,8 @@ import random
 from pathlib import Path
 from typing import Any
 
-from ..errors import FastesError, MissingFileError
+from fastes.errors import FastesError, MissingFileError
+
 from .base import ALPHABET, Example, Score, Task, outside_alphabet
 from .countdown import solve_countdown
 from .verify import ANSWER_END, parse_number, score_countdown, score_exact, score_numeric

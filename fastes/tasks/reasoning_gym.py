@@ -20,7 +20,8 @@ import importlib
 import math
 from typing import Any
 
-from ..errors import MissingPackageError
+from fastes.errors import MissingPackageError
+
 from .base import Example, Score, Task
 from .verify import ANSWER_END, extract_answer
 

@@ -47,7 +47,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..errors import FastesError
+from fastes.errors import FastesError
+
 from .base import Example, Score, Task
 from .jsonl import assign_splits
 

@@ -1,0 +1,8 @@
+"""The engine: the noise contract and the backends that honour it, the bottom floor of fastes.
+
+`noise` defines the contract (Philox keys and streams: which noise a member, a tensor and an element get),
+`ops` holds the torch reference of perturb / update and dispatches to a backend, `cpu_library` builds
+and calls the C library of `csrc/` (the CPU backend), `kernels/` holds the Triton kernels (GPU backend)
+and `lowrank` the low-rank factors on the same streams. `cpu_share` divides the CPU's cores between
+fastes processes. Nothing here knows of models, tasks or runs; import the submodules directly.
+"""

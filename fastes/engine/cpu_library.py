@@ -1,0 +1,596 @@
+"""The compiled CPU backend ("cpu"): the noise contract as a small C library, built once per machine.
+
+It computes exactly what the eager reference (`fastes.engine.noise`, `fastes.engine.ops.*_reference`)
+specifies, in bounded chunks: raw Philox words, uniforms and signs are bit-identical to the reference; normals
+agree to float tolerance (within 2 ulps, ~1e-6: the library uses the Triton kernels' branch-free ln / cos /
+sin, the reference torch's), so the weights of a run agree with the reference's at float tolerance, not bit
+for bit. The reference stays the readable specification and the test oracle.
+
+How it stays fast:
+- fastes/engine/csrc/noise_cpu.c: Philox on four blocks per AVX2 register (one vpmuludq gives both words of
+  four products; other CPUs get portable C that the compiler vectorises), Box-Muller on the tile's
+  words, all in L1-sized tiles. Built with the system C compiler (cc, gcc or clang; $CC) for this
+  CPU in well under a second, cached under `cache_dir()`, loaded with ctypes.
+- The input is a small table of tensor slices (first Philox block, first lane, blocks, tensor id); the
+  library makes every block's counter itself, so any key, tensor and size runs the same code (nothing
+  is ever rebuilt) and no per-element counters are held. Small tensors share a chunk of CHUNK lanes;
+  only the lanes in use are computed. Chunk-sized outputs go to reused per-thread buffers (a fresh
+  megabyte per chunk costs page faults comparable to the noise itself).
+- The update regenerates every direction's noise and sums it inside the library, tile by tile: one
+  call per chunk, whatever the population; then each weight is read and written once.
+- Threads: each call is split into block ranges over torch.get_num_threads() Python threads (ctypes
+  releases the GIL), so torch.set_num_threads applies at once.
+
+Where no C compiler is found, or building fails, `available()` turns False after one warning and
+`fastes.engine.ops` falls back to the eager reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import threading
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import noise
+
+CHUNK = 1 << 18  # elements per library call (1 MB of fp32): Python overhead per call stays small
+
+Key = tuple[int, int]
+
+
+def _int32(value: int) -> int:
+    """The int32 holding the bit pattern of uint32 `value`."""
+    value &= noise.MASK32
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+# ---------------------------------------------------------------------------------------------------
+# The compiled library: built once per machine, cached on disk, called through ctypes
+# ---------------------------------------------------------------------------------------------------
+
+# The noise contract, and the low-rank population forward's rank-r term (fastes.es.population.LowRankLinear)
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("noise_cpu.c", "lowrank_cpu.c"))
+# No -ffast-math: the uniforms, the log's exponent split and the angle reduction rely on exact IEEE
+# arithmetic; -ffp-contract=off leaves the source's explicit fmaf calls as the only fused multiply-adds,
+# so the normals are the same bits on every CPU.
+_FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=off"]
+_ARCH_FLAGS = {"x86_64": ["-march=native"], "AMD64": ["-march=native"], "aarch64": ["-mcpu=native"]}
+_POINTER, _I64, _U32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32
+_FLOAT = ctypes.c_float
+# Every function starts (part table, [part addresses,] parts, first lane block, end lane block, stream
+# word, round keys); see the signatures in noise_cpu.c.
+_SIGNATURES = {
+    "fastes_words": [_POINTER, _I64, _I64, _I64, _U32, _POINTER, _POINTER],
+    "fastes_eps": [_POINTER, _I64, _I64, _I64, _U32, _POINTER, _I64, _POINTER],
+    "fastes_eps_sum": [_POINTER, _I64, _I64, _I64, _U32, _POINTER, _POINTER, _I64, _I64, _POINTER],
+    "fastes_perturb_f32": [_POINTER, _POINTER, _I64, _I64, _I64, _U32, _POINTER, _I64, _FLOAT],
+    "fastes_update_f32": [_POINTER, _POINTER, _I64, _I64, _I64, _U32, _POINTER, _POINTER, _I64, _I64]
+    + [_FLOAT, _FLOAT],
+    # (x, y, b, a, rows per member, in, out, rank, first row, end row): lowrank_cpu.c
+    "fastes_lowrank_add_f32": [_POINTER] * 4 + [_I64] * 6,
+    # (w, a, b transposed, columns, a's columns, decay, first row, end row): lowrank_cpu.c
+    "fastes_lowrank_update_f32": [_POINTER] * 3 + [_I64, _I64, _FLOAT, _I64, _I64],
+}
+
+_library: ctypes.CDLL | None = None
+_unavailable: str | None = None  # why the library cannot be built here, once known
+
+
+class CompileUnavailable(RuntimeError):
+    """The compiled library cannot be built here (a warning was issued); use the reference."""
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept: $FASTES_CACHE_DIR, else $XDG_CACHE_HOME/fastes or ~/.cache/fastes."""
+    if os.environ.get("FASTES_CACHE_DIR"):
+        return Path(os.environ["FASTES_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fastes"
+
+
+def _compiler() -> str:
+    """$CC when set (it must work), else the first of cc, gcc, clang on PATH."""
+    if os.environ.get("CC"):
+        return os.environ["CC"]
+    for name in ("cc", "gcc", "clang"):
+        if shutil.which(name):
+            return name
+    raise FileNotFoundError("no C compiler found (tried cc, gcc, clang)")
+
+
+def _cpu_identity() -> str:
+    """What -march=native depends on: the CPU model and feature flags (Linux), else the platform."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return "\n".join(
+            sorted({line for line in lines if line.startswith(("model name", "flags", "Features"))})
+        )
+    except OSError:
+        return platform.processor() + platform.machine()
+
+
+def _build(compiler: str) -> Path:
+    """Compile SOURCES for this machine (or reuse the cached build): the path of the shared library.
+
+    Falls back to portable flags when the native ones are refused. The file is written under a
+    temporary name and renamed, so processes building at the same time never load a partial file.
+    """
+    source = b"".join(path.read_bytes() for path in SOURCES)
+    arch = _ARCH_FLAGS.get(platform.machine(), [])
+    errors = []
+    for flags in ([*_FLAGS, *arch], _FLAGS) if arch else (_FLAGS,):
+        identity = "\0".join([compiler, *flags, _cpu_identity(), sys.platform]).encode()
+        digest = hashlib.sha256(source + identity).hexdigest()[:16]
+        path = cache_dir() / f"noise_cpu-{digest}.so"
+        if path.exists():
+            return path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        done = subprocess.run(
+            [compiler, *flags, *map(str, SOURCES), "-o", str(partial)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if done.returncode == 0:
+            os.replace(partial, path)
+            return path
+        partial.unlink(missing_ok=True)
+        errors.append(
+            done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"
+        )
+    raise RuntimeError(f"{compiler} failed: {errors[-1]}")
+
+
+def _load() -> ctypes.CDLL:
+    """The library, built on first use; raises CompileUnavailable (after one warning) where it cannot be."""
+    global _library, _unavailable
+    if _library is not None:
+        return _library
+    if _unavailable is None:
+        try:
+            library = ctypes.CDLL(str(_build(_compiler())))
+            for name, argtypes in _SIGNATURES.items():
+                getattr(library, name).argtypes = argtypes
+            _library = library
+            return library
+        except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+            _unavailable = f"{type(error).__name__}: {error}"
+            warnings.warn(
+                f"fastes: the compiled CPU backend is unavailable ({_unavailable}); using the eager torch "
+                "reference, which is several times slower. Install a C compiler (gcc or clang, or set CC; "
+                "builds go to $FASTES_CACHE_DIR, default ~/.cache/fastes, which must be writable) to "
+                "enable it, or pass backend='torch' to silence this warning.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+    raise CompileUnavailable(_unavailable)
+
+
+def available() -> bool:
+    """Whether the compiled backend runs here: the library is built (or cached) and loads."""
+    try:
+        _load()
+    except CompileUnavailable:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------------------
+# Calling it on a chunk, split across threads
+# ---------------------------------------------------------------------------------------------------
+
+_MIN_BLOCKS_PER_THREAD = 2048  # below this, starting a thread costs more than it saves
+_pool: ThreadPoolExecutor | None = None
+
+
+def _parallel(
+    call: Callable[[int, int], None], n_blocks: int, min_per_thread: int = _MIN_BLOCKS_PER_THREAD
+) -> None:
+    """call(lo, hi) over lane blocks (or other units of work) [0, n_blocks) in up to
+    torch.get_num_threads() contiguous ranges of at least `min_per_thread`.
+
+    ctypes releases the GIL during a foreign call, so Python threads run the library in parallel; the
+    calling thread takes the first range itself.
+    """
+    global _pool
+    threads = min(torch.get_num_threads(), n_blocks // min_per_thread)
+    if threads <= 1:
+        call(0, n_blocks)
+        return
+    if _pool is None or _pool._max_workers < threads - 1:
+        _pool = ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="fastes-noise")
+    step = -(-n_blocks // threads)
+    bounds = [(lo, min(lo + step, n_blocks)) for lo in range(0, n_blocks, step)]
+    futures = [_pool.submit(call, lo, hi) for lo, hi in bounds[1:]]
+    call(*bounds[0])
+    for future in futures:
+        future.result()
+
+
+_scratch_buffers = threading.local()  # per calling thread: two threads running ES never share one
+
+
+def _scratch(kind: str, lanes: int) -> torch.Tensor:
+    """A reused buffer of `lanes` values for one kind of output ("words": int32, else fp32; "total" is the
+    update's sum). Allocating a fresh megabyte per chunk costs page faults comparable to the noise
+    itself; callers use a chunk's buffer before asking for the next one of its kind."""
+    buffers = _scratch_buffers.__dict__
+    if kind not in buffers:
+        buffers[kind] = torch.empty(CHUNK, dtype=torch.int32 if kind == "words" else torch.float32)
+    return buffers[kind][:lanes]
+
+
+def _run(
+    kind: str,
+    table: torch.Tensor,
+    stream: int,
+    keys: torch.Tensor,
+    n_blocks: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Lane blocks [0, n_blocks) of a chunk through the library: "normal" gives fp32 normals, "words"
+    int32 raw words, "sign" fp32 Rademacher signs (a table of 128-element sign blocks); lane order.
+    Written into `out` when given (contiguous, of the right dtype and size), else a scratch buffer."""
+    library = _load()
+    per_block = noise.SIGN_BLOCK if kind == "sign" else 4
+    out = _scratch(kind, per_block * n_blocks) if out is None else out
+    stream_word, args = stream & noise.MASK32, (table.data_ptr(), len(table))
+
+    def call(lo: int, hi: int) -> None:
+        if kind == "words":
+            library.fastes_words(*args, lo, hi, stream_word, keys.data_ptr(), out.data_ptr())
+        else:
+            library.fastes_eps(*args, lo, hi, stream_word, keys.data_ptr(), per_block, out.data_ptr())
+
+    _parallel(call, n_blocks)
+    return out
+
+
+def _run_sum(
+    noise_kind: str,
+    table: torch.Tensor,
+    keys: torch.Tensor,
+    weights: torch.Tensor,
+    total: torch.Tensor,
+    n_blocks: int,
+) -> None:
+    """total[lanes] = sum_d weights[d] eps_d over lane blocks [0, n_blocks), in direction order (keys:
+    [D, 10, 2]); one call covers every direction."""
+    library, per_block = _load(), noise.elements_per_block(noise_kind)
+    args = (keys.data_ptr(), weights.data_ptr(), len(weights), per_block, total.data_ptr())
+
+    def call(lo: int, hi: int) -> None:
+        library.fastes_eps_sum(
+            table.data_ptr(), len(table), lo, hi, noise.perturbation_stream(noise_kind), *args
+        )
+
+    _parallel(call, n_blocks)
+
+
+def _in_place_layout(
+    sources: Sequence[torch.Tensor],
+    destinations: Sequence[torch.Tensor],
+    tensor_ids: Sequence[int],
+    per_block: int,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The part table of whole tensors laid end to end (no chunks: nothing is buffered), the addresses
+    (source, destination, elements) of each, and the number of blocks: for one library call over all."""
+    parts, lane = [], 0
+    for index, t in enumerate(sources):
+        parts.append((index, 0, t.numel(), lane))
+        lane += per_block * _blocks(t.numel(), per_block)
+    io = [(s.data_ptr(), d.data_ptr(), s.numel()) for s, d in zip(sources, destinations)]
+    return _table(parts, tensor_ids, per_block), torch.tensor(io, dtype=torch.int64), lane // per_block
+
+
+def round_keys(key: Key) -> torch.Tensor:
+    """The key schedule, [10, 2] int32: round r uses (k0 + r W0, k1 + r W1) mod 2^32."""
+    k0, k1 = key
+    return torch.tensor(
+        [
+            [_int32(k0 + r * noise.PHILOX_W0), _int32(k1 + r * noise.PHILOX_W1)]
+            for r in range(noise.PHILOX_ROUNDS)
+        ],
+        dtype=torch.int32,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Chunk plans: which tensor slices each compiled call covers
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One library call's worth of work: slices of one or more tensors packed into at most CHUNK lanes.
+
+    `parts` lists (tensor index, first element, element count, first lane), packed from lane 0 without
+    gaps, each slice on a block boundary; `lanes` is the number of lanes used (whole blocks); `table` is
+    the library's part table for the plan's block size (see `_table`).
+    """
+
+    parts: tuple[tuple[int, int, int, int], ...]
+    lanes: int
+    table: torch.Tensor
+
+
+def _blocks(n: int, per_block: int) -> int:
+    return (n + per_block - 1) // per_block
+
+
+def _table(
+    parts: Sequence[tuple[int, int, int, int]], tensor_ids: Sequence[int], per_block: int
+) -> torch.Tensor:
+    """The library's [parts, 4] int64 table for blocks of `per_block` elements (4: normals and words;
+    128: signs): first block of the slice in its tensor (a uint64 carried as its int64 bit pattern: element
+    offsets reach 2^66), first lane block, number of blocks, tensor id."""
+    rows = []
+    for index, start, n, lane in parts:
+        block = start // per_block
+        rows.append(
+            (
+                block - (1 << 64) if block >= 1 << 63 else block,
+                lane // per_block,
+                _blocks(n, per_block),
+                tensor_ids[index],
+            )
+        )
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+_plans: OrderedDict = OrderedDict()  # the last few plans, keyed by layout
+
+
+def plan(numels: Sequence[int], tensor_ids: Sequence[int], per_block: int = 4) -> list[_Piece]:
+    """Pack the tensors' elements into chunks: large tensors are cut at CHUNK, small ones share a chunk.
+
+    Every slice starts on a Philox block (its first element is 0 or a multiple of CHUNK) of `per_block`
+    elements (4, or 128 for signs) and on a lane that is a multiple of it, so the lanes of a chunk line
+    up with whole blocks.
+    """
+    signature = (tuple(numels), tuple(tensor_ids), per_block)
+    if signature in _plans:
+        _plans.move_to_end(signature)
+        return _plans[signature]
+    pieces: list[_Piece] = []
+    parts: list[tuple[int, int, int, int]] = []
+    used = 0  # lanes used in the current chunk (whole blocks)
+
+    def flush() -> None:
+        pieces.append(_Piece(tuple(parts), used, _table(parts, tensor_ids, per_block)))
+        parts.clear()
+
+    for index, numel in enumerate(numels):
+        for start in range(0, numel, CHUNK):
+            n = min(CHUNK, numel - start)
+            lanes = per_block * _blocks(n, per_block)
+            if used + lanes > CHUNK:
+                flush()
+                used = 0
+            parts.append((index, start, n, used))
+            used += lanes
+    if parts:
+        flush()
+    _plans[signature] = pieces
+    if len(_plans) > 16:
+        _plans.popitem(last=False)
+    return pieces
+
+
+def _noise_chunk(noise_kind: str, piece: _Piece, keys: torch.Tensor) -> torch.Tensor:
+    """eps of distribution `noise_kind` for the lanes of a chunk planned with its block size."""
+    kind = "sign" if noise_kind == "rademacher" else "normal"
+    stream, per_block = noise.perturbation_stream(noise_kind), noise.elements_per_block(noise_kind)
+    return _run(kind, piece.table, stream, keys, piece.lanes // per_block)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The consumers: fill, perturb, update
+# ---------------------------------------------------------------------------------------------------
+
+
+def _stream_chunks(kind: str, key: Key, tensor_id: int, numel: int, offset: int, stream: int) -> torch.Tensor:
+    if offset < 0 or numel < 0 or offset + numel > 2**66:
+        raise ValueError(f"element range [{offset}, {offset + numel}) is outside [0, 2^66)")
+    first = offset - offset % 4  # start on a Philox block
+    total = offset + numel - first
+    out = torch.empty(numel, dtype=torch.float32 if kind == "normal" else torch.int64)
+    keys = round_keys(key)
+    for start in range(0, total, CHUNK):
+        n = min(CHUNK, total - start)
+        table = _table([(0, first + start, n, 0)], [tensor_id], 4)
+        if kind == "normal" and first == offset and n % 4 == 0:  # whole blocks, in place: no copy
+            _run(kind, table, stream, keys, n // 4, out[start : start + n])
+            continue
+        lanes = _run(kind, table, stream, keys, _blocks(n, 4))
+        # chunk element i is stream element first + start + i; out[j] is stream element offset + j
+        lo, hi = max(first + start, offset), first + start + n
+        values = lanes[lo - first - start : hi - first - start]
+        out[lo - offset : hi - offset] = values if kind == "normal" else values.to(torch.int64) & noise.MASK32
+    return out
+
+
+def normal(
+    key: Key, tensor_id: int, numel: int, *, offset: int = 0, stream: int = noise.STREAM_NOISE
+) -> torch.Tensor:
+    """fp32 normals eps[offset : offset + numel] of `tensor_id` under `key`: noise.normal, compiled."""
+    return _stream_chunks("normal", key, tensor_id, numel, offset, stream)
+
+
+def normals(key: Key, tensor_ids: Sequence[int], numels: Sequence[int], stream: int) -> list[torch.Tensor]:
+    """normal(key, tensor_ids[i], numels[i], stream=stream) for every i, in as few library calls as the
+    chunk plan packs them into (small tensors share a call): one call per tensor costs more than its noise."""
+    keys = round_keys(key)
+    out = [torch.empty(numel, dtype=torch.float32) for numel in numels]
+    for piece in plan(numels, tensor_ids):
+        lanes = _run("normal", piece.table, stream, keys, piece.lanes // 4)
+        for index, start, n, lane in piece.parts:
+            out[index][start : start + n] = lanes[lane : lane + n]
+    return out
+
+
+def words(
+    key: Key, tensor_id: int, numel: int, *, offset: int = 0, stream: int = noise.STREAM_NOISE
+) -> torch.Tensor:
+    """Raw uint32 words (as int64) of elements [offset, offset + numel): element e takes word e % 4."""
+    return _stream_chunks("words", key, tensor_id, numel, offset, stream)
+
+
+def uniform(
+    key: Key, tensor_id: int, numel: int, *, offset: int = 0, stream: int = noise.STREAM_ROUNDING
+) -> torch.Tensor:
+    """fp32 uniforms of elements [offset, offset + numel): exactly noise.uniform's."""
+    return noise._uniform(words(key, tensor_id, numel, offset=offset, stream=stream))
+
+
+@torch.no_grad()
+def perturb(
+    sources: Sequence[torch.Tensor],
+    destinations: Sequence[torch.Tensor],
+    tensor_ids: Sequence[int],
+    key: Key,
+    scale: float,
+    noise_kind: str = "gaussian",
+) -> None:
+    """dst = (float32(src) + scale * eps(key, tensor id)) rounded to the tensor's dtype.
+
+    All fp32: one library call over every tensor (the noise of a tile never leaves L1). Otherwise chunk
+    by chunk: the library's noise, then torch's rounding to the tensor's dtype.
+    """
+    keys = round_keys(key)
+    per_block = noise.elements_per_block(noise_kind)
+    if all(t.dtype == torch.float32 for t in sources):
+        library = _load()
+        table, io, n_blocks = _in_place_layout(sources, destinations, tensor_ids, per_block)
+        args = (noise.perturbation_stream(noise_kind), keys.data_ptr(), per_block, scale)
+
+        def call(lo: int, hi: int) -> None:
+            library.fastes_perturb_f32(table.data_ptr(), io.data_ptr(), len(table), lo, hi, *args)
+
+        _parallel(call, n_blocks)
+        return
+    for piece in plan([t.numel() for t in sources], tensor_ids, per_block):
+        eps = _noise_chunk(noise_kind, piece, keys)
+        for index, start, n, lane in piece.parts:
+            src = sources[index].view(-1)[start : start + n]
+            dst = destinations[index].view(-1)[start : start + n]
+            if src.dtype == torch.float32:
+                torch.add(src, eps[lane : lane + n], alpha=scale, out=dst)
+            else:
+                dst.copy_(torch.add(src.to(torch.float32), eps[lane : lane + n], alpha=scale))
+
+
+@torch.no_grad()
+def es_update(
+    params: Sequence[torch.Tensor],
+    tensor_ids: Sequence[int],
+    keys: Sequence[Key],
+    weights: Sequence[float],
+    *,
+    coef: float,
+    decay: float = 1.0,
+    rounding_key: Key | None = None,
+    grads: Sequence[torch.Tensor] | None = None,
+    noise_kind: str = "gaussian",
+) -> None:
+    """theta = theta * decay + coef * sum_j w_j eps_j (or grad = coef * sum).
+
+    The library regenerates every direction's noise per L1-sized tile and sums it in fp32 in direction
+    order. All fp32 (and no grads): one call over every tensor applies it in place, each weight read and
+    written once. Otherwise chunk by chunk: the library's sums, then torch's rounding (nearest or
+    stochastic) to the tensor's dtype, or the gradient.
+    """
+    schedules = torch.stack([round_keys(k) for k in keys])
+    weight_column = torch.tensor(list(weights), dtype=torch.float32)
+    rounding = None if rounding_key is None or grads is not None else round_keys(rounding_key)
+    per_block = noise.elements_per_block(noise_kind)
+    if grads is None and all(p.dtype == torch.float32 for p in params):
+        library = _load()
+        table, io, n_blocks = _in_place_layout(params, params, tensor_ids, per_block)
+        args = (
+            noise.perturbation_stream(noise_kind),
+            schedules.data_ptr(),
+            weight_column.data_ptr(),
+            len(weights),
+        )
+
+        def call(lo: int, hi: int) -> None:
+            library.fastes_update_f32(
+                table.data_ptr(), io.data_ptr(), len(table), lo, hi, *args, per_block, coef, decay
+            )
+
+        _parallel(call, n_blocks)
+        return
+    for piece in plan([p.numel() for p in params], tensor_ids, per_block):
+        total = _scratch("total", piece.lanes)
+        _run_sum(noise_kind, piece.table, schedules, weight_column, total, piece.lanes // per_block)
+        u = None
+        if rounding is not None and any(params[i].dtype != torch.float32 for i, *_ in piece.parts):
+            # The rounding stream has 4 elements per block; sign pieces' lanes are 128-aligned, so a
+            # 4-element table at the same lanes gives each element its uniform.
+            table = _table(piece.parts, tensor_ids, 4) if noise_kind == "rademacher" else piece.table
+            words = _run("words", table, noise.STREAM_ROUNDING, rounding, piece.lanes // 4)
+            u = noise._uniform(words.to(torch.int64) & noise.MASK32)
+        for index, start, n, lane in piece.parts:
+            param = params[index]
+            step = total[lane : lane + n].mul(coef)
+            if grads is not None:
+                grads[index].view(-1)[start : start + n] = step
+                continue
+            flat = param.view(-1)[start : start + n]
+            new = flat.to(torch.float32).mul(decay).add_(step)
+            if u is not None and param.dtype != torch.float32:
+                flat.copy_(noise.stochastic_round(new, param.dtype, u[lane : lane + n]))
+            else:
+                flat.copy_(new)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The low-rank population forward's rank-r term
+# ---------------------------------------------------------------------------------------------------
+
+_LOWRANK_MIN_FLOPS_PER_THREAD = 1 << 20  # below this, a thread costs more than it saves
+
+
+def lowrank_add(x: torch.Tensor, y: torch.Tensor, inputs: torch.Tensor, outputs: torch.Tensor) -> None:
+    """y[row] += sum_i (x[row] . inputs[m, i]) outputs[m, i] in place, m the row's member (rows grouped
+    by member, fp32, contiguous): x [rows, in], y [rows, out], inputs [members, r, in], outputs
+    [members, r, out]. See csrc/lowrank_cpu.c."""
+    library = _load()
+    members, rank, in_features = inputs.shape
+    rows, out_features = y.shape
+    pointers = (x.data_ptr(), y.data_ptr(), inputs.data_ptr(), outputs.data_ptr())
+    sizes = (rows // members, in_features, out_features, rank)
+
+    def call(lo: int, hi: int) -> None:
+        library.fastes_lowrank_add_f32(*pointers, *sizes, lo, hi)
+
+    per_row = 2 * rank * (in_features + out_features)
+    _parallel(call, rows, max(1, _LOWRANK_MIN_FLOPS_PER_THREAD // per_row))
+
+
+def lowrank_update(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, decay: float) -> None:
+    """w = w * decay + a @ b.T in place, one pass over w (fp32, contiguous): w [rows, cols], a [rows, K],
+    b [cols, K]. See csrc/lowrank_cpu.c."""
+    library = _load()
+    rows, cols = w.shape
+    a, bt = a.contiguous(), b.T.contiguous()
+    pointers = (w.data_ptr(), a.data_ptr(), bt.data_ptr())
+
+    def call(lo: int, hi: int) -> None:
+        library.fastes_lowrank_update_f32(*pointers, cols, a.shape[1], decay, lo, hi)
+
+    _parallel(call, rows, max(1, _LOWRANK_MIN_FLOPS_PER_THREAD // (2 * a.shape[1] * cols)))

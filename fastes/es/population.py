@@ -1,0 +1,254 @@
+"""Population-batched evaluation: every member of a generation in one forward / generate call.
+
+Inside `population_batched(es, model, mode)`, each projection (nn.Linear, or transformers' Conv1D with
+its [in, out] weight) whose weight ES evolves is swapped for a population layer, and the batch is read
+as `members` equal groups of rows: row r belongs to member r // (batch / members). `generate` with its
+KV cache works unchanged. Three modes:
+- "materialised": `PopulationLinear` holds all members' perturbed weights in one [members, out, in]
+  buffer (built by the perturb kernel) and applies them with a batched matmul. Any device.
+- "virtual": `VirtualLinear` runs the Triton kernel that regenerates each member's noise tile in
+  registers inside the matmul: no per-member weights exist, memory stays that of plain inference.
+- "lowrank" (for ES(noise_type="lowrank")): `LowRankLinear` adds sigma (x B_m) A_m^T / sqrt(r) to
+  x W^T; only the members' factors exist, (out + in) r numbers each.
+On exit the original modules are put back; the base weights are never written, so nothing needs restoring.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from fastes.engine import cpu_library, ops
+
+from .optimizer import ES, Member
+from .params import Projection, projections
+
+
+class _PopulationLayer(torch.nn.Module):
+    """What the population layers share: the projection they stand in for, `base`."""
+
+    base: torch.nn.Module
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The base projection's weight, for code around the layer that reads it (a PEFT LoRA layer casts
+        its input to lora_A.weight's dtype)."""
+        return self.base.weight
+
+
+class PopulationLinear(_PopulationLayer):
+    """A projection with one weight per member; input rows are grouped by member."""
+
+    def __init__(self, base: torch.nn.Module, weights: torch.Tensor, transposed: bool = False) -> None:
+        super().__init__()
+        self.base = base
+        self.weights = weights  # [members, out, in], or [members, in, out] for a Conv1D (transposed)
+        self.transposed = transposed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        members = self.weights.shape[0]
+        batch = x.shape[0]
+        if batch % members:
+            raise ValueError(
+                f"population-batched input must have a multiple of {members} rows (rows grouped "
+                f"by member), got {batch}"
+            )
+        grouped = x.reshape(members, -1, x.shape[-1])  # [members, rows * positions, in]
+        y = torch.bmm(grouped, self.weights if self.transposed else self.weights.transpose(1, 2))
+        if self.base.bias is not None:
+            y = y + self.base.bias
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+class VirtualLinear(_PopulationLayer):
+    """A linear layer whose members' weights W + scale_m * eps_m exist only inside the kernel."""
+
+    def __init__(
+        self,
+        base: torch.nn.Module,
+        tensor_id: int,
+        keys: torch.Tensor,
+        scales: torch.Tensor,
+        transposed: bool = False,
+        noise: str = "gaussian",
+    ) -> None:
+        super().__init__()
+        self.base = base
+        self.tensor_id = tensor_id
+        self.keys = keys  # int64 [members, 2]
+        self.scales = scales  # fp32 [members]: sign * sigma
+        self.noise = noise  # the distribution of eps: "gaussian" or "rademacher"
+        self.transposed = transposed  # Conv1D: the weight (and its noise) is laid out [in, out]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from fastes.engine.kernels import launch_virtual_linear
+
+        members = self.keys.shape[0]
+        weight = self.base.weight
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        if flat.shape[0] % members:
+            raise ValueError(
+                f"population-batched input must have a multiple of {members} rows (rows grouped "
+                f"by member), got {x.shape[0]}"
+            )
+        out_features = weight.shape[1 if self.transposed else 0]
+        y = torch.empty(flat.shape[0], out_features, dtype=weight.dtype, device=weight.device)
+        launch_virtual_linear(
+            flat.to(weight.dtype),
+            weight,
+            y,
+            self.keys,
+            self.scales,
+            self.tensor_id,
+            flat.shape[0] // members,
+            ops.triton_dtype(weight.dtype),
+            transposed=self.transposed,
+            noise=self.noise,
+        )
+        if self.base.bias is not None:
+            y = y + self.base.bias
+        return y.reshape(*x.shape[:-1], out_features)
+
+
+class LowRankLinear(_PopulationLayer):
+    """y_m = x_m W^T + scale_m / sqrt(r) * (x_m B_m) A_m^T: the members' rank-r noise is never formed.
+
+    The base projection runs once on all rows (the plain model's own GEMM); the rank-r term is then
+    added into its output in place: per row, a dot product with the member's input factor and an
+    outer-product add of its output factor. On CPU in fp32 that is one call of the compiled library
+    (fastes/engine/csrc/lowrank_cpu.c: one pass over x and y); elsewhere two torch ops per rank (a product-sum
+    and an addcmul, which beat a batched matmul with r columns). The output side is stored pre-scaled,
+    so nothing but the [rows, 1] products is allocated per call.
+
+    The factors follow the weight's own layout (eps = A B^T has the weight's shape): for a Conv1D weight
+    [in, out], A is the input side and B the output side, so the roles swap.
+    """
+
+    def __init__(
+        self,
+        base: torch.nn.Module,
+        factors: list[tuple[torch.Tensor, torch.Tensor]],
+        scales: list[float],
+        transposed: bool = False,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        self.base = base
+        rank = factors[0][0].shape[1]
+        weight = base.weight
+        a = torch.stack([a for a, _ in factors])  # [members, rows of the weight, r]
+        b = torch.stack([b for _, b in factors])  # [members, columns of the weight, r]
+        out_side, in_side = (b, a) if transposed else (a, b)
+        scale = torch.tensor(scales, dtype=torch.float32, device=a.device) / rank**0.5
+        self.inputs = in_side.transpose(1, 2).to(weight.dtype).contiguous()  # [members, r, in]
+        scaled = out_side.transpose(1, 2) * scale[:, None, None]
+        self.outputs = scaled.to(weight.dtype).contiguous()  # [members, r, out], scale_m / sqrt(r) folded in
+        self.compiled = weight.dtype == torch.float32 and ops.resolve_backend([weight], backend) == "cpu"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        members, rank, out_features = self.outputs.shape
+        if x.shape[0] % members:
+            raise ValueError(
+                f"population-batched input must have a multiple of {members} rows (rows grouped "
+                f"by member), got {x.shape[0]}"
+            )
+        flat = x.reshape(-1, x.shape[-1])  # member m's rows are the m-th of `members` equal blocks
+        y = self.base(flat)
+        if self.compiled and flat.dtype == torch.float32:
+            cpu_library.lowrank_add(flat.contiguous(), y, self.inputs, self.outputs)
+        else:
+            grouped, grouped_y = flat.reshape(members, -1, flat.shape[-1]), y.view(members, -1, out_features)
+            for i in range(rank):
+                projected = (grouped * self.inputs[:, i : i + 1]).sum(-1, keepdim=True)  # [members, rows, 1]
+                grouped_y.addcmul_(projected, self.outputs[:, i : i + 1])
+        return y.view(*x.shape[:-1], out_features)
+
+
+MODES = ("materialised", "virtual", "lowrank")
+
+
+def _population_layers(
+    es: ES, group: dict, members: list[Member], linears: list[Projection], mode: str
+) -> list[torch.nn.Module]:
+    """One population layer per evolved weight of `group`; `linears` are the weights' projections."""
+    if mode == "virtual":
+        if es.noise_type != "full":
+            raise ValueError("eval mode 'virtual' generates full-rank noise; use 'lowrank' or 'materialised'")
+        device = group["params"][0].device
+        if ops.resolve_backend(group["params"], es.backend) != "triton":
+            raise ValueError(
+                "eval mode 'virtual' runs a Triton kernel: it needs CUDA tensors (or TRITON_INTERPRET=1 "
+                "with backend='triton'); use 'materialised' on CPU"
+            )
+        keys = torch.tensor([m.key for m in members], dtype=torch.int64, device=device)
+        scales = torch.tensor([m.sign * group["sigma"] for m in members], dtype=torch.float32, device=device)
+        return [
+            VirtualLinear(linear.module, tid, keys, scales, linear.transposed, es.noise)
+            for linear, tid in zip(linears, group["ids"])
+        ]
+    if mode == "lowrank":
+        if es.noise_type != "lowrank":
+            raise ValueError("eval mode 'lowrank' needs ES(noise_type='lowrank')")
+        scales = [m.sign * group["sigma"] for m in members]
+        every = list(range(len(group["params"])))
+        by_key = {m.key: es.lowrank_factors(group, every, m.key) for m in members}  # antithetic pairs share
+        return [
+            LowRankLinear(
+                linear.module, [by_key[m.key][i] for m in members], scales, linear.transposed, es.backend
+            )
+            for i, linear in enumerate(linears)
+        ]
+    buffers = [torch.empty((len(members), *p.shape), dtype=p.dtype, device=p.device) for p in group["params"]]
+    for index, member in enumerate(members):
+        es.perturb_into(group, [b[index] for b in buffers], member)
+    return [
+        PopulationLinear(linear.module, buffer, linear.transposed) for linear, buffer in zip(linears, buffers)
+    ]
+
+
+def member_groups(es: ES, mode: str, materialise_bytes: float) -> list[list[Member]]:
+    """The members in evaluation groups: all at once, except in "materialised" mode, where a group's
+    perturbed weights (one copy of the evolved weights per member) stay within `materialise_bytes`."""
+    members = list(es.members())
+    if mode != "materialised":
+        return [members]
+    evolved = sum(p.numel() * p.element_size() for group in es.param_groups for p in group["params"])
+    size = max(1, int(materialise_bytes // max(evolved, 1)))
+    return [members[i : i + size] for i in range(0, len(members), size)]
+
+
+@contextmanager
+def population_batched(
+    es: ES, model: torch.nn.Module, mode: str = "materialised", members: list[Member] | None = None
+) -> Iterator[list[Member]]:
+    """Swap the evolved projection layers of `model` for population-batched ones; yields the members
+    (all of this process's, or the given group).
+
+    Feed the model `len(members) * b` rows, member i's rows being i * b ... (i + 1) * b - 1.
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown batched mode {mode!r}; choose one of {MODES}")
+    members = list(es.members()) if members is None else members
+    owners = projections(model)
+    swapped: list[tuple[torch.nn.Module, str, torch.nn.Module]] = []
+    try:
+        for group in es.param_groups:
+            for name, p in zip(group["names"], group["params"]):
+                if id(p) not in owners:
+                    raise ValueError(
+                        f"batched evaluation evolves projection weights (nn.Linear, Conv1D) only; {name!r} "
+                        "is not one (use eval_mode 'member' to evolve embeddings, norms or biases)"
+                    )
+            linears = [owners[id(p)] for p in group["params"]]
+            layers = _population_layers(es, group, members, linears, mode)
+            for linear, layer in zip(linears, layers):
+                parent_path, _, attribute = linear.path.rpartition(".")
+                parent = model.get_submodule(parent_path)
+                setattr(parent, attribute, layer)
+                swapped.append((parent, attribute, linear.module))
+        yield members
+    finally:
+        for parent, attribute, linear in swapped:
+            setattr(parent, attribute, linear)

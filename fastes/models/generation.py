@@ -1,0 +1,275 @@
+"""Batched text generation through Hugging Face `model.generate`, returning completions and token counts.
+
+Sampling is fastes' own (`RowSampler`), not transformers': every token is drawn from the softmax of the
+logits at the given temperature, cut by top-k, top-p and min-p when they are set, with the semantics and
+in the order of transformers' warpers, and nothing else (nothing a checkpoint's generation_config
+suggests). A repetition penalty, when set, is transformers' own processor on the raw logits, before
+the sampler and in greedy decoding alike. The draw for row r
+at step t is the inverse CDF at a Philox uniform of (seed, r, t), so a row's sample does not depend on
+which other rows share the batch: the same seed gives the same completions whether the prompts are
+generated in one call, in chunks, or spread over processes (`first_row`). Without a seed, one is drawn
+from torch's global RNG (which it advances).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    RepetitionPenaltyLogitsProcessor,
+)
+
+from fastes.engine import cpu_share, noise
+
+STREAM_SAMPLING = 4  # the Philox stream of sampling uniforms (0-3 are the ES noise streams)
+
+
+@dataclass
+class Generation:
+    """What one `generate` call produced, one row per (prompt, sample), grouped by prompt.
+
+    Row i * num_return_sequences + j is sample j of prompt i.
+    """
+
+    texts: list[str]  # decoded completions, without the prompt or special tokens
+    completion_ids: list[list[int]]  # generated token ids, up to and including EOS when it was reached
+    prompt_ids: list[list[int]]  # the unpadded prompt token ids of each row (for GRPO log-probs)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(ids) for ids in self.completion_ids]
+
+    @property
+    def num_tokens(self) -> int:
+        """Total number of generated tokens (for tokens/s)."""
+        return sum(self.lengths)
+
+
+@torch.inference_mode()
+def generate(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[str],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    num_return_sequences: int = 1,
+    first_row: int = 0,
+    top_k: int = 0,
+    min_p: float | None = None,
+    repetition_penalty: float = 1.0,
+) -> Generation:
+    """Complete every prompt: greedy when temperature == 0, else sampled at the temperature.
+
+    Sampling keeps the top_k most likely tokens (0: all), then the top_p nucleus, then the tokens at least
+    min_p times as likely as the most likely one (None or 0: all), as transformers' warpers do. Tokens
+    already in a row (prompt and completion) have their logits divided by repetition_penalty (multiplied
+    when negative) first, also when decoding greedily; 1 is off.
+
+    Each row stops at EOS (or after max_new_tokens). Prompts should already be formatted
+    (see fastes.models.loading.format_prompt). With `seed`, the result is deterministic. Row i of this call
+    (sample i % num_return_sequences of prompt i // num_return_sequences) samples as row first_row + i:
+    give each process its rows' global index and a shared seed to split one batch over processes.
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not repetition_penalty > 0:
+        raise ValueError(f"repetition_penalty must be > 0 (1: off), got {repetition_penalty}")
+    check_cuts(top_p, top_k, min_p)
+    sample = temperature > 0
+    if not sample and num_return_sequences > 1:
+        raise ValueError("greedy decoding gives identical samples; use temperature > 0 for several")
+
+    if not prompts:
+        return Generation(texts=[], completion_ids=[], prompt_ids=[])
+    cpu_share.share_cores()  # a registered fastes command takes its share of the cores (at most 1/s)
+
+    # A chat template already writes the special tokens it wants (e.g. <bos>), so don't add them twice.
+    add_special = not getattr(tokenizer, "chat_template", None)
+    enc = tokenizer(
+        prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=add_special
+    ).to(model.device)
+
+    # transformers fills every setting our config leaves unset from model.generation_config (a
+    # checkpoint's top_k, repetition_penalty, suppress_tokens, ...). So the model's is replaced by a bare
+    # one (its EOS ids only) for the call, decoding is greedy, and RowSampler does any sampling.
+    saved = model.generation_config
+    eos = eos_token_ids(model, tokenizer)
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=tokenizer.pad_token_id,
+        use_cache=True,
+    )
+    # Greedy decoding takes one sequence per row, so the samples of a prompt are rows of their own.
+    rows = {k: v.repeat_interleave(num_return_sequences, dim=0) for k, v in enc.items()}
+    processors = LogitsProcessorList()
+    if repetition_penalty != 1:
+        # transformers' processor, placed on the raw logits as transformers places it. The left padding
+        # is no token of the row: leaving it out keeps a row's completion independent of its batch.
+        padding = (rows["attention_mask"] == 0).sum(dim=1)
+        processors.append(
+            RepetitionPenaltyLogitsProcessor(float(repetition_penalty), prompt_ignore_length=padding)
+        )
+    if sample:
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, ()))
+        width = enc["input_ids"].shape[1]
+        processors.append(
+            RowSampler(seed, temperature, top_p, width, first_row, max_new_tokens, top_k=top_k, min_p=min_p)
+        )
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
+    try:
+        out = model.generate(**rows, generation_config=config, logits_processor=processors)
+    finally:
+        model.generation_config = saved
+
+    completion = out[:, enc["input_ids"].shape[1] :]
+    completion_ids = [_until_eos(row, eos) for row in completion.tolist()]
+    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+
+    prompt_ids = [
+        ids[mask.bool()].tolist() for ids, mask in zip(enc["input_ids"], enc["attention_mask"], strict=True)
+    ]
+    prompt_ids = [ids for ids in prompt_ids for _ in range(num_return_sequences)]
+    return Generation(texts=texts, completion_ids=completion_ids, prompt_ids=prompt_ids)
+
+
+def generate_in_chunks(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[str],
+    *,
+    rows_per_call: int,
+    num_return_sequences: int = 1,
+    first_row: int = 0,
+    **options: Any,
+) -> Generation:
+    """`generate` over any number of prompts in calls of at most `rows_per_call` rows (one prompt at
+    least): the same completions as one call, since every row samples as its index in the whole list."""
+    per_call = max(1, rows_per_call // num_return_sequences)
+    parts = [
+        generate(
+            model,
+            tokenizer,
+            prompts[start : start + per_call],
+            num_return_sequences=num_return_sequences,
+            first_row=first_row + start * num_return_sequences,
+            **options,
+        )
+        for start in range(0, len(prompts), per_call)
+    ]
+    return Generation(
+        texts=[text for part in parts for text in part.texts],
+        completion_ids=[ids for part in parts for ids in part.completion_ids],
+        prompt_ids=[ids for part in parts for ids in part.prompt_ids],
+    )
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The token ids that end a completion: the model's generation config's, else the tokenizer's."""
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+
+
+def check_cuts(top_p: float, top_k: int, min_p: float | None) -> None:
+    """Refuse sampling cuts outside their ranges (ValueError naming the argument)."""
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k must be an integer >= 0 (0: off), got {top_k!r}")
+    if min_p is not None and not 0 <= min_p <= 1:
+        raise ValueError(f"min_p must be in [0, 1] (0 or None: off), got {min_p}")
+
+
+class RowSampler(LogitsProcessor):
+    """Draws each row's next token from softmax(logits / temperature), cut as transformers' warpers cut it:
+    top-k (0: off), then the top-p nucleus (1: off), then min-p (None or 0: off).
+
+    It returns logits that are 0 at the drawn token and -inf elsewhere, so greedy decoding picks it.
+    The uniform of row r at step t is Philox (key = seed, counter = (t, r, STREAM_SAMPLING)).
+    """
+
+    def __init__(
+        self,
+        seed: int,
+        temperature: float,
+        top_p: float,
+        prompt_width: int,
+        first_row: int,
+        steps: int,
+        *,
+        top_k: int = 0,
+        min_p: float | None = None,
+    ) -> None:
+        check_cuts(top_p, top_k, min_p)
+        self.key = (seed & noise.MASK32, (seed >> 32) & noise.MASK32)
+        self.temperature = temperature
+        self.top_p = top_p
+        self.top_k = top_k
+        self.min_p = 0.0 if min_p is None else min_p
+        self.prompt_width = prompt_width
+        self.first_row = first_row
+        self.steps = steps
+        self._uniforms: torch.Tensor | None = None
+
+    def uniforms(self, rows: int, device: torch.device) -> torch.Tensor:
+        """[rows, steps] fp32 uniforms in (0, 1): row r's draws for every step."""
+        if self._uniforms is None or self._uniforms.shape[0] != rows:
+            # noise.uniform(key, first_row + r, steps) for every row r, in one call: block b of row r
+            # has counter (b, 0, first_row + r).
+            blocks = (self.steps + 3) // 4
+            c0 = torch.arange(blocks, dtype=torch.int64).repeat(rows)
+            row_ids = (self.first_row + torch.arange(rows, dtype=torch.int64)).repeat_interleave(blocks)
+            words = noise.uniform_from_counters(self.key, c0, torch.zeros_like(c0), row_ids, STREAM_SAMPLING)
+            self._uniforms = words.view(rows, 4 * blocks)[:, : self.steps].to(device)
+        return self._uniforms
+
+    def probabilities(self, scores: torch.Tensor) -> torch.Tensor:
+        """The distribution sampled from: softmax at the temperature, cut to the top k, to the nucleus and
+        by min-p (in transformers' order: each cut sees the distribution the previous one renormalised)."""
+        logits = scores.float() / self.temperature
+        if self.top_k > 0:
+            # The k largest logits, and any tied with the k-th (as TopKLogitsWarper keeps them).
+            kth = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if self.top_p < 1:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of the more likely tokens
+            keep = before < self.top_p  # the smallest set whose mass reaches top_p (at least one token)
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs * keep)
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+        if self.min_p > 0:
+            # A threshold relative to the most likely token, which is always kept.
+            floor = self.min_p * probs.amax(dim=-1, keepdim=True)
+            probs = probs.masked_fill(probs < floor, 0.0)
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+        return probs
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        step = input_ids.shape[1] - self.prompt_width
+        u = self.uniforms(scores.shape[0], scores.device)[:, step]
+        cdf = self.probabilities(scores).cumsum(dim=-1)
+        drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp(max=scores.shape[-1] - 1)
+        return torch.full_like(scores, float("-inf")).scatter(-1, drawn, 0.0)
+
+
+def _until_eos(ids: list[int], eos_ids: list[int]) -> list[int]:
+    """Cut a generated row after its first EOS (what follows is padding)."""
+    for i, tok in enumerate(ids):
+        if tok in eos_ids:
+            return ids[: i + 1]
+    return ids
