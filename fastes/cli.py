@@ -22,9 +22,9 @@ from typing import Any
 from . import distributed
 from .distributed import CollectiveError
 from .engine import cpu_share
-from .errors import FastesError
+from .errors import ConfigError, FastesError
 from .run import pretrain
-from .run.config import PROMPT_SETTINGS, ConfigError, TrainConfig, flag_help, flag_specs, load_config
+from .run.config import PROMPT_SETTINGS, TrainConfig, flag_help, flag_specs, load_config
 from .version import __version__
 
 DEMO_EVAL_SIZE = 500  # test problems the demo reports on

@@ -14,8 +14,8 @@ class FastesError(Exception):
 
 
 class ConfigError(FastesError, ValueError):
-    """A configuration value is missing, unknown, of the wrong type or out of range (fastes.run.config, and
-    fastes.models.adapters, which fastes.run.config's imports lead back to, raise it)."""
+    """A configuration value is missing, unknown, of the wrong type or out of range: raised by the run's
+    config (fastes.run.config), the trainers' configs and every other check of a setting, on any floor."""
 
 
 class MissingFileError(FastesError, FileNotFoundError):

@@ -3,7 +3,8 @@
 import pytest
 
 from fastes.cli import main
-from fastes.run.config import ConfigError, load_config
+from fastes.errors import ConfigError
+from fastes.run.config import load_config
 
 
 def test_defaults_are_valid_and_overrides_apply(tmp_path):
@@ -62,7 +63,7 @@ def test_every_key_has_its_help_next_to_it(capsys):
     import fastes.run.config as config
 
     assert not hasattr(config, "HELP")
-    for section in (config.TrainConfig, config.ESConfig, config.GRPOConfig):
+    for section in (config.TrainConfig, config.ESSettings, config.GRPOSettings):
         for f in dataclasses.fields(section):
             if not dataclasses.is_dataclass(f.default_factory):  # [es] and [grpo] are sections
                 assert f.metadata.get("help", "").strip(), f"{section.__name__}.{f.name} has no help"

@@ -13,8 +13,8 @@ import pytest
 
 from fastes.analysis.passk import pass_at_k
 from fastes.cli import main
+from fastes.errors import ConfigError
 from fastes.experiment import headline, other_seeds
-from fastes.run.config import ConfigError
 
 STUDY = Path(__file__).resolve().parents[1] / "docs" / "experiment" / "smollm2"
 

@@ -389,7 +389,8 @@ def test_bad_cuts(model_and_tok, settings, message):
 
 @pytest.mark.parametrize("section", ["es", "grpo"])
 def test_config_keys(section):
-    from fastes.run.config import ConfigError, load_config
+    from fastes.errors import ConfigError
+    from fastes.run.config import load_config
 
     cfg = load_config(
         None, {f"{section}.top_k": 5, f"{section}.min_p": 0.1, f"{section}.repetition_penalty": 1.2}

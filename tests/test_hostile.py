@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 import fastes
+import fastes.errors
 import fastes.run.config
 import fastes.run.rundir
 import fastes.run.train
@@ -158,18 +159,18 @@ def test_an_adamw_step_that_overflows_is_undone():
 
 TRAINER_ABSURD = [
     # What the config can tell is refused when the trainer is built...
-    (ESConfig, {"learning_rate": 1e300}, fastes.run.config.ConfigError, "^learning_rate: 1e.300 divided by"),
+    (ESConfig, {"learning_rate": 1e300}, fastes.errors.ConfigError, "^learning_rate: 1e.300 divided by"),
     (
         ESConfig,
         {"learning_rate": 1e-3, "weight_decay": 1e300},
-        fastes.run.config.ConfigError,
+        fastes.errors.ConfigError,
         "^weight_decay: ",
     ),
-    (GRPOConfig, {"learning_rate": 1e300}, fastes.run.config.ConfigError, "^learning_rate: 1e.300 .times 10"),
+    (GRPOConfig, {"learning_rate": 1e300}, fastes.errors.ConfigError, "^learning_rate: 1e.300 .times 10"),
     (
         GRPOConfig,
         {"learning_rate": 1e-3, "weight_decay": 1e300},
-        fastes.run.config.ConfigError,
+        fastes.errors.ConfigError,
         "^learning_rate",
     ),
     # ... what depends on the weights, by the step that would write them.
@@ -239,11 +240,11 @@ def test_the_cli_names_its_own_flag(tmp_path, capsys):
     ],
 )
 def test_every_field_is_type_checked_at_construction_and_before_training(field, value, message, tmp_path):
-    with pytest.raises(fastes.run.config.ConfigError, match=message):
+    with pytest.raises(fastes.errors.ConfigError, match=message):
         small(tmp_path, **{field: value})
     args = small(tmp_path)
     setattr(args, field, value)  # set after construction: caught before any work
-    with pytest.raises(fastes.run.config.ConfigError, match=message):
+    with pytest.raises(fastes.errors.ConfigError, match=message):
         ESTrainer(MODEL, CORRECT, args=args, train_dataset=ROWS)
     assert not (tmp_path / "run").exists()
 
@@ -253,9 +254,9 @@ def test_a_finished_run_survives_an_overwrite_flag_that_is_not_a_bool(tmp_path):
     before = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()}
     trainer = ESTrainer(MODEL, CORRECT, args=small(tmp_path, max_steps=1), train_dataset=ROWS)
     trainer.args.overwrite_output_dir = "no"
-    with pytest.raises(fastes.run.config.ConfigError, match="overwrite_output_dir: must be True or False"):
+    with pytest.raises(fastes.errors.ConfigError, match="overwrite_output_dir: must be True or False"):
         trainer.train()
-    with pytest.raises(fastes.run.config.ConfigError, match="overwrite: must be True or False"):
+    with pytest.raises(fastes.errors.ConfigError, match="overwrite: must be True or False"):
         fastes.run.train.train(trainer.config, overwrite="no")
     assert {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()} == before
 
@@ -280,7 +281,7 @@ def test_save_model_never_overwrites_the_run_its_checkpoints_or_the_starting_mod
         (tmp_path / "run" / "metrics.jsonl" / "x", "cannot write .*NotADirectoryError|cannot write"),
     ]
     for target, message in refused:
-        with pytest.raises(fastes.run.config.ConfigError, match=f"save_model: .*{message}"):
+        with pytest.raises(fastes.errors.ConfigError, match=f"save_model: .*{message}"):
             trainer.save_model(str(target))
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
     assert trainer.save_model(str(tmp_path / "copy")) == tmp_path / "copy"
@@ -288,7 +289,7 @@ def test_save_model_never_overwrites_the_run_its_checkpoints_or_the_starting_mod
 
 def test_out_dirs_that_cannot_hold_a_run_are_refused_before_any_work(tmp_path, monkeypatch):
     (tmp_path / "afile").write_text("keep")
-    with pytest.raises(fastes.run.config.ConfigError, match="would be under .*afile', which is a file"):
+    with pytest.raises(fastes.errors.ConfigError, match="would be under .*afile', which is a file"):
         ESTrainer(
             MODEL, CORRECT, args=ESConfig(output_dir=str(tmp_path / "afile" / "run")), train_dataset=ROWS
         )
@@ -513,7 +514,7 @@ def test_transformers_callbacks_get_args_state_and_control(tmp_path, capsys):
     ids=["class", "not a list", "no hooks", "a string"],
 )
 def test_anything_else_is_refused_at_construction(callbacks, message, tmp_path):
-    with pytest.raises(fastes.run.config.ConfigError, match=f"callbacks: .*{message}"):
+    with pytest.raises(fastes.errors.ConfigError, match=f"callbacks: .*{message}"):
         ESTrainer(MODEL, CORRECT, args=small(tmp_path), train_dataset=ROWS, callbacks=callbacks())
     assert not (tmp_path / "run").exists()
 
@@ -544,7 +545,7 @@ def test_anything_else_is_refused_at_construction(callbacks, message, tmp_path):
 )
 def test_a_step_that_cannot_fit_fails_at_once_with_its_estimate(config, options, message, tmp_path):
     trainer = {ESConfig: ESTrainer, GRPOConfig: GRPOTrainer}[config]
-    with pytest.raises(fastes.run.config.ConfigError, match=message):
+    with pytest.raises(fastes.errors.ConfigError, match=message):
         trainer(MODEL, CORRECT, args=small(tmp_path, config, **options), train_dataset=ROWS).train()
     assert not (tmp_path / "run").exists()
 
@@ -558,7 +559,7 @@ def test_a_step_that_cannot_finish_in_a_day_is_refused(monkeypatch):
     cfg = TrainConfig(max_new_tokens=12)
     size_checks.check_sizes(cfg, model, ("es", "grpo"), train_rows=100)  # the defaults fit
     monkeypatch.setattr(size_checks, "PEAK_FLOPS", {"cpu": 1.0, "cuda": 1.0})
-    with pytest.raises(fastes.run.config.ConfigError, match=r"generating them takes at least [\d,]+ hours"):
+    with pytest.raises(fastes.errors.ConfigError, match=r"generating them takes at least [\d,]+ hours"):
         size_checks.check_sizes(cfg, model, ("es",), train_rows=100)
 
 

@@ -16,7 +16,7 @@ from transformers import LlamaForCausalLM
 import fastes
 from fastes import ESConfig, ESTrainer, GRPOConfig, GRPOTrainer
 from fastes.checkpoint import latest_checkpoint
-from fastes.errors import MissingPackageError
+from fastes.errors import ConfigError, MissingPackageError
 from fastes.es.population import population_batched
 from fastes.models import adapters
 from fastes.models.loading import (
@@ -27,7 +27,6 @@ from fastes.models.loading import (
     load_model,
     tiny_model_path,
 )
-from fastes.run.config import ConfigError
 from fastes.run.rundir import RunDirError
 from fastes.tasks import task_dataset
 

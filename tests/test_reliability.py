@@ -26,9 +26,10 @@ from conftest import is_timing
 
 import fastes
 from fastes.checkpoint import latest_checkpoint, save_checkpoint
+from fastes.errors import ConfigError
 from fastes.es.population import PopulationLinear, population_batched
 from fastes.models.loading import build_tiny_model, build_tokenizer, load_model, save_model, tiny_model_path
-from fastes.run.config import ConfigError, load_config
+from fastes.run.config import load_config
 from fastes.tasks import JsonlTaskError, get_task
 
 # Forked children inherit the imported modules: a run starts in milliseconds instead of the ~10 s that

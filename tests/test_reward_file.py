@@ -10,7 +10,8 @@ import time
 import pytest
 
 from fastes import cli
-from fastes.run.config import ConfigError, load_config
+from fastes.errors import ConfigError
+from fastes.run.config import load_config
 from fastes.run.train import train
 from fastes.tasks import RewardFunctionError, get_task
 

@@ -24,9 +24,9 @@ from safetensors.torch import load_file, save_file
 import fastes
 from fastes.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from fastes.cli import build_parser, main
-from fastes.errors import FastesError, MissingFileError
+from fastes.errors import ConfigError, FastesError, MissingFileError
 from fastes.models.loading import ModelError, load_model, tiny_model_path
-from fastes.run.config import ConfigError, config_dict, flag_specs, load_config
+from fastes.run.config import config_dict, flag_specs, load_config
 from fastes.run.es_loop import make_es
 from fastes.run.rundir import RunDirError, config_changes
 from fastes.run.train import train

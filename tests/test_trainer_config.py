@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from fastes import ESConfig, GRPOConfig
-from fastes.run.config import ConfigError
+from fastes.errors import ConfigError
 from fastes.trainer.configs import OUTCOMES, fields_table
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "trainer.md"

@@ -41,7 +41,7 @@ _GROUP_DEFAULT_KEYS = ("sigma", "lr", "weight_decay")
 # these, `replay` rebuilds the ES as ES(params, **options), and `load_state_dict` takes them from the state
 # (sigma, lr and weight_decay are the defaults; each param group records its own). The other arguments
 # (inner_optimizer, nonfinite, backend, checksum_every, timeout) are how this process runs it. A new option
-# of the run is added to __init__ and here (and, when the config sets it, as an ESConfig field marked
+# of the run is added to __init__ and here (and, when the config sets it, as an ESSettings field marked
 # "es": fastes.run.config.es_kwargs).
 RUN_OPTIONS = (
     *_GROUP_DEFAULT_KEYS,

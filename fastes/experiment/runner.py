@@ -19,10 +19,11 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from fastes.errors import ConfigError
 from fastes.models.loading import num_params, tiny_model_path
 from fastes.models.sources import resolve_model
 from fastes.run.auto_settings import SMALL_MODEL_PARAMS
-from fastes.run.config import MAX_SEED, PROMPT_SETTINGS, ConfigError
+from fastes.run.config import MAX_SEED, PROMPT_SETTINGS
 
 from .arms import Context, make_context, population_sweep, train_arm, training_curves
 from .budget import (

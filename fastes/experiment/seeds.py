@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from fastes.analysis.passk import pass_at_k
-from fastes.run.config import ConfigError
+from fastes.errors import ConfigError
 
 from .findings import paired_standard_error
 

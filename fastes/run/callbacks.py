@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError
+from fastes.errors import ConfigError
 
 HOOKS = ("on_train_begin", "on_step_end", "on_evaluate", "on_save", "on_train_end")
 TENSORBOARD_DIR = "tensorboard"  # under the run directory

@@ -49,7 +49,7 @@ MAX_SEED = 2**32  # seeds are in [0, 2^32): ES takes up to 2^64, GRPO samples wi
 
 
 @dataclass
-class ESConfig:
+class ESSettings:
     iterations: int = field(default=60, metadata={"help": "ES iterations (may be raised when resuming)"})
     population: int = field(
         default=32,
@@ -157,7 +157,7 @@ class ESConfig:
 
 
 @dataclass
-class GRPOConfig:
+class GRPOSettings:
     steps: int = field(default=40, metadata={"help": "GRPO steps (may be raised when resuming)"})
     num_generations: int = field(default=8, metadata={"help": "completions sampled per prompt (the group)"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature"})
@@ -410,8 +410,8 @@ class TrainConfig:
             "help": "TensorBoard gets the metrics of every this many steps (metrics.jsonl: every step)"
         },
     )
-    es: ESConfig = field(default_factory=ESConfig)
-    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    es: ESSettings = field(default_factory=ESSettings)
+    grpo: GRPOSettings = field(default_factory=GRPOSettings)
 
 
 def _check_type(key: str, value: Any, expected: type) -> Any:
@@ -623,7 +623,7 @@ def _check_reward(cfg: TrainConfig) -> None:
         raise ConfigError(f"reward: {error}") from None
 
 
-def _check_evolve(es: ESConfig) -> None:
+def _check_evolve(es: ESSettings) -> None:
     import re
 
     try:
@@ -757,7 +757,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
-def _check_es(es: ESConfig) -> None:
+def _check_es(es: ESSettings) -> None:
     _require(es.iterations >= 0, "es.iterations", f"must be >= 0, got {es.iterations}")
     _require(es.population >= 2, "es.population", f"must be at least 2, got {es.population}")
     _require(
@@ -831,7 +831,7 @@ def _check_es(es: ESConfig) -> None:
     _check_evolve(es)
 
 
-def _check_grpo(g: GRPOConfig) -> None:
+def _check_grpo(g: GRPOSettings) -> None:
     _require(g.steps >= 0, "grpo.steps", f"must be >= 0, got {g.steps}")
     _require(g.num_generations >= 2, "grpo.num_generations", f"must be at least 2, got {g.num_generations}")
     _require(g.temperature > 0, "grpo.temperature", f"GRPO samples, so it must be > 0, got {g.temperature}")
@@ -1029,7 +1029,7 @@ def es_kwargs(cfg: TrainConfig) -> dict[str, Any]:
 def es_key(kwarg: str) -> str:
     """The run config key that sets fastes.ES's keyword argument `kwarg` ("sigma" -> "es.sigma"), for
     messages in the run's terms; `kwarg` itself when no key sets it."""
-    for prefix, section in (("", TrainConfig), ("es.", ESConfig)):
+    for prefix, section in (("", TrainConfig), ("es.", ESSettings)):
         for f in dataclasses.fields(section):
             if f.metadata.get("es_kwarg") == kwarg:
                 return prefix + f.name

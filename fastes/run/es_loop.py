@@ -22,13 +22,13 @@ from fastes.es.params import linear_weights
 from fastes.es.population import member_groups, population_batched
 from fastes.models.generation import Generation, generate
 
-from .config import ESConfig, es_kwargs
+from .config import ESSettings, es_kwargs
 from .shared import Run, batch_for, reward_parts
 
 ES_SAMPLING_SEED = 7_919  # keeps ES's sampling streams apart from GRPO's at the same run seed and step
 
 
-def evolved_weights(model: torch.nn.Module, c: ESConfig) -> list[tuple[str, torch.nn.Parameter]]:
+def evolved_weights(model: torch.nn.Module, c: ESSettings) -> list[tuple[str, torch.nn.Parameter]]:
     """The (name, tensor) pairs the config asks ES to evolve (es.evolve, es.include_*)."""
     return linear_weights(
         model,

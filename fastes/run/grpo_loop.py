@@ -9,7 +9,7 @@
 4. grpo_record: the metrics TRL logs, for metrics.jsonl.
 
 A GRPO step is one generation: batch_size prompts, num_generations completions each, and the
-optimizer steps taken on them (GRPOConfig.optimizer_steps(): one by default).
+optimizer steps taken on them (GRPOSettings.optimizer_steps(): one by default).
 
 grpo_step runs them in that order. Under torchrun each process takes an equal slice of the prompts;
 rewards are gathered, so advantages and metrics are the whole batch's, each loss is divided by the whole
@@ -29,12 +29,13 @@ import torch
 
 from fastes import distributed
 from fastes.analysis.entropy import token_entropies, token_entropy
+from fastes.errors import ConfigError
 from fastes.es.optimizer import checked_step
 from fastes.models.generation import Generation, eos_token_ids, generate
 from fastes.tasks import Example, Score
 from fastes.tasks.dataset import DatasetTask
 
-from .config import ConfigError, GRPOConfig
+from .config import GRPOSettings
 from .shared import Run, batch_for, reward_parts
 
 
@@ -483,7 +484,7 @@ def gather_values(values: torch.Tensor, where: str) -> torch.Tensor:
     return torch.cat([gathered[i, : counts[i]] for i in range(world)]).to(values)
 
 
-def learning_rates(g: GRPOConfig, total_steps: int):
+def learning_rates(g: GRPOSettings, total_steps: int):
     """The learning rate of optimizer step n (from 0) as transformers' get_scheduler gives it over
     `total_steps` steps, with warmup_steps (a count >= 1, or a fraction of total_steps)."""
     from transformers import get_scheduler

@@ -22,9 +22,10 @@ import os
 import torch
 
 from fastes import distributed
+from fastes.errors import ConfigError
 
 from .auto_settings import available_memory, row_bytes
-from .config import ConfigError, TrainConfig
+from .config import TrainConfig
 
 HOST_BYTES_PER_COMPLETION = 400  # its text, Score and list entries
 HOST_BYTES_PER_TOKEN = 40  # a token id in a Python list, and its characters

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from fastes import distributed
 from fastes.checkpoint import latest_checkpoint, save_checkpoint, write_atomic
-from fastes.errors import FastesError, NonFiniteUpdateError
+from fastes.errors import ConfigError, FastesError, NonFiniteUpdateError
 from fastes.es.optimizer import ES, CollectiveError
 from fastes.models import adapters
 from fastes.models.loading import ModelError, is_character_tokenizer, load_model, save_model
@@ -38,7 +38,7 @@ from fastes.tasks.base import DEFAULT_TEST_PROBLEMS
 
 from . import auto_settings, rundir
 from .callbacks import TENSORBOARD_DIR, Callbacks, TensorBoardCallback
-from .config import ConfigError, ESConfig, TrainConfig, dataset_task, es_key
+from .config import ESSettings, TrainConfig, dataset_task, es_key
 from .es_loop import PartTimer, es_iteration, evolved_weights, make_es
 from .evaluation import Evaluator, rates
 from .grpo_loop import grpo_step, make_grpo_optimizer
@@ -179,7 +179,7 @@ def check_task(task: Task, cfg: TrainConfig) -> None:
             raise ConfigError(f"task: {cfg.task!r} has no {split} problems; add some, or choose another task")
 
 
-def _check_evolvable(model: torch.nn.Module, model_dir: Path, es: ESConfig) -> None:
+def _check_evolvable(model: torch.nn.Module, model_dir: Path, es: ESSettings) -> None:
     adapters.check_es(model, es.eval_mode)
     try:
         evolved_weights(model, es)

@@ -14,8 +14,8 @@ when TRL is installed):
 
 ESConfig keeps fastes' ES defaults for what ES means by a TRL name (learning_rate is alpha of the ES
 step, per_device_train_batch_size counts prompts); GRPO-only fields are refused there when set.
-fastes.run.config.ESConfig and fastes.run.config.GRPOConfig are the [es] and [grpo] sections of a TrainConfig
-(the TOML file of `fastes train`), which these map onto.
+fastes.run.config.ESSettings and fastes.run.config.GRPOSettings are the [es] and [grpo] sections of a
+TrainConfig (the TOML file of `fastes train`), which these map onto.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from fastes.run.config import REPORT_TO, ConfigError, TrainConfig
+from fastes.errors import ConfigError
+from fastes.run.config import REPORT_TO, TrainConfig
 
 _ITS_DEFAULT = object()
 OUTCOMES = ("honoured", "choices", "inert", "refused")

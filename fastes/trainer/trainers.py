@@ -13,7 +13,8 @@
 One implementation, two faces: the config is mapped onto a TrainConfig (fastes.run.config) and training is
 fastes.run.train.train, the loop of `fastes train`, so the run directory, checkpoints, exact resume and the
 one-line errors are the command's. The ESConfig and GRPOConfig here are the public, TRL-named configs;
-fastes.run.config.ESConfig and fastes.run.config.GRPOConfig are the [es] and [grpo] sections of a TrainConfig.
+fastes.run.config.ESSettings and fastes.run.config.GRPOSettings are the [es] and [grpo] sections of a
+TrainConfig.
 """
 
 from __future__ import annotations
@@ -32,13 +33,13 @@ from transformers.trainer_utils import TrainOutput
 
 from fastes import distributed
 from fastes.analysis.passk import pass_at_k_curve
-from fastes.errors import NonFiniteUpdateError
+from fastes.errors import ConfigError, NonFiniteUpdateError
 from fastes.models import adapters
 from fastes.models.loading import load_model, save_model
 from fastes.models.sources import resolve_model
 from fastes.run import auto_settings, grpo_loop
 from fastes.run.callbacks import Callbacks
-from fastes.run.config import ConfigError, TrainConfig, load_config
+from fastes.run.config import TrainConfig, load_config
 from fastes.run.evaluation import Evaluator
 from fastes.run.rundir import RUN_FILE
 from fastes.run.shared import Run
