@@ -1,4 +1,5 @@
-"""The engine: the noise contract and the backends that honour it, the bottom floor of fastes.
+"""The engine: the noise contract and the backends that honour it, the floor right above the base modules
+(errors, version, distributed, checkpoint).
 
 `noise` defines the contract (Philox keys and streams: which noise a member, a tensor and an element get),
 `ops` holds the torch reference of perturb / update and dispatches to a backend, `cpu_library` builds
