@@ -61,18 +61,26 @@ def test_headline_is_the_paired_difference_of_each_seed_and_their_mean(report_di
     runs = [_load(report_dir / "metrics.json"), _load(report_dir / "seed1" / "metrics.json")]
     found = headline(runs)
     assert [row["seed"] for row in found["seeds"]] == [0, 1]
+    assert list(found["mean"]) == ["greedy", "Pass@1", "Pass@32"]
     for run, row in zip(runs, found["seeds"]):
-        es, grpo = (np.asarray(run["models"][m]["greedy_correct"], float) for m in ("es", "grpo"))
-        value, se = row["greedy_es_minus_grpo"]
+        models = run["models"]
+        es, grpo = (np.asarray(models[m]["greedy_correct"], float) for m in ("es", "grpo"))
+        value, se = row["measures"]["greedy"]["es_minus_grpo"]
         assert value == pytest.approx((es - grpo).mean())
         assert se == pytest.approx((es - grpo).std(ddof=1) / np.sqrt(len(es)))
-        covered = {m: np.asarray(run["models"][m]["correct_counts"]) > 0 for m in ("es", "grpo")}
-        assert row["pass_at_n_es_minus_grpo"][0] == pytest.approx(
-            (covered["es"] * 1.0 - covered["grpo"]).mean()
+        # Pass@1 at T=1 is the share of correct samples; Pass@32 of 32 samples: any correct sample.
+        counts = {m: np.asarray(models[m]["correct_counts"]) for m in ("es", "grpo")}
+        assert row["measures"]["Pass@1"]["es_minus_grpo"][0] == pytest.approx(
+            ((counts["es"] - counts["grpo"]) / 32).mean()
         )
-        assert row["pass_at_n"]["es"] == pytest.approx(run["models"]["es"]["pass_at_k"]["32"])
-    (a, sa), (b, sb) = (row["greedy_es_minus_grpo"] for row in found["seeds"])
-    mean, mean_se = found["mean"]["greedy_es_minus_grpo"]
+        covered = {m: (c > 0) * 1.0 for m, c in counts.items()}
+        assert row["measures"]["Pass@32"]["es_minus_grpo"][0] == pytest.approx(
+            (covered["es"] - covered["grpo"]).mean()
+        )
+        for name, k in (("Pass@1", "1"), ("Pass@32", "32")):
+            assert row["measures"][name]["es"] == pytest.approx(models["es"]["pass_at_k"][k])
+    (a, sa), (b, sb) = (row["measures"]["greedy"]["es_minus_grpo"] for row in found["seeds"])
+    mean, mean_se = found["mean"]["greedy"]
     assert mean == pytest.approx((a + b) / 2) and mean_se == pytest.approx(np.hypot(sa, sb) / 2)
 
 
@@ -82,7 +90,9 @@ def test_report_only_writes_the_seed_table_into_the_report(report_dir, capsys):
     assert "## ES vs GRPO over seeds" in report and "on 2 training seeds" in report
     assert "[1](seed1/metrics.json)" in report and "0 (this run)" in report
     seed1 = _load(report_dir / "seed1" / "metrics.json")["models"]
+    assert f"| greedy | [1](seed1/metrics.json) | {seed1['base']['greedy_accuracy']:.3f} | " in report
     assert f"| {seed1['es']['greedy_accuracy']:.3f} | {seed1['grpo']['greedy_accuracy']:.3f} |" in report
+    assert "| Pass@32 | **mean** |" in report and "Over the seeds" in report
     assert "2 seeds for ES vs GRPO (above); every other figure is from seed 0 alone." in report
 
 

@@ -358,65 +358,46 @@ def _plots(metrics: dict[str, Any]) -> list[str]:
 
 
 def _over_seeds(metrics: dict[str, Any], others: dict[str, dict[str, Any]]) -> list[str]:
-    """ES vs GRPO at greedy Pass@1 and Pass@n, seed by seed (this run and the seed folders beside it)."""
+    """ES vs GRPO at greedy accuracy, Pass@1 and Pass@n, seed by seed (this run and the seed folders
+    beside it), and over seeds."""
     if not others:
         return []
     found = headline([metrics, *others.values()])
-    n, p = found["n"], metrics["preset"]
+    p = metrics["preset"]
     folders = {run["preset"]["seed"]: name for name, run in others.items()}
 
     def diff(value: tuple[float, float]) -> str:
         return f"{value[0]:+.3f} +- {value[1]:.3f}"
 
     rows = []
-    for row in found["seeds"]:
-        where = (
-            f"[{row['seed']}]({folders[row['seed']]}/metrics.json)"
-            if row["seed"] in folders
-            else (f"{row['seed']} (this run)")
-        )
-        greedy, covered = row["greedy"], row["pass_at_n"]
-        rows.append(
-            [where]
-            + [f"{greedy[m]:.3f}" for m in ("base", "es", "grpo")]
-            + [diff(row["greedy_es_minus_grpo"])]
-            + [f"{covered[m]:.3f}" for m in ("base", "es", "grpo")]
-            + [diff(row["pass_at_n_es_minus_grpo"])]
-        )
-    mean = found["mean"]
-    rows.append(
-        [
-            "**mean**",
-            "",
-            "",
-            "",
-            diff(mean["greedy_es_minus_grpo"]),
-            "",
-            "",
-            "",
-            diff(mean["pass_at_n_es_minus_grpo"]),
-        ]
-    )
-    header = ["seed", "greedy base", "ES", "GRPO", "ES - GRPO"] + [
-        f"Pass@{n} base",
-        "ES",
-        "GRPO",
-        "ES - GRPO",
-    ]
+    for name in found["mean"]:
+        for row in found["seeds"]:
+            seed = row["seed"]
+            where = f"[{seed}]({folders[seed]}/metrics.json)" if seed in folders else f"{seed} (this run)"
+            values = row["measures"][name]
+            rows.append(
+                [
+                    name,
+                    where,
+                    *(f"{values[m]:.3f}" for m in ("base", "es", "grpo")),
+                    diff(values["es_minus_grpo"]),
+                ]
+            )
+        rows.append([name, "**mean**", "", "", "", f"**{diff(found['mean'][name])}**"])
+    verdicts = "; ".join(f"{name}: **{verdict(value)}**" for name, value in found["mean"].items())
     return [
         "## ES vs GRPO over seeds",
         "",
-        f"The headline comparison on {len(rows) - 1} training seeds (the other seeds trained the ES and GRPO "
-        "arms only, with every other setting the same, and were evaluated on the same test problems). "
-        f"Greedy accuracy is Pass@1 at temperature 0 on {p['eval_size']} problems; Pass@{n} is sampled at "
-        f"temperature 1, {n} samples of each of {p['passk_prompts']} problems. ES - GRPO is the mean "
-        "per-problem difference +- its paired standard error; the mean's SE is the seeds' SEs combined.",
+        f"The headline comparison on {len(found['seeds'])} training seeds (the other seeds trained the ES "
+        "and GRPO arms only, with every other setting the same, and were evaluated on the same test "
+        f"problems). Greedy is Pass@1 at temperature 0 on {p['eval_size']} problems; Pass@1 and "
+        f"Pass@{p['passk_samples']} are sampled at temperature {p['temperature']:g}, "
+        f"{p['passk_samples']} samples of each of {p['passk_prompts']} problems. ES - GRPO is the mean "
+        "per-problem difference +- its paired standard error; the mean's SE combines the seeds' SEs.",
         "",
-        table(header, rows),
+        table(["measure", "seed", "base", "ES", "GRPO", "ES - GRPO"], rows),
         "",
-        f"Over the seeds, at greedy Pass@1: **{verdict(mean['greedy_es_minus_grpo'])}**; at Pass@{n}: "
-        f"**{verdict(mean['pass_at_n_es_minus_grpo'])}** (a difference counts when it exceeds two standard "
-        "errors).",
+        f"Over the seeds (a difference counts when it exceeds two standard errors): {verdicts}.",
         "",
     ]
 

@@ -68,31 +68,38 @@ def _difference(a: list[float], b: list[float]) -> tuple[float, float]:
     return float(np.mean(np.asarray(a, np.float64) - np.asarray(b, np.float64))), paired_standard_error(a, b)
 
 
+def measures(run: dict[str, Any]) -> dict[str, dict[str, list[float]]]:
+    """The headline measures of one run, per model and per problem: greedy accuracy (Pass@1 at
+    temperature 0), and Pass@1 and Pass@n sampled at temperature 1 (unbiased, from n samples)."""
+    models, n = run["models"], run["preset"]["passk_samples"]
+
+    def sampled(k: int) -> dict[str, list[float]]:
+        return {m: list(pass_at_k(n, models[m]["correct_counts"], k)) for m in HEADLINE_MODELS}
+
+    return {
+        "greedy": {m: [float(c) for c in models[m]["greedy_correct"]] for m in HEADLINE_MODELS},
+        "Pass@1": sampled(1),
+        f"Pass@{n}": sampled(n),
+    }
+
+
 def headline(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """ES vs GRPO in every run (one per seed): greedy accuracy (Pass@1) and Pass@n per model, and the
-    ES - GRPO difference with its paired standard error; then the mean difference over seeds, whose
-    standard error is sqrt(sum of the seeds' squared SEs) / seeds (the seeds' training is independent;
-    the test problems are the same)."""
+    """ES vs GRPO in every run (one per seed), for each of `measures`: the base's, ES's and GRPO's mean
+    and the ES - GRPO difference with its paired standard error; then the mean difference over seeds,
+    whose standard error is sqrt(sum of the seeds' squared SEs) / seeds (the seeds' training is
+    independent; the test problems are the same)."""
     rows = []
     for run in sorted(runs, key=lambda r: r["preset"]["seed"]):
-        models, n = run["models"], run["preset"]["passk_samples"]
-        covered = {m: pass_at_k(n, models[m]["correct_counts"], n) for m in HEADLINE_MODELS}
-        rows.append(
-            {
-                "seed": run["preset"]["seed"],
-                "greedy": {m: models[m]["greedy_accuracy"] for m in HEADLINE_MODELS},
-                "pass_at_n": {m: float(np.mean(covered[m])) for m in HEADLINE_MODELS},
-                "greedy_es_minus_grpo": _difference(
-                    models["es"]["greedy_correct"], models["grpo"]["greedy_correct"]
-                ),
-                "pass_at_n_es_minus_grpo": _difference(covered["es"], covered["grpo"]),
-            }
-        )
+        per_measure = {}
+        for name, per_model in measures(run).items():
+            per_measure[name] = {m: float(np.mean(per_model[m])) for m in HEADLINE_MODELS}
+            per_measure[name]["es_minus_grpo"] = _difference(per_model["es"], per_model["grpo"])
+        rows.append({"seed": run["preset"]["seed"], "measures": per_measure})
     mean = {}
-    for key in ("greedy_es_minus_grpo", "pass_at_n_es_minus_grpo"):
-        diffs, ses = zip(*(row[key] for row in rows))
-        mean[key] = (float(np.mean(diffs)), math.sqrt(sum(se**2 for se in ses)) / len(ses))
-    return {"n": runs[0]["preset"]["passk_samples"], "seeds": rows, "mean": mean}
+    for name in rows[0]["measures"]:
+        diffs, ses = zip(*(row["measures"][name]["es_minus_grpo"] for row in rows))
+        mean[name] = (float(np.mean(diffs)), math.sqrt(sum(se**2 for se in ses)) / len(ses))
+    return {"seeds": rows, "mean": mean}
 
 
 def verdict(difference: tuple[float, float]) -> str:
