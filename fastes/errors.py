@@ -18,6 +18,16 @@ class ConfigError(FastesError, ValueError):
     config (fastes.run.config), the trainers' configs and every other check of a setting, on any floor."""
 
 
+class OptionError(ConfigError):
+    """One argument of fastes.ES out of range: "<option>: <problem>". The run config and the trainers
+    re-raise it under their own name for the option (es.population, population_size)."""
+
+    def __init__(self, option: str, problem: str) -> None:
+        self.option = option
+        self.problem = problem
+        super().__init__(f"{option}: {problem}")
+
+
 class MissingFileError(FastesError, FileNotFoundError):
     """A file or directory that the user named does not exist."""
 

@@ -24,7 +24,7 @@ def test_defaults_are_valid_and_overrides_apply(tmp_path):
         ({"es.popsize": 4}, "unknown config key 'es.popsize'"),
         ({"es.population": 1}, "es.population: must be at least 2"),
         ({"es.population": 5}, "even population"),
-        ({"es.sigma": 0.0}, "es.sigma: must be > 0"),
+        ({"es.sigma": 0.0}, "es.sigma: must be a positive finite number"),
         ({"es.sigma": "big"}, "es.sigma must be float"),
         ({"es.antithetic": 1}, "es.antithetic must be bool"),
         ({"batch_size": True}, "batch_size must be int"),

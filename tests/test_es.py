@@ -193,13 +193,17 @@ def test_nonfinite_rewards_error_by_default_and_can_be_dropped():
 def test_bad_arguments_get_clear_errors():
     params = fastes.linear_weights(make_net())
     cases = [
-        (dict(population=1), "population must be at least 2"),
-        (dict(population=5), "even population"),
-        (dict(sigma=0.0), "sigma must be a positive"),
-        (dict(lr=float("nan")), "lr must be"),
-        (dict(shaping="rank"), "unknown shaping"),
+        (dict(population=1), "population: must be at least 2"),
+        (dict(population=5), "population: antithetic sampling needs an even population"),
+        (dict(sigma=0.0), "sigma: must be a positive"),
+        (dict(lr=float("nan")), "lr: must be a non-negative finite number"),
+        (dict(weight_decay=-0.1), "weight_decay: must be a non-negative"),
+        (dict(shaping="rank"), "shaping: 'rank' is not one of"),
+        (dict(noise_type="sparse"), "noise_type: 'sparse' is not one of"),
+        (dict(rank=0), "rank: must be at least 1"),
+        (dict(noise="uniform"), "noise: 'uniform' is not one of"),
         (dict(nonfinite="skip"), "unknown nonfinite policy"),
-        (dict(seed=-1), "seed must be"),
+        (dict(seed=-1), "seed: must be"),
     ]
     for overrides, message in cases:
         kwargs = dict(sigma=0.1, lr=0.1, population=4) | overrides

@@ -30,7 +30,7 @@ from fastes import distributed
 from fastes.distributed import DEFAULT_TIMEOUT, CollectiveError
 from fastes.engine import lowrank, noise, ops
 from fastes.engine.noise import NOISES
-from fastes.errors import NonFiniteUpdateError
+from fastes.errors import NonFiniteUpdateError, OptionError
 
 from .shaping import SHAPINGS, shape_rewards
 
@@ -57,7 +57,16 @@ RUN_OPTIONS = (
 # Options that a resumed ES must have been built with: the state is refused rather than taken.
 _MUST_MATCH = ("noise",)
 
-__all__ = ["ES", "CollectiveError", "Member", "RUN_OPTIONS", "checked_step", "replay", "saved_options"]
+__all__ = [
+    "ES",
+    "CollectiveError",
+    "Member",
+    "RUN_OPTIONS",
+    "check_arguments",
+    "checked_step",
+    "replay",
+    "saved_options",
+]
 
 
 class Member:
@@ -141,18 +150,18 @@ class ES(torch.optim.Optimizer):
         rank: int = 1,
         noise: str = "gaussian",
     ) -> None:
-        if population < 2:
-            raise ValueError(f"population must be at least 2, got {population}")
-        if antithetic and population % 2:
-            raise ValueError(f"antithetic sampling needs an even population, got {population}")
-        if shaping not in SHAPINGS:
-            raise ValueError(f"unknown shaping {shaping!r}; choose one of {SHAPINGS}")
-        if noise_type not in NOISE_TYPES:
-            raise ValueError(f"unknown noise_type {noise_type!r}; choose one of {NOISE_TYPES}")
-        if rank < 1:
-            raise ValueError(f"rank must be at least 1, got {rank}")
-        if noise not in NOISES:
-            raise ValueError(f"unknown noise {noise!r}; choose one of {NOISES}")
+        check_arguments(
+            sigma=sigma,
+            lr=lr,
+            population=population,
+            antithetic=antithetic,
+            shaping=shaping,
+            seed=seed,
+            weight_decay=weight_decay,
+            noise_type=noise_type,
+            rank=rank,
+            noise=noise,
+        )
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"unknown nonfinite policy {nonfinite!r}; choose one of {NONFINITE_POLICIES}")
         if inner_optimizer is not None and weight_decay:
@@ -160,8 +169,6 @@ class ES(torch.optim.Optimizer):
                 "weight_decay belongs to the plain ES step; in gradient mode give it to the "
                 "inner optimizer (e.g. torch.optim.AdamW(weight_decay=...))"
             )
-        if not 0 <= seed < 2**64:
-            raise ValueError(f"seed must be an integer in [0, 2^64), got {seed}")
         self.generation = 0
         super().__init__(_as_groups(params), {"sigma": sigma, "lr": lr, "weight_decay": weight_decay})
         self.population = population
@@ -220,10 +227,7 @@ class ES(torch.optim.Optimizer):
                 f"allowed: params, {', '.join(_GROUP_DEFAULT_KEYS)}"
             )
         made = {k: group.get(k, self.defaults[k]) for k in _GROUP_DEFAULT_KEYS}
-        if not made["sigma"] > 0 or not math.isfinite(made["sigma"]):
-            raise ValueError(f"sigma must be a positive finite number, got {made['sigma']}")
-        if not made["lr"] >= 0 or not math.isfinite(made["lr"]):
-            raise ValueError(f"lr must be a non-negative finite number, got {made['lr']}")
+        _check_step_sizes(**made)
         ids = [noise.tensor_id(n) for n in names]
         ops.check_tensors(tensors, ids, f"param group {index}")
         made.update(params=tensors, names=names, ids=ids)
@@ -624,6 +628,53 @@ class ES(torch.optim.Optimizer):
             fix="every rank must start from the same weights and evaluate with the same seed",
             timeout=self.timeout,
         )
+
+
+def check_arguments(
+    *,
+    sigma: float,
+    lr: float,
+    population: int,
+    antithetic: bool = True,
+    shaping: str = "centered_rank",
+    seed: int = 0,
+    weight_decay: float = 0.0,
+    noise_type: str = "full",
+    rank: int = 1,
+    noise: str = "gaussian",
+) -> None:
+    """ES's checks of its run arguments, their one home: ES.__init__ calls it, and the run config
+    (fastes.run.config) and the trainers call it on their settings. Raises OptionError("<option>:
+    <problem>")."""
+    if population < 2:
+        raise OptionError("population", f"must be at least 2, got {population}")
+    if antithetic and population % 2:
+        raise OptionError(
+            "population",
+            f"antithetic sampling needs an even population, got {population}; make it even or "
+            "turn antithetic sampling off",
+        )
+    _check_step_sizes(sigma=sigma, lr=lr, weight_decay=weight_decay)
+    for option, value, choices in (
+        ("shaping", shaping, SHAPINGS),
+        ("noise_type", noise_type, NOISE_TYPES),
+        ("noise", noise, NOISES),
+    ):
+        if value not in choices:
+            raise OptionError(option, f"{value!r} is not one of {choices}")
+    if rank < 1:
+        raise OptionError("rank", f"must be at least 1, got {rank}")
+    if not 0 <= seed < 2**64:
+        raise OptionError("seed", f"must be an integer in [0, 2^64), got {seed}")
+
+
+def _check_step_sizes(*, sigma: float, lr: float, weight_decay: float) -> None:
+    """sigma, lr and weight_decay: the run's, and each param group's own."""
+    if not sigma > 0 or not math.isfinite(sigma):
+        raise OptionError("sigma", f"must be a positive finite number, got {sigma}")
+    for option, value in (("lr", lr), ("weight_decay", weight_decay)):
+        if not value >= 0 or not math.isfinite(value):
+            raise OptionError(option, f"must be a non-negative finite number, got {value}")
 
 
 def replay(

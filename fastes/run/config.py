@@ -18,7 +18,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from fastes.errors import ConfigError, FastesError
+from fastes.errors import ConfigError, FastesError, OptionError
 
 ALGORITHMS = ("es", "grpo", "grpo_es")
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo")
@@ -759,15 +759,25 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 
 def _check_es(es: ESSettings) -> None:
     _require(es.iterations >= 0, "es.iterations", f"must be >= 0, got {es.iterations}")
-    _require(es.population >= 2, "es.population", f"must be at least 2, got {es.population}")
     _require(
-        not es.antithetic or es.population % 2 == 0,
-        "es.population",
-        f"antithetic sampling needs an even population, got {es.population} (or set es.antithetic = false)",
+        es.noise_type in NOISE_TYPES, "es.noise_type", f"{es.noise_type!r}: choose {', '.join(NOISE_TYPES)}"
     )
-    _require(es.sigma > 0 and math.isfinite(es.sigma), "es.sigma", f"must be > 0, got {es.sigma}")
-    _require(es.lr >= 0 and math.isfinite(es.lr), "es.lr", f"must be >= 0, got {es.lr}")
-    _require(es.weight_decay >= 0, "es.weight_decay", f"must be >= 0, got {es.weight_decay}")
+    from fastes.es.optimizer import check_arguments
+
+    try:  # ES's own checks of its arguments, under the config's names (es.population, ...)
+        check_arguments(
+            sigma=es.sigma,
+            lr=es.lr,
+            population=es.population,
+            antithetic=es.antithetic,
+            shaping=es.shaping,
+            weight_decay=es.weight_decay,
+            noise_type="full" if es.noise_type == "auto" else es.noise_type,  # auto: resolved at the start
+            rank=es.rank,
+            noise=es.noise,
+        )
+    except OptionError as error:
+        raise ConfigError(f"es.{error.option}: {error.problem}") from None
     # The update computes in float32 (fastes.ES refuses a step that would overflow; these never fit).
     coef = es.lr / (es.population * es.sigma)
     _require(
@@ -781,21 +791,12 @@ def _check_es(es: ESSettings) -> None:
         "es.weight_decay",
         f"{es.weight_decay:g} times the learning rate {es.lr:g} is beyond float32's range; lower either",
     )
-    from fastes.es.shaping import SHAPINGS
-
-    _require(es.shaping in SHAPINGS, "es.shaping", f"{es.shaping!r} is not one of {SHAPINGS}")
     _require(es.eval_mode in EVAL_MODES, "es.eval_mode", f"{es.eval_mode!r} is not one of {EVAL_MODES}")
     _require(
         es.materialise_mb >= 0 and math.isfinite(es.materialise_mb),
         "es.materialise_mb",
         f"must be a positive number of MiB (or 0 = auto), got {es.materialise_mb}",
     )
-    _require(
-        es.noise_type in NOISE_TYPES,
-        "es.noise_type",
-        f"{es.noise_type!r}: choose {', '.join(NOISE_TYPES)}",
-    )
-    _require(es.rank >= 1, "es.rank", f"must be at least 1, got {es.rank}")
     _require(es.num_generations >= 1, "es.num_generations", f"must be at least 1, got {es.num_generations}")
     _require(
         es.temperature >= 0 and math.isfinite(es.temperature),
@@ -815,9 +816,6 @@ def _check_es(es: ESSettings) -> None:
         "es.repetition_penalty",
         f"must be > 0 (1: off), got {es.repetition_penalty}",
     )
-    from fastes.engine.noise import NOISES
-
-    _require(es.noise in NOISES, "es.noise", f"{es.noise!r} is not one of {NOISES}")
     _require(
         es.eval_mode != "lowrank" or es.noise_type in ("lowrank", "auto"),
         "es.eval_mode",
