@@ -389,3 +389,21 @@ def test_reasoning_gym_adapter(monkeypatch: pytest.MonkeyPatch) -> None:
     assert task.score(example, "-1;") == Score(1.0, 0.0)
     assert task.score(example, "boom") == Score(1.0, 0.0)  # a crashing scorer counts as wrong
     assert task.score(example, "") == Score(0.0, 0.0)
+
+
+def test_a_batch_scores_each_distinct_completion_of_a_prompt_once(monkeypatch):
+    """An ES population's members often write the same completion: scores() calls the verifier once per
+    distinct (example, completion) and returns what scoring each pair alone returns."""
+    task = get_task("countdown", seed=0)
+    examples = task.split("test")[:3]
+    completions = ["1+2", "bad", "1+2"]
+    asked = [ex for ex in examples for _ in completions] * 4  # 4 members, 3 prompts, 3 samples each
+    texts = completions * len(examples) * 4
+    expected = [task.score(ex, text) for ex, text in zip(asked, texts)]
+    calls = []
+    real_score = type(task).score
+    monkeypatch.setattr(
+        type(task), "score", lambda self, ex, text: calls.append(1) or real_score(self, ex, text)
+    )
+    assert task.scores(asked, texts) == expected
+    assert len(calls) == len(examples) * 2  # "1+2" and "bad" per prompt

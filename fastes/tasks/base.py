@@ -66,9 +66,16 @@ class Task(ABC):
     ) -> list[Score]:
         """Score a batch: completion i against example i (one call, so that batch verifiers can batch).
         `completion_ids`: the generated token ids of each completion, for tasks whose reward functions take
-        them (TRL's `completion_ids`); built-in verifiers read the text only."""
-        pairs = zip(examples, completions, strict=True)
-        return [self.score(example, completion) for example, completion in pairs]
+        them (TRL's `completion_ids`); built-in verifiers read the text only.
+
+        `score` is a verifier, a function of the example and the text alone, so each distinct pair is scored
+        once: an ES population's members often write the same completion of a prompt."""
+        scored: dict[tuple[int, str], Score] = {}
+        for example, completion in zip(examples, completions, strict=True):
+            key = (id(example), completion)  # the same Example object, asked of every member
+            if key not in scored:
+                scored[key] = self.score(example, completion)
+        return [scored[(id(example), completion)] for example, completion in zip(examples, completions)]
 
     # Hooks the training loop calls; tasks scored by reward functions use them (fastes/tasks/reward_file.py).
 

@@ -1,0 +1,170 @@
+"""Where one ES iteration of the tiny model spends its time, against plain batched generation.
+
+    python -m benchmarks.tiny_iteration [--threads 1] [--rounds 9] [--modes materialised,lowrank] [--out DIR]
+
+The demo's setting (16 members x 32 countdown prompts x 12 new tokens, greedy, antithetic off as in the
+iteration suite), each round interleaved: plain batched generation of the same 512 rows; the same
+generate call inside `population_batched` (the members' perturbed weights or factors in place, built
+once outside the timing); entering and leaving `population_batched` alone; and a whole
+`es_iteration`, whose own split (generation, noise, scoring, update) it records. The headline is the
+iteration's time over plain generation's for the same rows and steps (every row runs the same number of
+decode steps, so the time ratio compares the same work; the generated-token rate is also reported, and
+is lower for ES whenever perturbed members stop earlier at EOS). Medians over rounds. Measured, never
+asserted. Writes <out>/tiny-iteration-<date>.json and .md (the tiny model runs on one thread, as
+`fastes train` runs it: see fastes.run.train).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import (
+    IterationSetting,
+    cpu_model,
+    dated_stem,
+    load_average,
+    load_bench_model,
+    make_run,
+)
+
+SETTING = IterationSetting(population=16, batch=32, max_new_tokens=12)
+
+
+def _timed(call) -> tuple[float, object]:
+    start = time.perf_counter()
+    result = call()
+    return time.perf_counter() - start, result
+
+
+def measure_mode(mode: str, rounds: int) -> dict:
+    """Interleaved rounds of plain generation, population generation, enter/exit and a whole iteration."""
+    from fastes.es.population import population_batched
+    from fastes.models.generation import generate
+    from fastes.run.es_loop import es_iteration
+    from fastes.run.shared import batch_for
+
+    bench = load_bench_model("tiny", torch.device("cpu"), torch.float32)
+    run, es = make_run(bench.clone(), SETTING, "auto", mode)
+    prompts = run.prompts(batch_for(run, "es", 0)) * SETTING.population
+    members = list(es.members())
+
+    def plain():
+        return generate(run.model, run.tokenizer, prompts, max_new_tokens=SETTING.max_new_tokens)
+
+    def population():
+        with population_batched(es, run.model, mode=run.cfg.es.eval_mode, members=members):
+            return generate(run.model, run.tokenizer, prompts, max_new_tokens=SETTING.max_new_tokens)
+
+    def enter_exit():
+        with population_batched(es, run.model, mode=run.cfg.es.eval_mode, members=members):
+            pass
+
+    calls = {"plain": plain, "population generation": population, "enter and exit": enter_exit}
+    for call in calls.values():  # warm: lazy allocations, the compiled library
+        call()
+    es_iteration(run, es, 0)
+    seconds: dict[str, list[float]] = {name: [] for name in [*calls, "ES iteration"]}
+    tokens: dict[str, int] = {}
+    parts: list[dict] = []
+    for _ in range(rounds):
+        for name, call in calls.items():
+            s, out = _timed(call)
+            seconds[name].append(s)
+            if out is not None:
+                tokens[name] = out.num_tokens
+        s, record = _timed(lambda: es_iteration(run, es, 0))
+        seconds["ES iteration"].append(s)
+        tokens["ES iteration"] = round(record["tokens_per_second"] * record["seconds"])
+        parts.append({k: v for k, v in record.items() if k.startswith("time/")})
+    median = {name: statistics.median(values) for name, values in seconds.items()}
+    split = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
+    return {
+        "eval_mode": run.cfg.es.eval_mode,
+        "noise_type": run.cfg.es.noise_type,
+        "median_s": median,
+        "range_s": {name: [min(v), max(v)] for name, v in seconds.items()},
+        "tokens": tokens,
+        "iteration_split_s": split,
+        "time_ratio": median["plain"] / median["ES iteration"],
+        "generation_time_ratio": median["plain"] / median["population generation"],
+        "token_rate_ratio": (tokens["ES iteration"] / median["ES iteration"])
+        / (tokens["plain"] / median["plain"]),
+    }
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        "# One ES iteration of the tiny model against plain batched generation",
+        "",
+        f"Measured {report['date']} {report['time']}; {report['cpu']}; {report['threads']} torch thread(s); "
+        f"load average {report['load_average_at_start']} at the start; {SETTING.population} members x "
+        f"{SETTING.batch} prompts x {SETTING.max_new_tokens} new tokens; median of {report['rounds']} "
+        "interleaved rounds (`python -m benchmarks.tiny_iteration`).",
+        "",
+        "| mode | plain ms | population generation ms | enter + exit ms | ES iteration ms | its generation / "
+        "noise / scoring / update ms | iteration time ratio | generation only | generated-token rate ratio |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for mode, r in report["modes"].items():
+        m, split = r["median_s"], r["iteration_split_s"]
+        parts = " / ".join(
+            f"{split[f'time/{p}'] * 1e3:.1f}" for p in ("generation", "noise", "scoring", "update")
+        )
+        ms = [m[k] * 1e3 for k in ("plain", "population generation", "enter and exit", "ES iteration")]
+        ratios = [r["time_ratio"], r["generation_time_ratio"], r["token_rate_ratio"]]
+        cells = [
+            f"{mode} ({r['noise_type']} noise)",
+            *(f"{v:.1f}" for v in ms),
+            parts,
+            *(f"{v:.3f}" for v in ratios),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Time ratio: plain generation's time over the ES iteration's, the same rows and decode steps "
+        "(target >= 0.95). Generation only: plain over the same generate call with the population layers in "
+        "place. Generated-token rate ratio: the ES iteration's generated tokens per second over plain's "
+        f"(tokens: {json.dumps({mode: r['tokens'] for mode, r in report['modes'].items()})}).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.tiny_iteration", description=__doc__)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--modes", default="materialised,lowrank")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    now = datetime.datetime.now()
+    report = {
+        "date": now.strftime("%Y-%m-%d"),
+        "time": now.strftime("%H:%M"),
+        "cpu": cpu_model(),
+        "threads": args.threads,
+        "rounds": args.rounds,
+        "load_average_at_start": load_average(),
+        "modes": {},
+    }
+    for mode in args.modes.split(","):
+        report["modes"][mode] = measure_mode(mode, args.rounds)
+        print(f"{mode}: iteration time ratio {report['modes'][mode]['time_ratio']:.3f}", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = dated_stem(args.out, "tiny-iteration", report["date"])
+    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (args.out / f"{stem}.md").write_text(markdown(report))
+    print(f"wrote {args.out / stem}.md")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
