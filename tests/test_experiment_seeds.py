@@ -138,3 +138,11 @@ def test_report_only_refuses_what_it_cannot_report(tmp_path, report_dir, capsys)
     assert "is not an experiment's metrics.json" in capsys.readouterr().err
     assert main(["experiment", "--report-only", "--out", str(report_dir), "--seed", "3"]) == 2
     assert "--report-only trains nothing and reads --out only; leave out --seed" in capsys.readouterr().err
+
+
+def test_a_seed_whose_preset_differs_only_in_its_tuning_note_is_the_same_experiment(report_dir):
+    path = report_dir / "seed1" / "metrics.json"
+    metrics = _load(path)
+    metrics["preset"]["tuning"] = "a later description of how the settings were chosen"
+    path.write_text(json.dumps(metrics))
+    assert list(other_seeds(report_dir, _load(report_dir / "metrics.json"))) == ["seed1"]

@@ -40,7 +40,10 @@ def other_seeds(out_dir: Path, metrics: dict[str, Any]) -> dict[str, dict[str, A
             raise ConfigError(
                 f"{path}: not a readable experiment metrics.json ({error}); rerun that seed"
             ) from None
-        differ = sorted(k for k in metrics["preset"] if k != "seed" and preset.get(k) != metrics["preset"][k])
+        described = ("seed", "tuning")  # the tuning note describes the settings, it is not one
+        differ = sorted(
+            k for k in metrics["preset"] if k not in described and preset.get(k) != metrics["preset"][k]
+        )
         if other.get("model") != metrics["model"]:
             differ.append("model")
         if differ:
