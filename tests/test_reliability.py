@@ -399,7 +399,12 @@ CONFIG_CASES = [
     ("string for a table", 'es = "fast"\n', {}, "es must be a table"),
     ("float for int", "", {"es.population": 4.0}, "es.population must be int, got float 4.0"),
     ("string for float", "", {"grpo.lr": "1e-3"}, "grpo.lr must be float, got str"),
-    ("negative weight decay", "", {"es.weight_decay": -0.1}, "es.weight_decay: must be a non-negative finite number"),
+    (
+        "negative weight decay",
+        "",
+        {"es.weight_decay": -0.1},
+        "es.weight_decay: must be a non-negative finite number",
+    ),
     ("grpo weight decay", "", {"grpo.weight_decay": -1.0}, "grpo.weight_decay: must be >= 0"),
     ("negative seed", "", {"seed": -1}, r"seed: must be in \[0, 2\^32\)"),
     ("huge seed", "", {"seed": 2**64}, r"seed: must be in \[0, 2\^32\)"),
