@@ -134,7 +134,7 @@ def slow_tests() -> dict:
     )
     durations = {}
     for line in done.stdout.splitlines():
-        match = re.match(r"\s*([\d.]+)s call\s+(\S+)", line)
+        match = re.match(r"\s*([\d.]+)s call\s+(.+)$", line)
         if match:
             durations[match.group(2)] = float(match.group(1))
     return {"exit": done.returncode, "summary": done.stdout.strip().splitlines()[-1:], "call_s": durations}
