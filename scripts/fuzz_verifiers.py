@@ -183,13 +183,15 @@ def _check_stated(stated: Any, text: str) -> str | None:
 
 
 def _instruct_countdown_check(example: Any) -> Callable[[Any, str], str | None]:
-    """A correct instruct-form countdown answer states an expression over exactly the given numbers."""
+    """A correct instruct-form countdown answer states an expression over exactly the given numbers (read,
+    as the task reads it, after the answer prefix that the prompt ends with)."""
+    prefix = example.meta.get("answer_prefix", "")
 
     def check(score: Any, text: str) -> str | None:
         problem = _check_score(score)
         if problem or not score.answer:
             return problem
-        expression = normalise(stated_answer(text) or "", "expression")
+        expression = normalise(stated_answer(prefix + text) or "", "expression")
         if sorted(int(n) for n in re.findall("[0-9]+", expression)) != sorted(example.meta["numbers"]):
             return f"scored correct without stating an expression over {example.meta['numbers']}"
         return None

@@ -198,3 +198,13 @@ def test_parse_number_accepts_exactly_plain_numbers():
     assert parse_number("-7/2") == Fraction(-7, 2) and parse_number("3.25") == Fraction(13, 4)
     for text in ("1e3", " 1", "1 ", "+1", "1.", ".5", "0x1", "1_0", "\u0663"):
         assert parse_number(text) is None
+
+
+def test_the_instruct_countdown_check_reads_the_answer_after_the_prompts_prefix():
+    """The reply continues the prompt's "Answer:", so a correct reply need not repeat it: the check reads
+    it as the task does. A case hypothesis found: "(4+8)*2" for the numbers 2, 4, 8 and the target 24."""
+    _, call, check = next(p for p in POINTS if p[0] == "countdown.score (instruct)")
+    for text in ["(4+8)*2", "Answer: 2*(8+4)"]:
+        score = call(text)
+        assert score.answer == 1.0 and check(score, text) is None, text
+    assert call("9").answer == 0.0 and check(call("9"), "9") is None
