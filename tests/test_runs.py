@@ -541,6 +541,11 @@ def test_ctrl_c_ends_with_one_line_telling_how_to_resume(easy_task, tmp_path):
     assert [m["global_step"] for m in metrics(tmp_path / "run")] == list(range(31))
 
 
+def test_python_dash_m_fastes_is_the_command():
+    done = subprocess.run([sys.executable, "-m", "fastes", "--version"], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == f"fastes {fastes.__version__}"
+
+
 def test_version_help_and_flag_spellings(capsys):
     with pytest.raises(SystemExit):
         main(["--version"])
