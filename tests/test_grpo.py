@@ -519,16 +519,15 @@ def test_normalize_then_sum_follows_gdpo():
 
 
 def test_learning_rate_schedules_follow_transformers():
-    from fastes.run.config import GRPOSettings
-    from fastes.run.grpo_loop import learning_rates
+    from fastes.run.shared import learning_rates
 
-    linear = learning_rates(GRPOSettings(lr=1e-3, lr_scheduler_type="linear", warmup_steps=2), 10)
+    linear = learning_rates(1e-3, "linear", 2, 10)
     want = [1e-3 * n / 2 for n in range(2)] + [1e-3 * (10 - n) / 8 for n in range(2, 10)]
     assert [linear(n) for n in range(10)] == pytest.approx(want)
-    ratio = learning_rates(GRPOSettings(lr=1e-3, lr_scheduler_type="cosine", warmup_steps=0.25), 8)  # 2 steps
+    ratio = learning_rates(1e-3, "cosine", 0.25, 8)  # 2 steps
     assert ratio(1) == pytest.approx(5e-4) and ratio(2) == pytest.approx(1e-3)
     assert ratio(5) == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi * 3 / 6)))
-    constant = learning_rates(GRPOSettings(lr=3e-4), 5)
+    constant = learning_rates(3e-4, "constant", 0, 5)
     assert all(constant(n) == 3e-4 for n in range(5))
 
 

@@ -277,6 +277,12 @@ MODES = {
         "grpo.ref_model_sync_steps": 3,  # mid-step and across the checkpoint
     },
     "es member by member": {"es.iterations": 4, "es.eval_mode": "member"},
+    "es with a warmup and cosine schedule": {
+        "es.iterations": 4,
+        "es.lr": 1e-3,
+        "es.lr_scheduler_type": "cosine",
+        "es.warmup_steps": 1,
+    },
     "es low-rank bf16 stochastic rounding": {
         "es.iterations": 4,
         "es.noise_type": "lowrank",

@@ -1,6 +1,7 @@
 """End-to-end training on the shipped tiny model: ES and GRPO learn, and a killed run resumes exactly."""
 
 import json
+import math
 import shutil
 import signal
 import subprocess
@@ -8,6 +9,7 @@ import sys
 import time
 
 import pytest
+import torch
 from conftest import is_timing
 from safetensors.torch import load_file
 
@@ -64,6 +66,22 @@ def common(task: str, out_dir, **extra) -> dict:
         "progress": False,
         **extra,
     }
+
+
+def test_es_follows_its_learning_rate_schedule(easy_task, tmp_path):
+    """es.lr_scheduler_type with warmup: each iteration's step uses the schedule's rate (transformers'
+    linear warmup then cosine decay over es.iterations), and metrics.jsonl records it."""
+    settings = {"es.iterations": 5, "es.population": 4, "es.lr": 1e-3}
+    schedule = {"es.lr_scheduler_type": "cosine", "es.warmup_steps": 2}
+    train(load_config(None, common(easy_task, tmp_path / "cosine", **settings, **schedule)))
+    rates = [m["lr"] for m in metrics(tmp_path / "cosine") if m["phase"] == "es"]
+    cosine = [0.5 * (1 + math.cos(math.pi * (n - 2) / 3)) for n in range(2, 5)]
+    assert rates == pytest.approx([1e-3 * factor for factor in (0.0, 0.5, *cosine)])
+    train(load_config(None, common(easy_task, tmp_path / "constant", **settings)))
+    rates_of = ("cosine", "constant")
+    assert [m["lr"] for m in metrics(tmp_path / "constant") if m["phase"] == "es"] == [1e-3] * 5
+    cosine, constant = (load_file(tmp_path / name / "final" / "model.safetensors") for name in rates_of)
+    assert any(not torch.equal(cosine[k], constant[k]) for k in cosine)
 
 
 def test_es_improves_the_training_reward(style_task, tmp_path):

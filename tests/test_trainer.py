@@ -41,6 +41,8 @@ ES_FIELDS = {
     "output_dir": ("elsewhere", "out_dir", "elsewhere"),
     "max_steps": (3, "es.iterations", 3),
     "learning_rate": (1e-3, "es.lr", 1e-3),
+    "lr_scheduler_type": ("cosine", "es.lr_scheduler_type", "cosine"),
+    "warmup_steps": (0.1, "es.warmup_steps", 0.1),
     "per_device_train_batch_size": (5, "batch_size", 5),
     "max_completion_length": (7, "max_new_tokens", 7),
     "logging_steps": (3, "logging_steps", 3),

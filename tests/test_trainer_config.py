@@ -100,7 +100,7 @@ def test_an_inert_field_set_warns_in_one_line_and_changes_nothing(config, tmp_pa
         (ESConfig, "beta", 0.04, "beta=0.04 is not supported by ESConfig (GRPO only: ES has no loss"),
         (ESConfig, "loss_type", "grpo", "loss_type='grpo' is not supported by ESConfig (GRPO only"),
         (ESConfig, "gradient_accumulation_steps", 4, "gradient_accumulation_steps=4 is not supported by ES"),
-        (ESConfig, "lr_scheduler_type", "cosine", "lr_scheduler_type: 'cosine' is not supported by ESConfig"),
+        (ESConfig, "lr_scheduler_kwargs", {"num_cycles": 2}, "lr_scheduler_kwargs={'num_cycles': 2} is not"),
         (GRPOConfig, "save_strategy", "epoch", "save_strategy: 'epoch' is not supported by GRPOConfig"),
         (GRPOConfig, "model_init_kwargs", {"attn_implementation": "sdpa"}, "model_init_kwargs: fastes takes"),
         (GRPOConfig, "use_vllm", True, "use_vllm=True: vLLM is not installed"),

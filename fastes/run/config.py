@@ -60,6 +60,14 @@ class ESSettings:
         default=2e-5,
         metadata={"help": "step size alpha in theta += alpha / (N sigma) sum_i w_i eps_i", "es_kwarg": "lr"},
     )
+    lr_scheduler_type: str = field(
+        default="constant",
+        metadata={"help": f"learning-rate schedule over the ES iterations: {', '.join(LR_SCHEDULERS)}"},
+    )
+    warmup_steps: float = field(
+        default=0.0,
+        metadata={"help": "linear warmup: ES iterations (>= 1), or a fraction of them (< 1)"},
+    )
     shaping: str = field(
         default="centered_rank",
         metadata={
@@ -791,6 +799,7 @@ def _check_es(es: ESSettings) -> None:
         "es.weight_decay",
         f"{es.weight_decay:g} times the learning rate {es.lr:g} is beyond float32's range; lower either",
     )
+    _check_schedule("es", es.lr_scheduler_type, es.warmup_steps)
     _require(es.eval_mode in EVAL_MODES, "es.eval_mode", f"{es.eval_mode!r} is not one of {EVAL_MODES}")
     _require(
         es.materialise_mb >= 0 and math.isfinite(es.materialise_mb),
@@ -827,6 +836,25 @@ def _check_es(es: ESSettings) -> None:
         "'virtual' evaluation generates full-rank noise; set es.noise_type = 'full'",
     )
     _check_evolve(es)
+
+
+def _check_schedule(section: str, scheduler_type: str, warmup_steps: float) -> None:
+    """The learning-rate schedule of ES or GRPO (fastes.run.shared.learning_rates)."""
+    _require(
+        scheduler_type in LR_SCHEDULERS,
+        f"{section}.lr_scheduler_type",
+        f"{scheduler_type!r} is not one of {LR_SCHEDULERS}",
+    )
+    _require(
+        warmup_steps >= 0 and math.isfinite(warmup_steps),
+        f"{section}.warmup_steps",
+        f"must be >= 0, got {warmup_steps}",
+    )
+    _require(
+        warmup_steps < 1 or warmup_steps == int(warmup_steps),
+        f"{section}.warmup_steps",
+        f"a count of steps must be whole (or a fraction < 1), got {warmup_steps}",
+    )
 
 
 def _check_grpo(g: GRPOSettings) -> None:
@@ -922,17 +950,7 @@ def _check_grpo(g: GRPOSettings) -> None:
         f"{g.gradient_accumulation_steps} does not divide steps_per_generation * num_iterations ({passes}): "
         "an optimizer step would mix two steps' completions, which fastes does not do",
     )
-    _require(
-        g.lr_scheduler_type in LR_SCHEDULERS,
-        "grpo.lr_scheduler_type",
-        f"{g.lr_scheduler_type!r} is not one of {LR_SCHEDULERS}",
-    )
-    _require(g.warmup_steps >= 0, "grpo.warmup_steps", f"must be >= 0, got {g.warmup_steps}")
-    _require(
-        g.warmup_steps < 1 or g.warmup_steps == int(g.warmup_steps),
-        "grpo.warmup_steps",
-        f"a count of steps must be whole (or a fraction < 1), got {g.warmup_steps}",
-    )
+    _check_schedule("grpo", g.lr_scheduler_type, g.warmup_steps)
     for key in ("adam_beta1", "adam_beta2"):
         value = getattr(g, key)
         _require(0 <= value < 1, f"grpo.{key}", f"must be in [0, 1), got {value}")

@@ -23,7 +23,7 @@ from fastes.es.population import member_groups, population_batched
 from fastes.models.generation import Generation, generate
 
 from .config import ESSettings, es_kwargs
-from .shared import Run, batch_for, reward_parts
+from .shared import Run, batch_for, learning_rates, reward_parts
 
 ES_SAMPLING_SEED = 7_919  # keeps ES's sampling streams apart from GRPO's at the same run seed and step
 
@@ -112,6 +112,9 @@ def es_iteration(run: Run, es: ES, step: int) -> dict[str, float]:
         )
     scores = [flat[i * rows : (i + 1) * rows] for i in range(len(texts))]
     weights = [[s.reward(run.cfg.format_weight) for s in row] for row in scores]
+    lr = learning_rates(c.lr, c.lr_scheduler_type, c.warmup_steps, c.iterations)(step)
+    for group in es.param_groups:  # the schedule's rate; es.step records it, so replay() is exact
+        group["lr"] = lr
     with timer("update"):
         rewards = es.step(torch.tensor(weights, dtype=torch.float64))
     answers = torch.tensor([[s.answer for s in row] for row in scores], dtype=torch.float64)
@@ -125,6 +128,7 @@ def es_iteration(run: Run, es: ES, step: int) -> dict[str, float]:
         "reward_std": float(per_member.std(correction=0)),
         "reward_max": float(per_member.max()),
         "format": well_formed[0] / well_formed[1],
+        "lr": lr,
     }
     # JS diversity is defined on acceptance rates in [0, 1]: verifier outcomes, not any user reward.
     if bool(((answers >= 0) & (answers <= 1)).all()):

@@ -35,8 +35,7 @@ from fastes.models.generation import Generation, eos_token_ids, generate
 from fastes.tasks import Example, Score
 from fastes.tasks.dataset import DatasetTask
 
-from .config import GRPOSettings
-from .shared import Run, batch_for, reward_parts
+from .shared import Run, batch_for, learning_rates, reward_parts
 
 
 def make_grpo_optimizer(run: Run) -> torch.optim.Optimizer:
@@ -484,19 +483,6 @@ def gather_values(values: torch.Tensor, where: str) -> torch.Tensor:
     return torch.cat([gathered[i, : counts[i]] for i in range(world)]).to(values)
 
 
-def learning_rates(g: GRPOSettings, total_steps: int):
-    """The learning rate of optimizer step n (from 0) as transformers' get_scheduler gives it over
-    `total_steps` steps, with warmup_steps (a count >= 1, or a fraction of total_steps)."""
-    from transformers import get_scheduler
-
-    warmup = int(g.warmup_steps) if g.warmup_steps >= 1 else math.ceil(total_steps * g.warmup_steps)
-    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=g.lr)
-    factor = get_scheduler(
-        g.lr_scheduler_type, probe, num_warmup_steps=warmup, num_training_steps=total_steps
-    ).lr_lambdas[0]
-    return lambda n: g.lr * factor(n)
-
-
 def update(run: Run, optimizer, reference, batch: Batch, adv: torch.Tensor, where: str, step: int = 0) -> Fit:
     """The step's optimizer steps on grpo_loss, as TRL's trainer takes them: the completions are split
     into steps_per_generation micro-batches, passed over num_iterations times; every
@@ -525,7 +511,7 @@ def update(run: Run, optimizer, reference, batch: Batch, adv: torch.Tensor, wher
     micro_rows, micro_tokens = counts[:spg].tolist(), counts[spg:].tolist()
     window_tokens = batch.tokens * accumulation / spg  # dapo, cispo, vespo: TRL's num_items_in_batch
     total_steps = g.steps * g.optimizer_steps()
-    lr_at = learning_rates(g, total_steps)
+    lr_at = learning_rates(g.lr, g.lr_scheduler_type, g.warmup_steps, total_steps)
     per_step = g.optimizer_steps()
     entropy_needed = g.top_entropy_quantile < 1 or g.entropy_coef != 0
     entropy_sum = 0.0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,23 @@ class Run:
 
     def prompts(self, examples: list[Example]) -> list[str]:
         return render_prompts(self.cfg, self.tokenizer, examples)
+
+
+def learning_rates(
+    lr: float, scheduler_type: str, warmup_steps: float, total_steps: int
+) -> Callable[[int], float]:
+    """The learning rate of step n (from 0) as transformers' get_scheduler gives it over `total_steps`
+    steps, with warmup_steps (a count >= 1, or a fraction of total_steps). A function of n alone, so a
+    resumed run and replay() see the same rates as an uninterrupted run (GRPO's optimizer steps, ES's
+    iterations)."""
+    from transformers import get_scheduler
+
+    warmup = int(warmup_steps) if warmup_steps >= 1 else math.ceil(total_steps * warmup_steps)
+    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
+    factor = get_scheduler(
+        scheduler_type, probe, num_warmup_steps=warmup, num_training_steps=total_steps
+    ).lr_lambdas[0]
+    return lambda n: lr * factor(n)
 
 
 def batch_for(run: Run, phase: str, step: int) -> list[Example]:

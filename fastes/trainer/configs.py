@@ -103,9 +103,9 @@ class _TrainerConfig:
     num_train_epochs: float = _uses(3.0, "with `max_steps=-1`: steps = epochs x rows / prompts per step")
     max_steps: int = _uses(-1, "steps; -1: from `num_train_epochs`")
     learning_rate: float = 0.0  # each subclass
-    lr_scheduler_type: str = _choices("constant", ("constant",), "ES's learning rate is constant")
-    lr_scheduler_kwargs: Any = _refused(None, "no learning-rate schedule")
-    warmup_steps: Any = _refused(0, "no learning-rate schedule")
+    lr_scheduler_type: str = ""  # each subclass
+    lr_scheduler_kwargs: Any = _refused(None, "the schedules take no arguments beyond warmup_steps")
+    warmup_steps: float = 0.0  # each subclass
     optim: str = _refused("adamw_torch_fused", NO_GRADIENTS)
     optim_args: Any = _refused(None, NO_GRADIENTS)
     weight_decay: float = 0.0  # each subclass
@@ -539,6 +539,9 @@ class ESConfig(_TrainerConfig):
     save_steps: int = _sets("checkpoint_every", note="`checkpoint_every`")
     seed: int = _sets("seed")
     learning_rate: float = _sets("es.lr", note="`es.lr`: alpha of the ES step")
+    # ES's default schedule is constant (TRL's is linear): a drop-in keeps the ES step size it was given
+    lr_scheduler_type: str = _sets("es.lr_scheduler_type", note="`es.lr_scheduler_type`: over the iterations")
+    warmup_steps: float = _sets("es.warmup_steps", note="`es.warmup_steps` (< 1: a fraction)")
     per_device_train_batch_size: int = _sets("batch_size", note="`batch_size`: prompts per iteration")
     weight_decay: float = _sets("es.weight_decay", note="`es.weight_decay`: decoupled, on the ES step")
     num_generations: int = _sets(
