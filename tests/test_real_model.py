@@ -11,8 +11,10 @@ import json
 import os
 
 import pytest
+import torch
 
 from fastes import cli
+from fastes.engine import cpu_share
 
 pytestmark = [
     pytest.mark.skipif(
@@ -23,6 +25,16 @@ pytestmark = [
         os.environ.get("FASTES_REAL_MODEL") != "1", reason="opt-in (minutes): set FASTES_REAL_MODEL=1"
     ),
 ]
+
+
+@pytest.fixture(autouse=True)
+def every_core():
+    """The suite runs its tiny models on one thread (conftest); a real model gets the machine's cores,
+    as the `fastes` command alone takes them, so that these runs take the time a user's would."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(cpu_share.cores())
+    yield
+    torch.set_num_threads(before)
 
 
 def test_smollm2_answers_instruct_arithmetic_in_the_asked_format(capsys):

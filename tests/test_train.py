@@ -13,6 +13,7 @@ import torch
 from conftest import is_timing
 from safetensors.torch import load_file
 
+from fastes.errors import FastesError
 from fastes.models.loading import load_model
 from fastes.run.config import load_config
 from fastes.run.train import make_task, paired_gain, train
@@ -66,6 +67,22 @@ def common(task: str, out_dir, **extra) -> dict:
         "progress": False,
         **extra,
     }
+
+
+def test_a_run_gives_the_callers_thread_count_back(easy_task, tmp_path):
+    """train() runs a tiny model on one thread (more only synchronise); the caller's own count, here
+    two, is back afterwards, also when the run fails."""
+    torch.set_num_threads(2)
+    try:
+        train(
+            load_config(None, common(easy_task, tmp_path / "run", **{"es.iterations": 1, "es.population": 2}))
+        )
+        assert torch.get_num_threads() == 2
+        with pytest.raises(FastesError):  # the directory now holds a run
+            train(load_config(None, common(easy_task, tmp_path / "run", **{"es.iterations": 1})))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(1)  # the suite's (conftest)
 
 
 def test_es_follows_its_learning_rate_schedule(easy_task, tmp_path):

@@ -206,19 +206,22 @@ def run_experiment(
     device = preset.device if preset.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     ctx = make_context(preset, out, base_path, device, plan, progress, done)
     params = num_params(ctx.load(base_path)[0])
+    threads = torch.get_num_threads()  # the caller's, given back at the end
     if params < 5_000_000:  # as train(): a tiny model's matmuls only lose from sharing threads
         torch.set_num_threads(1)
-
-    clock = StageClock(estimate_seconds(preset, plan), chosen, params >= SMALL_MODEL_PARAMS)
-    for stage in chosen:
-        if progress:
-            tqdm.write(clock.line(stage), file=sys.stderr)
-        start = time.perf_counter()
-        _run_stage(ctx, stage, model is not None)
-        seconds = time.perf_counter() - start
-        done.add_seconds(stage, seconds)
-        clock.finished(stage, seconds)
-    return _write_results(ctx, model is not None, params)
+    try:
+        clock = StageClock(estimate_seconds(preset, plan), chosen, params >= SMALL_MODEL_PARAMS)
+        for stage in chosen:
+            if progress:
+                tqdm.write(clock.line(stage), file=sys.stderr)
+            start = time.perf_counter()
+            _run_stage(ctx, stage, model is not None)
+            seconds = time.perf_counter() - start
+            done.add_seconds(stage, seconds)
+            clock.finished(stage, seconds)
+        return _write_results(ctx, model is not None, params)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _trained(ctx: Context) -> dict[str, str]:

@@ -240,6 +240,7 @@ def train(
     read (the checkpoint to resume from).
     """
     device, joined = distributed.setup(cfg.device, cfg.collective_timeout)  # ES and GRPO alike
+    threads = torch.get_num_threads()  # prepare_run sets the run's own count; the caller gets its own back
     try:
         run, start = prepare_run(
             cfg,
@@ -258,6 +259,8 @@ def train(
     except BaseException:
         distributed.teardown(joined)
         raise
+    finally:
+        torch.set_num_threads(threads)
     distributed.teardown(joined)
     return result
 
