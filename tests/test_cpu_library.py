@@ -20,11 +20,11 @@ from test_perturb import assert_matches_reference
 from test_update import assert_close_to, magnitude_of
 
 import fastes
-from fastes.engine import cpu_library, lowrank, noise, ops
+from fastes.engine import chunks, cpu_library, lowrank, noise, ops
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Odd sizes, one spanning two chunks (its second chunk starts at element CHUNK).
-SHAPES = [(1,), (7,), (33, 5), (4097,), (cpu_library.CHUNK + 5,)]
+SHAPES = [(1,), (7,), (33, 5), (4097,), (chunks.CHUNK + 5,)]
 IDS = [noise.tensor_id(n) for n in ("emb", "q.weight", "mlp.weight", "lm_head.weight", "big.weight")]
 SEEDS = [0, 31337]
 
@@ -86,7 +86,7 @@ def test_many_tensors_normals_in_shared_calls_equal_each_tensors(seed):
     """cpu_library.normals packs small tensors into shared calls and cuts large ones at CHUNK: each tensor's
     normals are still its own stream's, bit for bit against one call per tensor."""
     key = noise.member_key(seed, 3, 0)
-    numels = [1, 5, 4099, cpu_library.CHUNK + 3, 70, 2 * cpu_library.CHUNK]
+    numels = [1, 5, 4099, chunks.CHUNK + 3, 70, 2 * chunks.CHUNK]
     ids = [noise.tensor_id(f"t{i}") for i in range(len(numels))]
     together = cpu_library.normals(key, ids, numels, noise.STREAM_LOWRANK_A)
     for tid, numel, values in zip(ids, numels, together):
@@ -168,7 +168,7 @@ def test_update_matches_reference(noise_kind, dtype, mode):
 def test_noise_does_not_depend_on_packing_or_other_tensors(dtype):
     """Within the compiled backend, bit for bit: alone, packed with others, or in a large layout."""
     key = noise.member_key(2, 0, 1)
-    a, b, c = make_tensors(dtype, 9, [(1030,), (cpu_library.CHUNK - 3,), (5,)])
+    a, b, c = make_tensors(dtype, 9, [(1030,), (chunks.CHUNK - 3,), (5,)])
     alone = torch.empty_like(a)
     ops.perturb([a], [alone], [IDS[1]], key, 0.1, backend="cpu")
     together = [torch.empty_like(t) for t in (b, a, c)]
@@ -177,7 +177,7 @@ def test_noise_does_not_depend_on_packing_or_other_tensors(dtype):
     eps = cpu_library.normal(key, IDS[1], a.numel())
     # src + fp32(scale) * eps, the product and the sum each rounded once, then rounded to the dtype
     assert torch.equal(alone, (a.float() + eps * 0.1).to(dtype))
-    big = torch.zeros(cpu_library.CHUNK * 3 + 11, dtype=dtype)  # chunk starts line up with the stream
+    big = torch.zeros(chunks.CHUNK * 3 + 11, dtype=dtype)  # chunk starts line up with the stream
     ops.perturb([big], [big], [IDS[4]], key, 1.0, backend="cpu")
     assert torch.equal(big, cpu_library.normal(key, IDS[4], big.numel()).to(dtype))
 
@@ -199,7 +199,7 @@ def test_thread_count_does_not_change_the_noise(monkeypatch):
     try:
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
-            params = make_tensors(torch.bfloat16, 3, [(4097,), (7,), (cpu_library.CHUNK + 5,)])
+            params = make_tensors(torch.bfloat16, 3, [(4097,), (7,), (chunks.CHUNK + 5,)])
             ops.es_update(params, IDS[:3], keys, weights, coef=0.1, rounding_key=rounding, backend="cpu")
             signs = [t.float() for t in params]
             ops.es_update(signs, IDS[:3], keys, weights, coef=0.1, noise_kind="rademacher", backend="cpu")

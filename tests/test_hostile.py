@@ -578,7 +578,7 @@ DATA_FILES = [
     (
         "cut.jsonl",
         b'{"prompt": "a"}\n{"prompt": "b',
-        r"cut.jsonl:2: not one JSON object \(Unterminated string",
+        r"cut.jsonl:2: malformed JSON \(Unterminated string",
     ),
     ("dol.json", b'{"prompt": ["a", "b"], "answer": ["1", "2"]}', r"dol.json: holds one object of columns"),
     (

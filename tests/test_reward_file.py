@@ -118,7 +118,8 @@ def test_mistakes_fail_when_the_config_is_built(files):
             load_config(None, {"task": task, "out_dir": str(root / "run"), **options})
     lines = (root / "data.jsonl").read_text().splitlines()
     (root / "data.jsonl").write_text("\n".join([lines[0], '{"prompt": "x", "answer": "1"}']))
-    with pytest.raises(ConfigError, match=r"data.jsonl:2: columns \['answer'\] differ"):
+    different = r"data.jsonl:2 has columns \['answer', 'prompt'\], line 1 has \['answer', 'level', 'prompt'\]"
+    with pytest.raises(ConfigError, match=different):
         load_config(None, {"task": task, "reward": f"{rewards}:score", "out_dir": str(root / "run")})
     code = cli.main(["train", "--task", task, "--reward", f"{rewards}:nope", "--out_dir", str(root / "run")])
     assert code == 2

@@ -13,9 +13,10 @@ How it stays fast:
   CPU in well under a second, cached under `cache_dir()`, loaded with ctypes.
 - The input is a small table of tensor slices (first Philox block, first lane, blocks, tensor id); the
   library makes every block's counter itself, so any key, tensor and size runs the same code (nothing
-  is ever rebuilt) and no per-element counters are held. Small tensors share a chunk of CHUNK lanes;
-  only the lanes in use are computed. Chunk-sized outputs go to reused per-thread buffers (a fresh
-  megabyte per chunk costs page faults comparable to the noise itself).
+  is ever rebuilt) and no per-element counters are held. The slices come from the one chunk plan
+  (`fastes.engine.chunks`): small tensors share a chunk; only the lanes in use are computed. Chunk-sized
+  outputs go to reused per-thread buffers (a fresh megabyte per chunk costs page faults comparable to
+  the noise itself).
 - The update regenerates every direction's noise and sums it inside the library, tile by tile: one
   call per chunk, whatever the population; then each weight is read and written once.
 - Threads: each call is split into block ranges over torch.get_num_threads() Python threads (ctypes
@@ -36,17 +37,13 @@ import subprocess
 import sys
 import threading
 import warnings
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from . import noise
-
-CHUNK = 1 << 18  # elements per library call (1 MB of fp32): Python overhead per call stays small
+from . import chunks, noise
 
 Key = tuple[int, int]
 
@@ -229,7 +226,7 @@ def _scratch(kind: str, lanes: int) -> torch.Tensor:
     itself; callers use a chunk's buffer before asking for the next one of its kind."""
     buffers = _scratch_buffers.__dict__
     if kind not in buffers:
-        buffers[kind] = torch.empty(CHUNK, dtype=torch.int32 if kind == "words" else torch.float32)
+        buffers[kind] = torch.empty(chunks.CHUNK, dtype=torch.int32 if kind == "words" else torch.float32)
     return buffers[kind][:lanes]
 
 
@@ -290,8 +287,8 @@ def _in_place_layout(
     (source, destination, elements) of each, and the number of blocks: for one library call over all."""
     parts, lane = [], 0
     for index, t in enumerate(sources):
-        parts.append((index, 0, t.numel(), lane))
-        lane += per_block * _blocks(t.numel(), per_block)
+        parts.append(chunks.Part(index, 0, t.numel(), lane))
+        lane += per_block * chunks.blocks(t.numel(), per_block)
     io = [(s.data_ptr(), d.data_ptr(), s.numel()) for s, d in zip(sources, destinations)]
     return _table(parts, tensor_ids, per_block), torch.tensor(io, dtype=torch.int64), lane // per_block
 
@@ -309,31 +306,11 @@ def round_keys(key: Key) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Chunk plans: which tensor slices each compiled call covers
+# The library's part table: which tensor slices each compiled call covers
 # ---------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Piece:
-    """One library call's worth of work: slices of one or more tensors packed into at most CHUNK lanes.
-
-    `parts` lists (tensor index, first element, element count, first lane), packed from lane 0 without
-    gaps, each slice on a block boundary; `lanes` is the number of lanes used (whole blocks); `table` is
-    the library's part table for the plan's block size (see `_table`).
-    """
-
-    parts: tuple[tuple[int, int, int, int], ...]
-    lanes: int
-    table: torch.Tensor
-
-
-def _blocks(n: int, per_block: int) -> int:
-    return (n + per_block - 1) // per_block
-
-
-def _table(
-    parts: Sequence[tuple[int, int, int, int]], tensor_ids: Sequence[int], per_block: int
-) -> torch.Tensor:
+def _table(parts: Sequence[chunks.Part], tensor_ids: Sequence[int], per_block: int) -> torch.Tensor:
     """The library's [parts, 4] int64 table for blocks of `per_block` elements (4: normals and words;
     128: signs): first block of the slice in its tensor (a uint64 carried as its int64 bit pattern: element
     offsets reach 2^66), first lane block, number of blocks, tensor id."""
@@ -344,57 +321,18 @@ def _table(
             (
                 block - (1 << 64) if block >= 1 << 63 else block,
                 lane // per_block,
-                _blocks(n, per_block),
+                chunks.blocks(n, per_block),
                 tensor_ids[index],
             )
         )
     return torch.tensor(rows, dtype=torch.int64)
 
 
-_plans: OrderedDict = OrderedDict()  # the last few plans, keyed by layout
-
-
-def plan(numels: Sequence[int], tensor_ids: Sequence[int], per_block: int = 4) -> list[_Piece]:
-    """Pack the tensors' elements into chunks: large tensors are cut at CHUNK, small ones share a chunk.
-
-    Every slice starts on a Philox block (its first element is 0 or a multiple of CHUNK) of `per_block`
-    elements (4, or 128 for signs) and on a lane that is a multiple of it, so the lanes of a chunk line
-    up with whole blocks.
-    """
-    signature = (tuple(numels), tuple(tensor_ids), per_block)
-    if signature in _plans:
-        _plans.move_to_end(signature)
-        return _plans[signature]
-    pieces: list[_Piece] = []
-    parts: list[tuple[int, int, int, int]] = []
-    used = 0  # lanes used in the current chunk (whole blocks)
-
-    def flush() -> None:
-        pieces.append(_Piece(tuple(parts), used, _table(parts, tensor_ids, per_block)))
-        parts.clear()
-
-    for index, numel in enumerate(numels):
-        for start in range(0, numel, CHUNK):
-            n = min(CHUNK, numel - start)
-            lanes = per_block * _blocks(n, per_block)
-            if used + lanes > CHUNK:
-                flush()
-                used = 0
-            parts.append((index, start, n, used))
-            used += lanes
-    if parts:
-        flush()
-    _plans[signature] = pieces
-    if len(_plans) > 16:
-        _plans.popitem(last=False)
-    return pieces
-
-
-def _noise_chunk(noise_kind: str, piece: _Piece, keys: torch.Tensor) -> torch.Tensor:
+def _noise_chunk(noise_kind: str, table: torch.Tensor, lanes: int, keys: torch.Tensor) -> torch.Tensor:
     """eps of distribution `noise_kind` for the lanes of a chunk planned with its block size."""
     kind = "sign" if noise_kind == "rademacher" else "normal"
     stream, per_block = noise.perturbation_stream(noise_kind), noise.elements_per_block(noise_kind)
-    return _run(kind, piece.table, stream, keys, piece.lanes // per_block)
+    return _run(kind, table, stream, keys, lanes // per_block)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -409,13 +347,13 @@ def _stream_chunks(kind: str, key: Key, tensor_id: int, numel: int, offset: int,
     total = offset + numel - first
     out = torch.empty(numel, dtype=torch.float32 if kind == "normal" else torch.int64)
     keys = round_keys(key)
-    for start in range(0, total, CHUNK):
-        n = min(CHUNK, total - start)
+    for start in range(0, total, chunks.CHUNK):
+        n = min(chunks.CHUNK, total - start)
         table = _table([(0, first + start, n, 0)], [tensor_id], 4)
         if kind == "normal" and first == offset and n % 4 == 0:  # whole blocks, in place: no copy
             _run(kind, table, stream, keys, n // 4, out[start : start + n])
             continue
-        lanes = _run(kind, table, stream, keys, _blocks(n, 4))
+        lanes = _run(kind, table, stream, keys, chunks.blocks(n, 4))
         # chunk element i is stream element first + start + i; out[j] is stream element offset + j
         lo, hi = max(first + start, offset), first + start + n
         values = lanes[lo - first - start : hi - first - start]
@@ -435,9 +373,9 @@ def normals(key: Key, tensor_ids: Sequence[int], numels: Sequence[int], stream: 
     chunk plan packs them into (small tensors share a call): one call per tensor costs more than its noise."""
     keys = round_keys(key)
     out = [torch.empty(numel, dtype=torch.float32) for numel in numels]
-    for piece in plan(numels, tensor_ids):
-        lanes = _run("normal", piece.table, stream, keys, piece.lanes // 4)
-        for index, start, n, lane in piece.parts:
+    for chunk in chunks.plan(numels):
+        lanes = _run("normal", _table(chunk.parts, tensor_ids, 4), stream, keys, chunk.lanes // 4)
+        for index, start, n, lane in chunk.parts:
             out[index][start : start + n] = lanes[lane : lane + n]
     return out
 
@@ -482,9 +420,9 @@ def perturb(
 
         _parallel(call, n_blocks)
         return
-    for piece in plan([t.numel() for t in sources], tensor_ids, per_block):
-        eps = _noise_chunk(noise_kind, piece, keys)
-        for index, start, n, lane in piece.parts:
+    for chunk in chunks.plan([t.numel() for t in sources], per_block):
+        eps = _noise_chunk(noise_kind, _table(chunk.parts, tensor_ids, per_block), chunk.lanes, keys)
+        for index, start, n, lane in chunk.parts:
             src = sources[index].view(-1)[start : start + n]
             dst = destinations[index].view(-1)[start : start + n]
             if src.dtype == torch.float32:
@@ -534,17 +472,19 @@ def es_update(
 
         _parallel(call, n_blocks)
         return
-    for piece in plan([p.numel() for p in params], tensor_ids, per_block):
-        total = _scratch("total", piece.lanes)
-        _run_sum(noise_kind, piece.table, schedules, weight_column, total, piece.lanes // per_block)
+    for chunk in chunks.plan([p.numel() for p in params], per_block):
+        total = _scratch("total", chunk.lanes)
+        table = _table(chunk.parts, tensor_ids, per_block)
+        _run_sum(noise_kind, table, schedules, weight_column, total, chunk.lanes // per_block)
         u = None
-        if rounding is not None and any(params[i].dtype != torch.float32 for i, *_ in piece.parts):
-            # The rounding stream has 4 elements per block; sign pieces' lanes are 128-aligned, so a
+        if rounding is not None and any(params[i].dtype != torch.float32 for i, *_ in chunk.parts):
+            # The rounding stream has 4 elements per block; sign chunks' lanes are 128-aligned, so a
             # 4-element table at the same lanes gives each element its uniform.
-            table = _table(piece.parts, tensor_ids, 4) if noise_kind == "rademacher" else piece.table
-            words = _run("words", table, noise.STREAM_ROUNDING, rounding, piece.lanes // 4)
+            if noise_kind == "rademacher":
+                table = _table(chunk.parts, tensor_ids, 4)
+            words = _run("words", table, noise.STREAM_ROUNDING, rounding, chunk.lanes // 4)
             u = noise._uniform(words.to(torch.int64) & noise.MASK32)
-        for index, start, n, lane in piece.parts:
+        for index, start, n, lane in chunk.parts:
             param = params[index]
             step = total[lane : lane + n].mul(coef)
             if grads is not None:

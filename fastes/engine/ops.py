@@ -18,16 +18,13 @@ import math
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from . import cpu_library, noise
+from . import chunks, cpu_library, noise
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BACKENDS = ("auto", "triton", "cpu", "torch")
-_REFERENCE_CHUNK = 1 << 18  # elements per reference pass: int64 temporaries of 2 MB stay in cache
-_CACHED_PLAN_ELEMENTS = 1 << 22  # larger layouts rebuild their counters per call rather than hold them
 _BLOCK = 1024  # elements per Triton program (a multiple of 4: whole Philox blocks)
 # Sign noise: larger tiles, so that each thread's 32 elements share one Philox call per 128 elements
 # (python -m benchmarks --static: ~6.6 SASS instructions per element per direction in the update at
@@ -102,63 +99,25 @@ def _triton_available() -> bool:
 # ---------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Piece:
-    """A batch of tensor slices whose noise one vectorised Philox call computes (at most _REFERENCE_CHUNK).
-
-    Small tensors share a piece (one call instead of one per tensor); large ones are cut into chunks.
-    `parts` lists (tensor index, first element, element count, position in the piece's lanes).
-    """
-
-    c0: torch.Tensor
-    c1: torch.Tensor
-    tensor_ids: torch.Tensor
-    parts: list[tuple[int, int, int, int]]
-
-
-_plans: OrderedDict = OrderedDict()  # the last few reference plans, keyed by tensor layout
-
-
-def _reference_plan(
-    tensors: Sequence[torch.Tensor], tensor_ids: Sequence[int], per_block: int = 4
-) -> list[_Piece]:
-    """Pieces of at most _REFERENCE_CHUNK elements, with counters of `per_block`-element Philox blocks.
-
-    Which slices go into which piece depends on the sizes alone, not on `per_block`, so plans for the
-    noise (4 or 128 elements per block) and for the rounding uniforms (4) line up piece by piece.
-    """
-    device = tensors[0].device
-    signature = (str(device), per_block, tuple((t.numel(), tid) for t, tid in zip(tensors, tensor_ids)))
-    if signature in _plans:
-        return _plans[signature]
-    pieces: list[_Piece] = []
-    counters: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-    parts: list[tuple[int, int, int, int]] = []
-    lanes = elements = 0
-
-    def flush() -> None:
-        c0, c1, ids = (torch.cat(column) for column in zip(*counters))
-        pieces.append(_Piece(c0, c1, ids, list(parts)))
-        counters.clear()
-        parts.clear()
-
-    for index, (tensor, tid) in enumerate(zip(tensors, tensor_ids)):
-        for start in range(0, tensor.numel(), _REFERENCE_CHUNK):  # chunk starts are multiples of 128
-            n = min(_REFERENCE_CHUNK, tensor.numel() - start)
-            if parts and elements + n > _REFERENCE_CHUNK:
-                flush()
-                lanes = elements = 0
-            c0, c1, first, n_blocks = noise._counter_words(n, start, device, per_block)
-            counters.append((c0, c1, torch.full_like(c0, tid)))
-            parts.append((index, start, n, lanes + start - first))
-            lanes += per_block * n_blocks
-            elements += n
-    flush()
-    if sum(t.numel() for t in tensors) <= _CACHED_PLAN_ELEMENTS:  # counters cost 6 bytes per element
-        _plans[signature] = pieces
-        if len(_plans) > 16:
-            _plans.popitem(last=False)
-    return pieces
+def _counters(
+    chunk: chunks.Chunk,
+    tensor_ids: Sequence[int],
+    device: torch.device,
+    per_block: int,
+    lane_block: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Philox counters (low words, high words, tensor ids) of `per_block`-element blocks for every lane
+    of a chunk planned in `lane_block`-element blocks (default: the same): lane `part.lane + i` holds
+    element `part.start + i` of its tensor. Sign noise's rounding uniforms (4 per block) thus take the
+    lanes of its noise (128 per block)."""
+    lane_block = lane_block or per_block
+    columns = []
+    for part in chunk.parts:
+        span = lane_block * chunks.blocks(part.count, lane_block)  # the part's lanes, padding included
+        c0, c1, _, _ = noise._counter_words(span, part.start, device, per_block)
+        columns.append((c0, c1, torch.full_like(c0, tensor_ids[part.tensor])))
+    c0, c1, ids = (torch.cat(column) for column in zip(*columns))
+    return c0, c1, ids
 
 
 @torch.no_grad()
@@ -171,9 +130,11 @@ def perturb_reference(
     noise_kind: str = "gaussian",
 ) -> None:
     """dst = (float32(src) + scale * eps(key, tensor id)) rounded to the tensor's dtype."""
-    for piece in _reference_plan(sources, tensor_ids, noise.elements_per_block(noise_kind)):
-        eps = noise.noise_from_counters(noise_kind, key, piece.c0, piece.c1, piece.tensor_ids)
-        for index, start, n, at in piece.parts:
+    per_block = noise.elements_per_block(noise_kind)
+    for chunk in chunks.plan([t.numel() for t in sources], per_block):
+        c0, c1, ids = _counters(chunk, tensor_ids, sources[0].device, per_block)
+        eps = noise.noise_from_counters(noise_kind, key, c0, c1, ids)
+        for index, start, n, at in chunk.parts:
             theta = sources[index].view(-1)[start : start + n].to(torch.float32)
             perturbed = theta + scale * eps[at : at + n]
             destinations[index].view(-1)[start : start + n] = perturbed.to(sources[index].dtype)
@@ -197,22 +158,20 @@ def es_update_reference(
     The sum is accumulated in fp32 in direction order; with `rounding_key` a 16-bit result is rounded
     stochastically with uniforms from the rounding stream, otherwise to nearest.
     """
-    noise_plan = _reference_plan(params, tensor_ids, noise.elements_per_block(noise_kind))
+    per_block, device = noise.elements_per_block(noise_kind), params[0].device
     stochastic = rounding_key is not None and grads is None
-    # The rounding stream has 4 elements per block: for sign noise its counters come from a second plan.
-    rounding_plan = _reference_plan(params, tensor_ids) if stochastic else noise_plan
-    for piece, rounding_piece in zip(noise_plan, rounding_plan):
-        total = torch.zeros(piece.c0.numel() * noise.elements_per_block(noise_kind), device=params[0].device)
+    for chunk in chunks.plan([p.numel() for p in params], per_block):
+        c0, c1, ids = _counters(chunk, tensor_ids, device, per_block)
+        total = torch.zeros(chunk.lanes, device=device)
         for key, w in zip(keys, weights):
-            eps = noise.noise_from_counters(noise_kind, key, piece.c0, piece.c1, piece.tensor_ids)
+            eps = noise.noise_from_counters(noise_kind, key, c0, c1, ids)
             total += torch.tensor(w, dtype=torch.float32) * eps
         u = None
-        if stochastic:
+        if stochastic:  # the rounding stream has 4 elements per block, at the lanes of the noise
             u = noise.uniform_from_counters(
-                rounding_key, rounding_piece.c0, rounding_piece.c1, rounding_piece.tensor_ids,
-                noise.STREAM_ROUNDING,
-            )  # fmt: skip
-        for (index, start, n, at), (_, _, _, u_at) in zip(piece.parts, rounding_piece.parts):
+                rounding_key, *_counters(chunk, tensor_ids, device, 4, per_block), noise.STREAM_ROUNDING
+            )
+        for index, start, n, at in chunk.parts:
             param = params[index]
             step = coef * total[at : at + n]
             if grads is not None:
@@ -221,7 +180,7 @@ def es_update_reference(
             flat = param.view(-1)
             new = flat[start : start + n].to(torch.float32) * decay + step
             if u is not None and param.dtype != torch.float32:
-                flat[start : start + n] = noise.stochastic_round(new, param.dtype, u[u_at : u_at + n])
+                flat[start : start + n] = noise.stochastic_round(new, param.dtype, u[at : at + n])
             else:
                 flat[start : start + n] = new.to(param.dtype)
 

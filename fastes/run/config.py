@@ -1,7 +1,8 @@
 """Run configuration: one dataclass tree, filled from defaults, a TOML file and command-line flags.
 
 Every key is checked when the config is built: an unknown key, a wrong type or an impossible value
-fails at once with a ConfigError that names the key and says how to fix it.
+fails at once with a ConfigError that names the key and says how to fix it. The task and reward
+settings are checked by the tasks package (`fastes.tasks.setup`), which knows what they mean.
 """
 
 from __future__ import annotations
@@ -464,16 +465,6 @@ def _floats(obj: Any, prefix: str = "") -> list[tuple[str, float]]:
     return found
 
 
-def _task_exists(name: str) -> bool:
-    """A built-in task name exactly, or a prefixed form ("jsonl:<path>") with something after the colon."""
-    from fastes.tasks import available_tasks
-
-    kind, colon, rest = name.partition(":")
-    prefixed = {t.partition(":")[0] for t in available_tasks() if ":" in t}
-    built_in = {t for t in available_tasks() if ":" not in t}
-    return kind in built_in or (kind in prefixed and rest != "")
-
-
 def _check_out_dir(cfg: TrainConfig) -> None:
     """The run directory. Every file a run writes has a fixed name under it, so only its own value matters.
 
@@ -540,54 +531,6 @@ def _check_triton(cfg: TrainConfig) -> None:
     )
 
 
-def reward_specs(reward: str) -> list[str]:
-    """The FILE.py:FUNCTION entries of `reward` (comma-separated)."""
-    return [entry.strip() for entry in reward.split(",") if entry.strip()]
-
-
-def parse_weights(text: str) -> list[float] | None:
-    """The numbers of `reward_weights` ("1,0.5"); None when empty (every function weighs 1)."""
-    if not text.strip():
-        return None
-    try:
-        return [float(part) for part in text.split(",")]
-    except ValueError:
-        raise ConfigError(
-            f"reward_weights: {text!r} is not a comma-separated list of numbers, e.g. 1,0.5"
-        ) from None
-
-
-def _check_dataset(cfg: TrainConfig) -> None:
-    """Read the data files and load and try the reward functions now: a mistake fails before any work."""
-    _require(
-        cfg.task == "dataset",
-        "dataset",
-        f"replaces the task: set task = 'dataset' too (it is {cfg.task!r}); `--dataset` on the command "
-        "line does that",
-    )
-    _require(cfg.reward != "", "dataset", "needs reward functions: reward = 'rewards.py:score[,more.py:f]'")
-    _require(cfg.reward_timeout > 0, "reward_timeout", f"must be > 0 seconds, got {cfg.reward_timeout}")
-
-    try:
-        dataset_task(cfg)
-    except (ValueError, OSError, ImportError) as error:
-        raise ConfigError(f"dataset: {error}") from None
-
-
-def dataset_task(cfg: TrainConfig) -> Any:
-    """The DatasetTask of `cfg.dataset`, scored by `cfg.reward`'s functions with their weights."""
-    from fastes.tasks import DatasetTask
-
-    return DatasetTask.from_files(
-        cfg.dataset,
-        reward_specs(cfg.reward),
-        eval_path=cfg.eval_dataset or None,
-        reward_weights=parse_weights(cfg.reward_weights),
-        seed=cfg.task_seed,
-        timeout=cfg.reward_timeout,
-    )
-
-
 def _check_report_to(cfg: TrainConfig) -> None:
     _require(
         cfg.report_to in REPORT_TO,
@@ -605,32 +548,6 @@ def _check_report_to(cfg: TrainConfig) -> None:
     _require(cfg.logging_steps >= 1, "logging_steps", f"must be at least 1, got {cfg.logging_steps}")
 
 
-def _check_reward(cfg: TrainConfig) -> None:
-    """Load the reward function and read the task file now, so that a mistake fails before any work."""
-    if cfg.dataset:
-        _check_dataset(cfg)
-        return
-    _require(not cfg.eval_dataset, "eval_dataset", "holds the held-out rows of `dataset`; set dataset too")
-    _require(not cfg.reward_weights, "reward_weights", "weighs the reward functions of `dataset`; set it too")
-    if not cfg.reward:
-        return
-    _require(cfg.reward_timeout > 0, "reward_timeout", f"must be > 0 seconds, got {cfg.reward_timeout}")
-    _require(
-        len(reward_specs(cfg.reward)) == 1,
-        "reward",
-        "several reward functions need a dataset: give it as dataset = 'data.jsonl'",
-    )
-    _require(
-        cfg.task.startswith("jsonl:"), "reward", f"scores a jsonl:<path> task of prompts, not {cfg.task!r}"
-    )
-    from fastes.tasks import get_task
-
-    try:
-        get_task(cfg.task, seed=cfg.task_seed, reward=cfg.reward, timeout=cfg.reward_timeout)
-    except (ValueError, OSError) as error:
-        raise ConfigError(f"reward: {error}") from None
-
-
 def _check_evolve(es: ESSettings) -> None:
     import re
 
@@ -645,18 +562,6 @@ def _check_evolve(es: ESSettings) -> None:
         f"batched evaluation ({es.eval_mode}) evolves projection matrices only; set es.eval_mode = "
         "'member' to evolve embeddings, norms or biases",
     )
-
-
-def _check_task_options(task: str) -> None:
-    """A built-in task's options in its name ("arithmetic:max_digits=1") are key=value pairs."""
-    from fastes.tasks import available_tasks, parse_task_options
-
-    kind, _, rest = task.partition(":")
-    if kind in available_tasks() and rest:
-        try:
-            parse_task_options(rest)
-        except ValueError as error:
-            raise ConfigError(f"task: {error}") from None
 
 
 def _check_prompting(cfg: TrainConfig) -> None:
@@ -707,19 +612,12 @@ PROMPT_SETTINGS = (
 
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Check every value's range; returns cfg for chaining."""
-    from fastes.tasks import available_tasks
+    from fastes.tasks.setup import check_settings
 
     for key, value in _floats(cfg):  # TOML has nan and inf literals; no key means anything by them
         _require(math.isfinite(value), key, f"must be a finite number, got {value}")
     _require(cfg.algorithm in ALGORITHMS, "algorithm", f"{cfg.algorithm!r} is not one of {ALGORITHMS}")
-    # "dataset": rows from the `dataset` file, or given in code to fastes.run.train.train (fastes.ESTrainer).
-    _require(
-        _task_exists(cfg.task) or cfg.task == "dataset",
-        "task",
-        f"{cfg.task!r} does not exist; available: {', '.join(available_tasks())}, dataset",
-    )
-    _check_task_options(cfg.task)
-    _check_reward(cfg)
+    check_settings(cfg)  # the task, its options, the reward functions and data files
     _check_report_to(cfg)
     if cfg.model:
         from fastes.models.sources import check_model_spec

@@ -35,10 +35,11 @@ from fastes.models.loading import ModelError, is_character_tokenizer, load_model
 from fastes.models.sources import resolve_model
 from fastes.tasks import DatasetTask, Example, Task, available_tasks, get_task
 from fastes.tasks.base import DEFAULT_TEST_PROBLEMS
+from fastes.tasks.setup import dataset_task
 
 from . import auto_settings, rundir
 from .callbacks import TENSORBOARD_DIR, Callbacks, TensorBoardCallback
-from .config import ESSettings, TrainConfig, dataset_task, es_key
+from .config import ESSettings, TrainConfig, es_key
 from .es_loop import PartTimer, es_iteration, evolved_weights, make_es
 from .evaluation import Evaluator, rates
 from .grpo_loop import grpo_step, make_grpo_optimizer

@@ -30,10 +30,10 @@ from fastes.errors import FastesError, MissingFileError, MissingPackageError
 
 from .base import Example, check_split
 from .registry import get_task
-from .reward_file import PASSED, Rewards, RewardScoredTask
+from .reward_file import Rewards, RewardScoredTask
 from .reward_model import reward_sources
+from .rows import Columns, json_lines, object_row, read_text
 
-RESERVED_COLUMNS = PASSED  # names the trainer passes to reward functions itself: no column may take them
 DATA_FILES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}  # suffix: builder
 HELD_OUT = 0.2  # share of a data file held out for evaluation when no eval file is given
 ROLES = ("system", "user", "assistant", "tool")  # the message roles of chat templates
@@ -60,29 +60,17 @@ def dataset_rows(data: Any, what: str) -> list[dict[str, Any]]:
         )
     if not rows:
         raise DatasetError(f"{what} is empty; give it rows with a 'prompt'")
-    columns = None
+    columns = Columns(DatasetError)
     for i, row in enumerate(rows):
-        if not isinstance(row, dict):
-            raise DatasetError(f"{what} row {i} is a {type(row).__name__}, not a dict of columns")
+        where = f"{what} row {i}"
+        object_row(row, where, DatasetError)
         if "prompt" not in row:
             raise DatasetError(
                 f"{what} has no 'prompt' column (row {i} has {', '.join(map(repr, row)) or 'none'}); "
                 "rename the column that holds the prompts to 'prompt'"
             )
-        _check_prompt(row["prompt"], f"{what} row {i}")
-        if columns is None:
-            columns = sorted(row)
-            clash = [c for c in columns if c in RESERVED_COLUMNS]
-            if clash:
-                raise DatasetError(
-                    f"{what} has a column {clash[0]!r}, a name passed to the reward functions by the trainer "
-                    "itself; rename that column"
-                )
-        elif sorted(row) != columns:
-            raise DatasetError(
-                f"{what} row {i} has columns {sorted(row)}, row 0 has {columns}; give every "
-                "row the same columns"
-            )
+        _check_prompt(row["prompt"], where)
+        columns.check(row, where, f"row {i}")
     if len({isinstance(row["prompt"], list) for row in rows}) > 1:
         raise DatasetError(f"{what} mixes text prompts and message lists; use one kind for every row")
     return rows
@@ -145,16 +133,10 @@ def read_data_file(path: str | Path) -> list[dict[str, Any]]:
 
 def _check_text_file(path: Path, builder: str) -> None:
     """What the `datasets` library reports badly or not at all, with the file and line: an empty file, a
-    file that is not UTF-8, a JSON Lines line that is no JSON, a CSV header naming a column twice (read as
-    'answer.1'), without rows, or a row with more or fewer fields than the header, a .json file holding
-    one object of columns (a dict of lists)."""
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as error:
-        line = error.object[: error.start].count(b"\n") + 1
-        raise DatasetError(
-            f"{path}:{line}: not UTF-8 text (byte {error.object[error.start]:#04x}); save the file as UTF-8"
-        ) from None
+    file that is not UTF-8, a JSON Lines line that is not one JSON object, a CSV header naming a column
+    twice (read as 'answer.1'), without rows, or a row with more or fewer fields than the header, a .json
+    file holding one object of columns (a dict of lists)."""
+    text = read_text(path, DatasetError)
     if not text.strip():
         raise DatasetError(f"{path}: the file is empty; give it rows, each with a 'prompt'")
     if builder == "csv":
@@ -176,14 +158,8 @@ def _check_text_file(path: Path, builder: str) -> None:
         if not found:
             raise DatasetError(f"{path}: the header has no rows below it; give it rows, each with a 'prompt'")
     elif path.suffix.lower() == ".jsonl":
-        for number, line in enumerate(text.splitlines(), start=1):
-            try:
-                if line.strip():
-                    json.loads(line)
-            except ValueError as error:
-                raise DatasetError(
-                    f"{path}:{number}: not one JSON object ({error}); write one per line"
-                ) from None
+        for _ in json_lines(path, DatasetError, text):  # each line is checked as it is read
+            pass
     elif path.suffix.lower() == ".json":
         try:
             whole = json.loads(text)

@@ -31,6 +31,7 @@ from fastes.errors import FastesError, MissingFileError
 
 from .base import ALPHABET, Example, Score, Task, outside_alphabet
 from .countdown import solve_countdown
+from .rows import json_lines
 from .verify import ANSWER_END, parse_number, score_countdown, score_exact, score_numeric
 
 VERIFIERS = ("exact", "numeric", "countdown")
@@ -51,14 +52,12 @@ def _score_row(verifier: str, meta: dict[str, Any], answer: str, completion: str
     return score_exact(answer, completion)
 
 
-def _parse_row(row: Any, where: str, strict_alphabet: bool) -> tuple[Example, str | None]:
-    """Check one decoded line and turn it into an Example; also return its explicit split, if any."""
+def _parse_row(row: dict[str, Any], where: str, strict_alphabet: bool) -> tuple[Example, str | None]:
+    """Check one line's object and turn it into an Example; also return its explicit split, if any."""
 
     def fail(problem: str) -> JsonlTaskError:
         return JsonlTaskError(f"{where}: {problem}")
 
-    if not isinstance(row, dict):
-        raise fail(f'expected a JSON object {{"prompt": ..., ...}}, got a {type(row).__name__}')
     for key in _REQUIRED_KEYS:
         if key not in row:
             raise fail(f"missing key {key!r}; every line needs {', '.join(map(repr, _REQUIRED_KEYS))}")
@@ -141,30 +140,10 @@ def load_jsonl_examples(path: str | Path, strict_alphabet: bool = True) -> list[
         raise MissingFileError(
             f"JSONL task file {str(path)!r} not found or not a file; check the path after 'jsonl:'"
         )
-    try:
-        # split("\n"), not splitlines(): the latter also breaks at characters such as U+2028 inside strings.
-        lines = path.read_text(encoding="utf-8").split("\n")
-    except UnicodeDecodeError as error:
-        raise JsonlTaskError(f"{path}: not UTF-8 text ({error}); save the file as UTF-8") from None
-
     rows: list[tuple[Example, str | None]] = []
     first_line_of: dict[str, int] = {}
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
+    for number, row in json_lines(path, JsonlTaskError):
         where = f"{path}:{number}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise JsonlTaskError(
-                f"{where}: malformed JSON ({error.msg} at column {error.colno}); each line must be one "
-                "complete JSON object"
-            ) from None
-        except (RecursionError, ValueError) as error:  # hostile nesting depth, integers too long to parse
-            raise JsonlTaskError(
-                f"{where}: unreadable JSON ({type(error).__name__}: {str(error)[:80]}); keep lines to plain "
-                "objects with short strings and numbers"
-            ) from None
         example, split = _parse_row(row, where, strict_alphabet)
         earlier = first_line_of.get(example.prompt)
         if earlier is not None:

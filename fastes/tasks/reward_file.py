@@ -51,9 +51,8 @@ from fastes.errors import FastesError
 
 from .base import Example, Score, Task
 from .jsonl import assign_splits
+from .rows import RESERVED, Columns, json_lines
 
-# What TRL passes every reward function by keyword besides the columns: no column may take these names.
-PASSED = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra")
 logger = logging.getLogger(__name__)
 MAX_TIMEOUT = 1e9  # seconds (31 years): SIGALRM's timer cannot be set much further
 ASYNC_GRACE = 5.0  # seconds past the timeout before an async function that blocks its event loop is given up
@@ -165,7 +164,7 @@ class RewardFunction:
             raise RewardFunctionError(
                 f"{self}: the function must take a 'completions' argument (TRL's signature)"
             )
-        names = {*PASSED, *columns}
+        names = {*RESERVED, *columns}
         missing = [p.name for p in required if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
         missing = sorted(set(missing) - names)
         if missing:
@@ -493,34 +492,17 @@ def _read_rows(path: Path) -> tuple[list[tuple[Example, str | None]], list[str]]
     """(example, explicit split) per line, and the column names; every problem names its file:line."""
     if not path.is_file():
         raise FileNotFoundError(f"task file {str(path)!r} not found; check the path after 'jsonl:'")
-    rows, columns = [], None
-    for number, line in enumerate(path.read_text(encoding="utf-8").split("\n"), start=1):
-        if not line.strip():
-            continue
+    rows, columns = [], Columns(RewardFunctionError)
+    for number, row in json_lines(path, RewardFunctionError):
         where = f"{path}:{number}"
-        try:
-            row = json.loads(line)
-        except (json.JSONDecodeError, RecursionError, ValueError) as error:
-            raise RewardFunctionError(f"{where}: not one JSON object ({str(error)[:80]})") from None
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
+        if not isinstance(row.get("prompt"), str) or not row["prompt"]:
             raise RewardFunctionError(f'{where}: each line needs a non-empty "prompt" string')
-        split = row.pop("split", None)
+        split = row.pop("split", None)  # a line's own split is no column: lines may leave it out
         if split not in (None, "train", "test"):
             raise RewardFunctionError(f'{where}: "split" must be "train" or "test", got {json.dumps(split)}')
+        columns.check(row, where, f"line {number}")
         prompt = row.pop("prompt")
-        if columns is None:
-            columns = sorted(row)
-            clash = [c for c in columns if c in PASSED]
-            if clash:
-                raise RewardFunctionError(
-                    f"{where}: column {clash[0]!r} is reserved (fastes passes it); rename it"
-                )
-        elif sorted(row) != columns:
-            raise RewardFunctionError(
-                f"{where}: columns {sorted(row)} differ from the first line's {columns}; "
-                "every line needs the same"
-            )
         rows.append((Example(prompt=prompt, answer="", solution="", meta={"columns": row}), split))
     if not rows:
         raise RewardFunctionError(f"{path}: no prompts found; write one JSON object per line")
-    return rows, columns or []
+    return rows, [c for c in columns.names if c != "prompt"]
