@@ -97,7 +97,7 @@ def _setup(args: argparse.Namespace, mode: str):
     from fastes.run.config import load_config
     from fastes.run.es_loop import make_es
     from fastes.run.shared import Run, batch_for
-    from fastes.run.train import make_task
+    from fastes.tasks.setup import make_task
 
     model, tokenizer = load_model(resolve_model(args.model), dtype="float32")
     overrides = {

@@ -228,7 +228,8 @@ def cmd_eval(args: argparse.Namespace) -> dict:
     from .models.sources import resolve_model
     from .run import auto_settings
     from .run.evaluation import Evaluator, pass_at_k
-    from .run.train import check_task, make_task
+    from .run.train import check_task
+    from .tasks.setup import make_task
 
     # The run's own settings, checked and chosen as a run would: the same prompts, task and verifier.
     given = {key: getattr(args, key) for key in EVAL_SETTINGS if hasattr(args, key)}

@@ -16,8 +16,9 @@ from safetensors.torch import load_file
 from fastes.errors import FastesError
 from fastes.models.loading import load_model
 from fastes.run.config import load_config
-from fastes.run.train import make_task, paired_gain, train
+from fastes.run.train import paired_gain, train
 from fastes.tasks import get_task
+from fastes.tasks.setup import make_task
 
 
 @pytest.fixture(scope="module")

@@ -29,8 +29,9 @@ from fastes.run import auto_settings
 from fastes.run.config import TrainConfig, load_config
 from fastes.run.evaluation import Evaluator
 from fastes.run.rundir import RUN_FILE
-from fastes.run.train import make_task, train
+from fastes.run.train import train
 from fastes.tasks import Task
+from fastes.tasks.setup import make_task
 
 from .budget import BudgetPlan, Preset, segment_ends, sweep_iterations
 from .progress import Progress
@@ -103,7 +104,7 @@ def make_context(
     done: Progress,
 ) -> Context:
     """The Context of an experiment: its shared settings resolved for the base model as a run resolves
-    them (fastes.run.auto_settings), and its task built as a run builds it (fastes.run.train.make_task)."""
+    them (fastes.run.auto_settings), and its task built as a run builds it (fastes.tasks.setup.make_task)."""
     model, tokenizer = load_model(base_path, dtype=preset.dtype, device=device)
     given = load_config(None, {**shared_settings(preset, device), "model": str(base_path)})
     cfg = auto_settings.resolve(given, model, tokenizer)

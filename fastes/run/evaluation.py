@@ -3,7 +3,7 @@
 Runs (fastes/run/train.py), `fastes eval`, ESTrainer.evaluate() and the study (fastes/experiment/) all
 measure through an Evaluator, built from a run's config (automatic settings resolved,
 fastes.run.auto_settings): the task's prompt style, instruction and answer prefix are the task's
-(fastes.run.train.make_task builds it from the same config), the chat template, system prompt and answer
+(fastes.tasks.setup.make_task builds it from the same config), the chat template, system prompt and answer
 prefix are applied here, in render_prompts, and nowhere else.
 
     evaluator = Evaluator(cfg, model, tokenizer)

@@ -17,8 +17,6 @@ import copy
 import json
 import math
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,14 +26,13 @@ from tqdm.auto import tqdm
 
 from fastes import distributed
 from fastes.checkpoint import latest_checkpoint, save_checkpoint, write_atomic
-from fastes.errors import ConfigError, FastesError, NonFiniteUpdateError
+from fastes.errors import ConfigError, NonFiniteUpdateError
 from fastes.es.optimizer import ES, CollectiveError
 from fastes.models import adapters
 from fastes.models.loading import ModelError, is_character_tokenizer, load_model, save_model
 from fastes.models.sources import resolve_model
-from fastes.tasks import DatasetTask, Example, Task, available_tasks, get_task
-from fastes.tasks.base import DEFAULT_TEST_PROBLEMS
-from fastes.tasks.setup import dataset_task
+from fastes.tasks import DatasetTask, Example, Task
+from fastes.tasks.setup import make_task, task_errors
 
 from . import auto_settings, rundir
 from .callbacks import TENSORBOARD_DIR, Callbacks, TensorBoardCallback
@@ -264,52 +261,6 @@ def train(
         torch.set_num_threads(threads)
     distributed.teardown(joined)
     return result
-
-
-def make_task(cfg: TrainConfig, strict_alphabet: bool = True) -> Task:
-    """The configured task; with `reward`, a JSONL file of prompts scored by the user's function; with
-    `dataset`, a data file scored by one or more weighted reward functions.
-
-    A built-in task draws at least `eval_size` test problems. Its test problems are drawn after the
-    train ones, so the first 200 (the default) are the same whatever the count. `cfg.prompt_style` must
-    be resolved (fastes.run.auto_settings); JSONL prompts are held to the character model's alphabet only when
-    `strict_alphabet` (the model has the character tokenizer).
-    """
-    if cfg.dataset:
-        return dataset_task(cfg)
-    if cfg.task == "dataset":
-        raise ConfigError(
-            "task: 'dataset' takes its rows from `dataset` (a data file) or from code (fastes.ESTrainer); "
-            "set dataset = 'data.jsonl'"
-        )
-    if cfg.reward:
-        return get_task(cfg.task, seed=cfg.task_seed, reward=cfg.reward, timeout=cfg.reward_timeout)
-    kind = cfg.task.partition(":")[0]
-    with task_errors():
-        if kind in available_tasks():
-            return get_task(
-                cfg.task,
-                seed=cfg.task_seed,
-                style=cfg.prompt_style,
-                instruction=cfg.instruction,
-                answer_prefix=None if cfg.answer_prefix == "auto" else cfg.answer_prefix,
-                n_test=max(DEFAULT_TEST_PROBLEMS, cfg.eval_size),
-            )
-        if kind == "jsonl":
-            return get_task(cfg.task, seed=cfg.task_seed, strict_alphabet=strict_alphabet)
-        return get_task(cfg.task, seed=cfg.task_seed)
-
-
-@contextmanager
-def task_errors() -> Iterator[None]:
-    """A ValueError from building a task is an error in the config's `task` (fastes' own errors, which
-    already say what to fix, pass as they are)."""
-    try:
-        yield
-    except ValueError as error:
-        if isinstance(error, FastesError):
-            raise
-        raise ConfigError(f"task: {error}") from None
 
 
 def check_world_size(cfg: TrainConfig, task: Task) -> None:

@@ -1,4 +1,4 @@
-"""A run's task and rewards from its settings: checked before any work, and the dataset task built.
+"""A run's task and rewards from its settings: checked before any work, then built (make_task).
 
 The run config (`fastes.run.config`) holds the settings and calls `check_settings` when it validates
 them; this module knows what they mean: whether a task name exists, a built-in task's options, the
@@ -7,10 +7,13 @@ reward functions and their weights, the data files. Mistakes raise a ConfigError
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
-from fastes.errors import ConfigError
+from fastes.errors import ConfigError, FastesError
 
+from .base import DEFAULT_TEST_PROBLEMS, Task
 from .dataset import DatasetTask
 from .registry import available_tasks, get_task, parse_task_options
 
@@ -25,6 +28,10 @@ class TaskSettings(Protocol):
     reward: str
     reward_weights: str
     reward_timeout: float
+    prompt_style: str
+    instruction: str
+    answer_prefix: str
+    eval_size: int
 
 
 def task_exists(name: str) -> bool:
@@ -131,3 +138,49 @@ def _check_reward(settings: TaskSettings) -> None:
 def _check_timeout(timeout: float) -> None:
     if not timeout > 0:
         raise ConfigError(f"reward_timeout: must be > 0 seconds, got {timeout}")
+
+
+def make_task(cfg: TaskSettings, strict_alphabet: bool = True) -> Task:
+    """The configured task; with `reward`, a JSONL file of prompts scored by the user's function; with
+    `dataset`, a data file scored by one or more weighted reward functions.
+
+    A built-in task draws at least `eval_size` test problems. Its test problems are drawn after the
+    train ones, so the first 200 (the default) are the same whatever the count. `cfg.prompt_style` must
+    be resolved (fastes.run.auto_settings resolves a run's); JSONL prompts are held to the character
+    model's alphabet only when `strict_alphabet` (the model has the character tokenizer).
+    """
+    if cfg.dataset:
+        return dataset_task(cfg)
+    if cfg.task == "dataset":
+        raise ConfigError(
+            "task: 'dataset' takes its rows from `dataset` (a data file) or from code (fastes.ESTrainer); "
+            "set dataset = 'data.jsonl'"
+        )
+    if cfg.reward:
+        return get_task(cfg.task, seed=cfg.task_seed, reward=cfg.reward, timeout=cfg.reward_timeout)
+    kind = cfg.task.partition(":")[0]
+    with task_errors():
+        if kind in available_tasks():
+            return get_task(
+                cfg.task,
+                seed=cfg.task_seed,
+                style=cfg.prompt_style,
+                instruction=cfg.instruction,
+                answer_prefix=None if cfg.answer_prefix == "auto" else cfg.answer_prefix,
+                n_test=max(DEFAULT_TEST_PROBLEMS, cfg.eval_size),
+            )
+        if kind == "jsonl":
+            return get_task(cfg.task, seed=cfg.task_seed, strict_alphabet=strict_alphabet)
+        return get_task(cfg.task, seed=cfg.task_seed)
+
+
+@contextmanager
+def task_errors() -> Iterator[None]:
+    """A ValueError from building a task is an error in the config's `task` (fastes' own errors, which
+    already say what to fix, pass as they are)."""
+    try:
+        yield
+    except ValueError as error:
+        if isinstance(error, FastesError):
+            raise
+        raise ConfigError(f"task: {error}") from None
