@@ -44,11 +44,15 @@ def lowrank_linear_kernel(
     # while all of x, the smaller operand at decode, stays in L2.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    row_ids = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rows32 = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ids = rows32.to(tl.int64)  # y can pass 2^31 elements
     cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     row_ok = row_ids < rows
     col_ok = cols < N
-    member = row_ids // rows_per_member  # a tile may straddle members: every factor load is per row
+    # A tile may straddle members: factor loads are per row. A 32-bit division (a 64-bit one is a
+    # subroutine call with a stack frame), and 32-bit offsets into the small factors (members * r * K).
+    member = rows32 // rows_per_member
+    factor_rows = member * (RANK * K)  # where each row's member's input factors start
     ranks = tl.arange(0, RANK_BLOCK)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -69,7 +73,8 @@ def lowrank_linear_kernel(
             acc += tl.dot(a, w)
         a32 = a.to(tl.float32)
         for i in tl.static_range(RANK):
-            factor = tl.load(inputs + (member[:, None] * RANK + i) * K + ks[None, :], mask=a_mask, other=0.0)
+            offsets = factor_rows[:, None] + (k_start + i * K + tl.arange(0, BLOCK_K))[None, :]
+            factor = tl.load(inputs + offsets, mask=a_mask, other=0.0)
             partial = tl.sum(a32 * factor.to(tl.float32), axis=1)
             products += tl.where(ranks[None, :] == i, partial[:, None], 0.0)
 
@@ -100,7 +105,7 @@ def launch_lowrank_linear(
     of R), weight [N, K] ([K, N] when `transposed`, a Conv1D: y = x W), bias [N] or None, inputs
     [members, r, K], outputs [members, r, N] (scales folded in), y [members * R, N]; all contiguous.
 
-    By default a tile is as high as the rows need, from 16 up to 64.
+    By default a tile is as high as the rows need, from 16 up to 64, and 64 columns wide.
     """
     rows, k_in = x.shape
     members, rank, n_out = outputs.shape
@@ -108,6 +113,13 @@ def launch_lowrank_linear(
         block_m = min(64, max(16, triton.next_power_of_2(rows)))
     dot_in_fp32 = dtype == tl.float32 or os.environ.get("TRITON_INTERPRET") == "1"
     grid = (triton.cdiv(rows, block_m), triton.cdiv(n_out, block_n))
+    # Each thread holds its share of the x tile and of r factor tiles per K step: 8 warps for the 64-row
+    # tile keep that in registers. The fp32 dot runs on FMAs: prefetching the next K tile (Triton's
+    # software pipelining) made the 64-row tile spill, and leaving it out made ptxas spill one value
+    # of the 16-row tile at rank 8 on sm_80 (benchmarks/aot.py: no spills for sm_90, sm_80, gfx942).
+    tuning = {"num_warps": 8 if block_m > 32 else 4}
+    if dot_in_fp32:
+        tuning["num_stages"] = 1 if block_m > 32 else 2
     lowrank_linear_kernel[grid](
         x,
         weight,
@@ -131,4 +143,5 @@ def launch_lowrank_linear(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        **tuning,
     )
