@@ -68,6 +68,27 @@ def test_kernel_over_tile_edges(members, rows, n_in, n_out, rank, blocks):
     check(torch.float32, members, rows, n_in, n_out, rank, seed=members, **blocks)
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("conv1d", [False, True])
+def test_layer_on_the_triton_backend_equals_its_torch_fallback(conv1d):
+    """LowRankLinear with the kernel against its own torch path; a Conv1D's weight is [in, out] and its
+    factors swap roles (the layer maps them, the kernel only reads the weight transposed)."""
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(5)
+    members, rows, n_in, n_out, rank = 3, 4, 19, 27, 2
+    base = Conv1D(n_out, n_in) if conv1d else torch.nn.Linear(n_in, n_out)
+    torch.nn.init.normal_(base.bias)
+    shape = (n_in, n_out) if conv1d else (n_out, n_in)  # eps = A B^T has the weight's shape
+    factors = [(torch.randn(shape[0], rank), torch.randn(shape[1], rank)) for _ in range(members)]
+    scales = [0.5, -0.5, 0.25]
+    x = torch.randn(members * rows, 2, n_in)
+    fused = LowRankLinear(base, factors, scales, conv1d, backend="triton")
+    fallback = LowRankLinear(base, factors, scales, conv1d, backend="torch")
+    assert fused.fused and not fallback.fused
+    torch.testing.assert_close(fused(x), fallback(x), rtol=1e-5, atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def tiny():
     """A small Llama with biased attention projections: interpreted kernels run each layer as Python."""

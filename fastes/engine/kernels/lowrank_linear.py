@@ -53,7 +53,7 @@ def lowrank_linear_kernel(
     # subroutine call with a stack frame), and 32-bit offsets into the small factors (members * r * K).
     member = rows32 // rows_per_member
     factor_rows = member * (RANK * K)  # where each row's member's input factors start
-    ranks = tl.arange(0, RANK_BLOCK)
+    ranks = tl.arange(0, RANK_BLOCK)  # RANK rounded up to a power of two, as tl.arange needs
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     products = tl.zeros((BLOCK_M, RANK_BLOCK), dtype=tl.float32)  # column i: x . inputs[member, i]
