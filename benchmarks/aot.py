@@ -3,16 +3,16 @@
     python -m benchmarks.aot [--targets sm_90,sm_80,gfx942] [--models ...] [--json FILE] [--no-cache]
 
 The launch functions (`launch_perturb`, `launch_update`, `launch_fill`, `launch_normals`,
-`launch_virtual_linear`) are called on CPU tensors with Triton's `JITFunction.run` replaced by a
-recorder (`capture`), and so is one
-ES iteration of each real model of MODEL_CONFIGS, on the meta device, through fastes.ES and
-population_batched in every dtype, noise and mode (`model_launches`). Each recorded
-launch is specialised by Triton's own binder, exactly as `run` would on a GPU (signature, constexprs,
-divisibility attributes), and compiled with `triton.compile` for a `GPUTarget`: PTX and a cubin via the
-ptxas shipped in the Triton wheel (AMD: an hsaco). `cuobjdump` from the same wheel gives registers,
-local memory and the SASS. Launches that specialise alike are compiled once per target, and each result
-is cached (`compile_cached`). Exit status 1 when a launch fails to compile or spills registers, or when
-launches of one label compile to more than one variant. docs/gpu.md has the counts and timings.
+`launch_virtual_linear`, `launch_lowrank_linear`) are called on CPU tensors with Triton's
+`JITFunction.run` replaced by a recorder (`capture`), and so is one ES iteration of each real model of
+MODEL_CONFIGS, on the meta device, through fastes.ES and population_batched in every dtype, noise and
+mode (`model_launches`). Each recorded launch is specialised by Triton's own binder, exactly as `run`
+would on a GPU (signature, constexprs, divisibility attributes), and compiled with `triton.compile` for
+a `GPUTarget`: PTX and a cubin via the ptxas shipped in the Triton wheel (AMD: an hsaco). `cuobjdump`
+from the same wheel gives registers, local memory and the SASS. Launches that specialise alike are
+compiled once per target, and each result is cached (`compile_cached`). Exit status 1 when a launch
+fails to compile or spills registers, or when launches of one label compile to more than one variant.
+docs/gpu.md has the counts and timings.
 
 This needs compiled kernels, so it refuses to run under TRITON_INTERPRET=1 (the test suite starts it in
 a subprocess without it). Nothing is launched and no GPU is needed.
@@ -98,6 +98,7 @@ def runtime_launches() -> list[Launch]:
         build_tile_table,
         table,
     )
+    from fastes.engine.kernels.lowrank_linear import launch_lowrank_linear
     from fastes.engine.kernels.noise import launch_fill, launch_normals
     from fastes.engine.kernels.perturb import launch_perturb
     from fastes.engine.kernels.update import launch_update
@@ -204,6 +205,31 @@ def runtime_launches() -> list[Launch]:
                 *(x, conv_weight, y, member_keys, scales, 1, rows, dtype),
                 *(None, 32, 32, True, "rademacher"),
             )
+        # The low-rank layer's GEMM: 16- and 64-row tiles, with a bias, and a Conv1D's transposed weight
+        # without one (models without biases cover the rest); ranks 1, 3 (in a block of 4) and 8, and at
+        # odd sizes 1 and 2 (gfx942 spills a few scalar registers there at ranks 3 and 8: real models'
+        # sizes are multiples of 16). Launches of a label differ in their rows per member only: they must
+        # share one variant.
+        for n_in, n_out, ranks in [(64, 48, (1, 3, 8)), (37, 33, (1, 2))]:
+            weight = torch.zeros(n_out, n_in, dtype=torch_dtype)
+            bias = torch.zeros(n_out, dtype=torch_dtype)
+            for rank in ranks:
+                for members, rows in [(2, 8), (16, 1), (4, 17), (68, 1)]:
+                    x = torch.zeros(members * rows, n_in, dtype=torch_dtype)
+                    y = torch.empty(members * rows, n_out, dtype=torch_dtype)
+                    inputs = torch.zeros(members, rank, n_in, dtype=torch_dtype)
+                    outputs = torch.zeros(members, rank, n_out, dtype=torch_dtype)
+                    shape = f"K={n_in} N={n_out} rank={rank} rows={members * rows}"
+                    add(
+                        f"lowrank_linear {name} {shape}",
+                        launch_lowrank_linear,
+                        *(x, weight, bias, inputs, outputs, y, dtype),
+                    )
+                    add(
+                        f"lowrank_linear {name} transposed {shape}",
+                        launch_lowrank_linear,
+                        *(x, weight.T.contiguous(), None, inputs, outputs, y, dtype, True),
+                    )
     for raw_bits in (True, False):
         out = torch.empty(4099, dtype=torch.int64 if raw_bits else torch.float32)
         for key, tid, offset in [((1, 1), 1, 0), ((16, 1 << 31), (1 << 32) - 1, 16), ((0, 0), 16, 1 << 34)]:
@@ -307,9 +333,10 @@ def model_launches(models: list[str] | None = None) -> list[Launch]:
 
     Per model, dtype and noise distribution: member-by-member and materialised evaluation (perturb),
     virtual evaluation (virtual_linear at every row count of MEMBER_ROWS), low-rank evaluation (the
-    factors' noise fill) and the update in each mode (apply, stochastic rounding, gradient). The model
-    is built on the meta device, so nothing is allocated and no kernel runs. Each label names the kernel
-    and its constexpr arguments: what should decide the compiled variant.
+    factors' noise fill and lowrank_linear at every row count) and the update in each mode (apply,
+    stochastic rounding, gradient). The model is built on the meta device, so nothing is allocated and
+    no kernel runs. Each label names the kernel and its constexpr arguments: what should decide the
+    compiled variant.
     """
     from transformers import AutoModelForCausalLM
 
@@ -337,7 +364,7 @@ def model_launches(models: list[str] | None = None) -> list[Launch]:
 def _one_iteration(model, params, options: dict) -> None:
     """Every evaluation mode and update mode of one ES generation (on meta tensors)."""
     import fastes
-    from fastes.es.population import VirtualLinear, population_batched
+    from fastes.es.population import LowRankLinear, VirtualLinear, population_batched
 
     batched_modes = ("lowrank",) if options["noise_type"] == "lowrank" else ("materialised", "virtual")
     for update_options in ({}, {"stochastic_rounding": True}, {"inner_optimizer": torch.optim.SGD}):
@@ -349,7 +376,7 @@ def _one_iteration(model, params, options: dict) -> None:
             for mode in batched_modes:
                 with population_batched(es, model, mode, members):
                     for layer in model.modules():
-                        if isinstance(layer, VirtualLinear):
+                        if isinstance(layer, (VirtualLinear, LowRankLinear)):
                             features = layer.base.weight.shape[0 if layer.transposed else 1]
                             for rows in MEMBER_ROWS:
                                 layer(torch.empty(len(members) * rows, features, device="meta"))

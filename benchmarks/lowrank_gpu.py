@@ -5,8 +5,10 @@
 For each projection shape of Qwen2.5-1.5B (hidden 1536, MLP 8960, 2 KV heads of 128) and a decode step
 of 32 members x 64 prompts (2048 rows), bf16, CUDA events over repeated calls:
 - plain: y = x W^T (cuBLAS);
-- unfused (what fastes.es.population.LowRankLinear does off the CPU): plain, then per row the dot product
+- unfused (fastes.es.population.LowRankLinear's torch fallback): plain, then per row the dot product
   with its member's input factor and an addcmul of its output factor into y;
+- fused (LowRankLinear on the Triton backend): one Triton GEMM with the term in its epilogue
+  (fastes/engine/kernels/lowrank_linear.py), y written once;
 - one GEMM: the rank-r term as extra inner columns, y = [x | P] [W | A_stack]^T, where P holds each
   row's x . b_m in its member's column (zeros elsewhere): cuBLAS writes y once; building [x | P] and P
   is counted, the extended weight [W | A_stack] is built once per generation and not counted.
@@ -41,6 +43,10 @@ def timed(fn, rounds: int = 50) -> float:
 
 
 def measure(out_features: int, in_features: int, members: int, rows: int) -> dict:
+    import triton.language as tl
+
+    from fastes.engine.kernels import launch_lowrank_linear
+
     device, dtype = torch.device("cuda"), torch.bfloat16
     x = torch.randn(members * rows, in_features, device=device, dtype=dtype)
     w = torch.randn(out_features, in_features, device=device, dtype=dtype) * 0.02
@@ -59,6 +65,11 @@ def measure(out_features: int, in_features: int, members: int, rows: int) -> dic
         y.view(members, rows, out_features).addcmul_(projected, a)
         return y
 
+    def fused():
+        y = torch.empty(members * rows, out_features, device=device, dtype=dtype)
+        launch_lowrank_linear(x, w, None, b, a, y, tl.bfloat16)
+        return y
+
     def one_gemm():
         projected = (x.view(members, rows, in_features) * b).sum(-1).reshape(-1)  # [rows]: x . b_m
         extended = torch.zeros(members * rows, in_features + members, device=device, dtype=dtype)
@@ -67,13 +78,19 @@ def measure(out_features: int, in_features: int, members: int, rows: int) -> dic
         return extended @ w_ext.T
 
     reference = unfused().float()
-    error = float((one_gemm().float() - reference).abs().max() / reference.abs().max())
-    ms = {name: timed(fn) for name, fn in (("plain", plain), ("unfused", unfused), ("one_gemm", one_gemm))}
+
+    def error(fn) -> float:
+        return float((fn().float() - reference).abs().max() / reference.abs().max())
+
+    ways = {"plain": plain, "unfused": unfused, "fused": fused, "one_gemm": one_gemm}
+    ms = {name: timed(fn) for name, fn in ways.items()}
     return {
         **ms,
         "unfused_over_plain": ms["unfused"] / ms["plain"],
+        "fused_over_plain": ms["fused"] / ms["plain"],
         "one_gemm_over_plain": ms["one_gemm"] / ms["plain"],
-        "one_gemm_error": error,
+        "fused_error": error(fused),
+        "one_gemm_error": error(one_gemm),
     }
 
 

@@ -24,6 +24,7 @@ PROMPTS = 64  # prompts per member
 NEW_TOKENS = 256
 PROMPT_TOKENS = 64  # assumed prompt length (prefill)
 RANK = 1  # low-rank noise
+BLOCK_N = 64  # the output tile width of the low-rank GEMM (fastes/engine/kernels/lowrank_linear.py)
 MODES = ("member", "materialised", "virtual", "lowrank")
 NOTES = [
     f"Scenario: population {POPULATION} (antithetic: {POPULATION // 2} directions) x {PROMPTS} prompts "
@@ -40,9 +41,13 @@ NOTES = [
     "Noise work: perturb = members x evolved elements at the perturb kernel's predicted rate; virtual = "
     "the virtual_linear kernel's noise (its SASS loop per noise element, tile of 64 rows in decode, 128 "
     "in prefill, regenerated per 128-row tile) beyond the time of the same step without noise; "
-    "low-rank = the factors' normals, the rank-r term's passes over each projection's input and output "
-    "(a product-sum and an addcmul after the base GEMM, at the copy bandwidth) and the update's fp32 GEMM "
-    "on the CUDA cores; update = the fused update over 16 directions at its predicted rate.",
+    "low-rank = the factors' normals, the rank-r term inside the one Triton GEMM that writes y "
+    "(fastes/engine/kernels/lowrank_linear.py: no pass over x or y of its own; its per-row products with "
+    "the input factors, redone by each of the out / 64 column tiles, and the epilogue's products with the "
+    "output factors on the CUDA cores at the fp32 peak, not overlapped with the GEMM; each member's "
+    "factors read from HBM once per forward pass, their per-row re-reads served by L1/L2) and the "
+    "update's fp32 GEMM on the CUDA cores; update = the fused update over 16 directions at its predicted "
+    "rate.",
     "'fastes share' = noise work / predicted iteration; 'x floor' = iteration / plain inference of the "
     "same tokens with shared weights (all members in one batch where it fits).",
 ]
@@ -171,15 +176,22 @@ def virtual_noise_seconds(
     return max(clean, noise) - clean
 
 
-def lowrank_noise_seconds(model: ModelShape, device, rates: NoiseRates, members: int, tokens: int) -> float:
-    """Low-rank evaluation: the members' factors (normals), and the rank-r term over `tokens` rows as
-    fastes.es.population.LowRankLinear adds it on a GPU, after the base GEMM: per rank and row of a matrix
-    [out, in], a product-sum over x (read x, write and read the bf16 product: 6 in bytes) and an addcmul
-    into y (read and write it: 4 out bytes), at the copy bandwidth; its FLOPs are negligible."""
+def lowrank_noise_seconds(
+    model: ModelShape, device, rates: NoiseRates, members: int, tokens: int, forwards: int = 1
+) -> float:
+    """Low-rank evaluation: the members' factors (normals), and what the rank-r term adds to the base
+    GEMM over `tokens` rows in `forwards` forward passes, as the fused Triton GEMM on a GPU
+    (fastes.es.population.LowRankLinear) computes it: no pass over x or y of its own. Per rank, each
+    row's product with its member's input factor (2 in FLOPs) is redone by each of the out / BLOCK_N
+    column tiles (every evolved matrix of these models has a multiple of 64 outputs) and the epilogue
+    multiplies it into the output factor (2 out FLOPs): fp32 FMAs on the CUDA cores, priced at their peak
+    and not overlapped with the tensor cores' GEMM. The factors are read per row and tile, but a member's
+    rows share them: HBM reads each member's factors once per forward pass, the rest comes from L1/L2."""
     factors = members * RANK * model.factor_rows * rates.fill
     outputs = model.factor_rows - model.input_features
-    passes = tokens * RANK * (6 * model.input_features + 4 * outputs)
-    return factors + passes / (device.copy_tb_s * 1e12)
+    flops = 2 * tokens * RANK * (model.evolved / BLOCK_N + outputs)
+    reads = forwards * members * RANK * 2 * model.factor_rows
+    return factors + max(flops / (device.fp32_tflops * 1e12), reads / (device.copy_tb_s * 1e12))
 
 
 def lowrank_update_seconds(model: ModelShape, device, rates: NoiseRates, directions: int) -> float:
@@ -217,7 +229,8 @@ def iteration(model: ModelShape, device, rates: NoiseRates) -> dict:
         else:  # lowrank: shared weights
             generation = _generation(model, device, group, 1)
             tokens = POPULATION * PROMPTS * (PROMPT_TOKENS + NEW_TOKENS)
-            noise = lowrank_noise_seconds(model, device, rates, POPULATION, tokens)
+            forwards = calls * (1 + NEW_TOKENS)  # a prefill, then one pass per new token
+            noise = lowrank_noise_seconds(model, device, rates, POPULATION, tokens, forwards)
             noise += lowrank_update_seconds(model, device, rates, directions)
         total = generation + noise
         modes[mode] = {

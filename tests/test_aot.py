@@ -1,13 +1,13 @@
 """Ahead-of-time GPU compilation of every kernel launch the runtime makes (no GPU needed).
 
 `python -m benchmarks.aot` records the launches of `launch_perturb`, `launch_update`, `launch_fill`,
-`launch_normals` and `launch_virtual_linear` on CPU tensors (keys, tensor ids and offsets of 1, 16,
-2^31, 2^32 - 1) and those one ES iteration of four real models makes in every dtype, noise, evaluation
-and update mode (meta tensors through fastes.ES and population_batched), specialises each with
-Triton's own binder and compiles each distinct variant with `triton.compile` for sm_90 (H100 / H200),
-sm_80 (A100) and gfx942 (MI300). It needs compiled kernels, so it runs in subprocesses without
-TRITON_INTERPRET (this suite sets it). Compiled results are cached under $FASTES_CACHE_DIR/aot (CI
-starts empty).
+`launch_normals`, `launch_virtual_linear` and `launch_lowrank_linear` on CPU tensors (keys, tensor ids
+and offsets of 1, 16, 2^31, 2^32 - 1) and those one ES iteration of four real models makes in every
+dtype, noise, evaluation and update mode (meta tensors through fastes.ES and population_batched),
+specialises each with Triton's own binder and compiles each distinct variant with `triton.compile` for
+sm_90 (H100 / H200), sm_80 (A100) and gfx942 (MI300). It needs compiled kernels, so it runs in
+subprocesses without TRITON_INTERPRET (this suite sets it). Compiled results are cached under
+$FASTES_CACHE_DIR/aot (CI starts empty).
 """
 
 import json
@@ -27,9 +27,10 @@ DTYPES = ("fp32", "bf16", "fp16")
 # The distinct variants one real model's launches may compile to, per target (docs/gpu.md):
 # virtual_linear 3 dtypes x 2 noises x 4 tile heights (16, 32, 64, 128 rows), perturb 3 x 2, update
 # (fp32: apply, gradient; 16-bit: apply, stochastic, gradient) x 2 noises, the low-rank factors'
-# one-launch normals on 2 streams; on gfx942 also the 128-row virtual_linear tiles of an output over
-# 2 GiB (64-bit pointers).
-VARIANT_BOUND = {"sm_90": 48, "sm_80": 48, "gfx942": 54}
+# one-launch normals on 2 streams, lowrank_linear 3 dtypes x 2 tile heights (16, 64 rows) x with and
+# without a bias; on gfx942 also the 128-row virtual_linear tiles and the 64-row lowrank_linear tiles of
+# an output over 2 GiB (64-bit pointers).
+VARIANT_BOUND = {"sm_90": 60, "sm_80": 60, "gfx942": 69}
 ROOT = Path(__file__).resolve().parents[1]  # benchmarks.aot is run from the repository's root
 
 
@@ -95,9 +96,10 @@ def test_every_real_model_launch_is_compiled_for_every_target(compiled):
                         if label.startswith(prefix + "virtual_linear")
                     }
                     assert heights == {"16", "32", "64", "128"}, f"{prefix}{target}: tile heights {heights}"
-                assert any(
-                    label.startswith(f"{model} {dtype} gaussian lowrank: normals_kernel") for label in labels
-                )
+                for kernel in ("normals_kernel", "lowrank_linear_kernel"):
+                    assert any(
+                        label.startswith(f"{model} {dtype} gaussian lowrank: {kernel}") for label in labels
+                    ), f"{model} {dtype} lowrank {target}: no {kernel}"
         # The variant count is bounded: launches of every shape and row count share a few variants.
         from_models = [
             r
@@ -126,6 +128,24 @@ def test_fp32_virtual_linear_128_row_tile_does_not_spill(compiled):
 
 
 @pytest.mark.slow
+def test_16_bit_lowrank_linear_of_real_models_runs_on_tensor_cores(compiled):
+    """The low-rank layer's x W^T is a tensor-core GEMM (wgmma for the 64-row tile on sm_90)."""
+    for (report, _, _), target, mma in zip(compiled, RUNS, ("HGMMA", "HMMA")):
+        tiles = [
+            r
+            for r in report["results"]
+            if r["kernel"] == "lowrank_linear_kernel"
+            and r["constexprs"]["DTYPE"] == "bf16"
+            and r["constexprs"]["BLOCK_M"] == "64"
+            and any(label.startswith("Qwen2.5-1.5B bf16") for label in r["labels"])
+        ]
+        assert tiles, f"{target}: no 64-row bf16 lowrank_linear of Qwen2.5-1.5B"
+        for r in tiles:
+            opcodes = report["opcodes"][f"{target} {r['label']}"]
+            assert any(op.startswith(mma) for op in opcodes), f"{target}: no {mma} in {sorted(opcodes)}"
+
+
+@pytest.mark.slow
 def test_each_kernel_is_compiled_once_whatever_its_keys_ids_and_offsets(compiled):
     for report, returncode, log in compiled:
         # The labels cover every kernel, dtype and mode the runtime launches...
@@ -136,6 +156,7 @@ def test_each_kernel_is_compiled_once_whatever_its_keys_ids_and_offsets(compiled
             "fill_kernel",
             "normals_kernel",
             "virtual_linear_kernel",
+            "lowrank_linear_kernel",
         }
         assert {"perturb bf16", "update fp16 stochastic", "update fp32 gradient"} <= report[
             "variants_per_label"

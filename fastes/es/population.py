@@ -115,12 +115,14 @@ class VirtualLinear(_PopulationLayer):
 class LowRankLinear(_PopulationLayer):
     """y_m = x_m W^T + scale_m / sqrt(r) * (x_m B_m) A_m^T: the members' rank-r noise is never formed.
 
-    The base projection runs once on all rows (the plain model's own GEMM); the rank-r term is then
-    added into its output in place: per row, a dot product with the member's input factor and an
-    outer-product add of its output factor. On CPU in fp32 that is one call of the compiled library
-    (fastes/engine/csrc/lowrank_cpu.c: one pass over x and y); elsewhere two torch ops per rank (a product-sum
-    and an addcmul, which beat a batched matmul with r columns). The output side is stored pre-scaled,
-    so nothing but the [rows, 1] products is allocated per call.
+    With the Triton backend (CUDA tensors) one GEMM (fastes/engine/kernels/lowrank_linear.py) computes
+    the base projection and the term together and writes y once. Otherwise the base projection runs
+    once on all rows (the plain model's own GEMM) and the rank-r term is then added into its output in
+    place: per row, a dot product with the member's input factor and an outer-product add of its output
+    factor. On CPU in fp32 that is one call of the compiled library (fastes/engine/csrc/lowrank_cpu.c: one
+    pass over x and y); elsewhere two torch ops per rank (a product-sum and an addcmul, which beat a
+    batched matmul with r columns), the plain-torch reference of the fused kernel. The output side is
+    stored pre-scaled, so nothing but the [rows, 1] products is allocated per call.
 
     The factors follow the weight's own layout (eps = A B^T has the weight's shape): for a Conv1D weight
     [in, out], A is the input side and B the output side, so the roles swap.
@@ -145,7 +147,10 @@ class LowRankLinear(_PopulationLayer):
         self.inputs = in_side.transpose(1, 2).to(weight.dtype).contiguous()  # [members, r, in]
         scaled = out_side.transpose(1, 2) * scale[:, None, None]
         self.outputs = scaled.to(weight.dtype).contiguous()  # [members, r, out], scale_m / sqrt(r) folded in
-        self.compiled = weight.dtype == torch.float32 and ops.resolve_backend([weight], backend) == "cpu"
+        resolved = ops.resolve_backend([weight], backend)
+        self.transposed = transposed
+        self.fused = resolved == "triton"  # one Triton GEMM with the term in its epilogue
+        self.compiled = weight.dtype == torch.float32 and resolved == "cpu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         members, rank, out_features = self.outputs.shape
@@ -155,6 +160,8 @@ class LowRankLinear(_PopulationLayer):
                 f"by member), got {x.shape[0]}"
             )
         flat = x.reshape(-1, x.shape[-1])  # member m's rows are the m-th of `members` equal blocks
+        if self.fused:
+            return self._fused(flat).view(*x.shape[:-1], out_features)
         y = self.base(flat)
         if self.compiled and flat.dtype == torch.float32:
             cpu_library.lowrank_add(flat.contiguous(), y, self.inputs, self.outputs)
@@ -164,6 +171,23 @@ class LowRankLinear(_PopulationLayer):
                 projected = (grouped * self.inputs[:, i : i + 1]).sum(-1, keepdim=True)  # [members, rows, 1]
                 grouped_y.addcmul_(projected, self.outputs[:, i : i + 1])
         return y.view(*x.shape[:-1], out_features)
+
+    def _fused(self, flat: torch.Tensor) -> torch.Tensor:
+        from fastes.engine.kernels import launch_lowrank_linear
+
+        weight = self.base.weight
+        y = torch.empty(flat.shape[0], self.outputs.shape[2], dtype=weight.dtype, device=weight.device)
+        launch_lowrank_linear(
+            flat.to(weight.dtype).contiguous(),
+            weight.contiguous(),
+            self.base.bias,
+            self.inputs,
+            self.outputs,
+            y,
+            ops.triton_dtype(weight.dtype),
+            self.transposed,
+        )
+        return y
 
 
 MODES = ("materialised", "virtual", "lowrank")

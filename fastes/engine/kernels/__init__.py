@@ -1,5 +1,5 @@
 """Triton kernels of fastes: the Philox noise stream, multi-tensor perturb, fused ES update, and the
-population-batched linear layer with in-register noise.
+population-batched linear layers (in-register noise; the low-rank term in a GEMM's epilogue).
 
 Kernels know nothing of models or tasks; `fastes.engine.ops` chooses between them and the torch reference.
 
@@ -10,6 +10,7 @@ past 2^31 (i64) and for multiples of 16, so a run would crash on key word 1 and 
 `benchmarks.aot` compiles every launch the runtime makes for sm_90/sm_80 and checks this.
 """
 
+from .lowrank_linear import launch_lowrank_linear
 from .noise import launch_fill, launch_normals
 from .perturb import launch_perturb
 from .table import TileTable, build_tile_table
@@ -23,6 +24,7 @@ __all__ = [
     "TileTable",
     "build_tile_table",
     "launch_fill",
+    "launch_lowrank_linear",
     "launch_normals",
     "launch_perturb",
     "launch_update",

@@ -1,0 +1,147 @@
+"""The low-rank population linear layer in one GEMM: y = x W^T + bias + the members' rank-r term.
+
+Member m owns rows m R .. (m + 1) R - 1 and adds sum_i (x . inputs[m, i]) outputs[m, i] to each of its
+rows (outputs carry scale_m / sqrt(r)). A program computes one [BLOCK_M, BLOCK_N] tile of y: the K loop
+that accumulates x W^T also accumulates the r products of each row with its member's input factors (the
+x tile is already in registers), and the epilogue adds the products times the members' output factors
+and the bias before the one store of y. Done after the GEMM instead, the term is extra passes over y.
+"""
+
+import os
+
+import triton
+import triton.language as tl
+
+from .rounding import round_to
+
+
+@triton.jit(do_not_specialize=["rows", "rows_per_member"])
+def lowrank_linear_kernel(
+    x,
+    weight,
+    bias,
+    inputs,
+    outputs,
+    y,
+    rows: tl.int32,
+    rows_per_member: tl.int32,
+    K,
+    N,
+    stride_x,
+    stride_w,
+    stride_y,
+    DTYPE: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
+    RANK: tl.constexpr,
+    RANK_BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    TRANSPOSED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # M tiles vary fastest: the programs that run together share one weight tile (read once from HBM)
+    # while all of x, the smaller operand at decode, stays in L2.
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows32 = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ids = rows32.to(tl.int64)  # y can pass 2^31 elements
+    cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    row_ok = row_ids < rows
+    col_ok = cols < N
+    # A tile may straddle members: factor loads are per row. A 32-bit division (a 64-bit one is a
+    # subroutine call with a stack frame), and 32-bit offsets into the small factors (members * r * K).
+    member = rows32 // rows_per_member
+    factor_rows = member * (RANK * K)  # where each row's member's input factors start
+    ranks = tl.arange(0, RANK_BLOCK)  # RANK rounded up to a power of two, as tl.arange needs
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    products = tl.zeros((BLOCK_M, RANK_BLOCK), dtype=tl.float32)  # column i: x . inputs[member, i]
+    for k_start in range(0, K, BLOCK_K):
+        ks = (k_start + tl.arange(0, BLOCK_K)).to(tl.int64)
+        k_ok = ks < K
+        a_mask = row_ok[:, None] & k_ok[None, :]
+        a = tl.load(x + row_ids[:, None] * stride_x + ks[None, :], mask=a_mask, other=0.0)
+        if TRANSPOSED:  # a Conv1D weight [K, N]: y = x W
+            w_offsets = ks[:, None] * stride_w + cols[None, :]
+        else:
+            w_offsets = cols[None, :] * stride_w + ks[:, None]
+        w = tl.load(weight + w_offsets, mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
+        if DOT_IN_FP32:  # fp32 weights (no tf32 shortcut), or the interpreter (its 16-bit dot is wrong)
+            acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        else:  # 16-bit operands multiply exactly into the fp32 accumulator: tensor cores
+            acc += tl.dot(a, w)
+        a32 = a.to(tl.float32)
+        for i in tl.static_range(RANK):
+            offsets = factor_rows[:, None] + (k_start + i * K + tl.arange(0, BLOCK_K))[None, :]
+            factor = tl.load(inputs + offsets, mask=a_mask, other=0.0)
+            partial = tl.sum(a32 * factor.to(tl.float32), axis=1)
+            products += tl.where(ranks[None, :] == i, partial[:, None], 0.0)
+
+    out_mask = row_ok[:, None] & col_ok[None, :]
+    for i in tl.static_range(RANK):
+        product = tl.sum(tl.where(ranks[None, :] == i, products, 0.0), axis=1)
+        factor = tl.load(outputs + (member[:, None] * RANK + i) * N + cols[None, :], mask=out_mask, other=0.0)
+        acc += product[:, None] * factor.to(tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y + row_ids[:, None] * stride_y + cols[None, :], round_to(acc, DTYPE), mask=out_mask)
+
+
+def launch_lowrank_linear(
+    x,
+    weight,
+    bias,
+    inputs,
+    outputs,
+    y,
+    dtype,
+    transposed: bool = False,
+    block_m: int | None = None,
+    block_n: int = 64,
+    block_k: int = 32,
+) -> None:
+    """y = x W^T + bias + each member's rank-r term; x [members * R, K] (member m's rows the m-th block
+    of R), weight [N, K] ([K, N] when `transposed`, a Conv1D: y = x W), bias [N] or None, inputs
+    [members, r, K], outputs [members, r, N] (scales folded in), y [members * R, N]; all contiguous.
+
+    By default a tile is as high as the rows need, from 16 up to 64, and 64 columns wide.
+    """
+    rows, k_in = x.shape
+    members, rank, n_out = outputs.shape
+    if block_m is None:
+        block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    dot_in_fp32 = dtype == tl.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+    grid = (triton.cdiv(rows, block_m), triton.cdiv(n_out, block_n))
+    # Each thread holds its share of the x tile and of r factor tiles per K step: 8 warps for the 64-row
+    # tile keep that in registers. The fp32 dot runs on FMAs: prefetching the next K tile (Triton's
+    # software pipelining) made the 64-row tile spill, and leaving it out made ptxas spill one value
+    # of the 16-row tile at rank 8 on sm_80 (benchmarks/aot.py: no spills for sm_90, sm_80, gfx942).
+    tuning = {"num_warps": 8 if block_m > 32 else 4}
+    if dot_in_fp32:
+        tuning["num_stages"] = 1 if block_m > 32 else 2
+    lowrank_linear_kernel[grid](
+        x,
+        weight,
+        bias,
+        inputs,
+        outputs,
+        y,
+        rows,
+        rows // members,
+        k_in,
+        n_out,
+        x.stride(0),
+        weight.stride(0),
+        y.stride(0),
+        DTYPE=dtype,
+        DOT_IN_FP32=dot_in_fp32,
+        RANK=rank,
+        RANK_BLOCK=triton.next_power_of_2(rank),
+        HAS_BIAS=bias is not None,
+        TRANSPOSED=transposed,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        **tuning,
+    )

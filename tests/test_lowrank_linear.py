@@ -1,0 +1,130 @@
+"""The low-rank population linear layer as one Triton GEMM (interpreted) against plain torch."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import fastes
+from fastes.engine import ops
+from fastes.engine.kernels import launch_lowrank_linear
+from fastes.es.population import LowRankLinear, population_batched
+from fastes.models.loading import build_tokenizer
+
+# The kernel rounds y once; the reference rounds only at the end too, so 16-bit differences are the
+# summation order and that one rounding, relative to the largest output.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def reference(x, weight, bias, inputs, outputs, transposed=False):
+    """x W^T + bias + sum_i (x_m . inputs[m, i]) outputs[m, i] for member m's rows, in float64."""
+    members = inputs.shape[0]
+    w = weight.double() if transposed else weight.double().T
+    y = x.double() @ w + (0 if bias is None else bias.double())
+    grouped = x.double().reshape(members, -1, x.shape[-1])
+    products = grouped @ inputs.double().transpose(1, 2)  # [members, R, r]
+    return y + (products @ outputs.double()).reshape(y.shape)
+
+
+def check(dtype, members, rows, n_in, n_out, rank, seed, transposed=False, with_bias=True, **blocks):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(members * rows, n_in, generator=gen).to(dtype)
+    weight = (0.1 * torch.randn((n_in, n_out) if transposed else (n_out, n_in), generator=gen)).to(dtype)
+    bias = torch.randn(n_out, generator=gen).to(dtype) if with_bias else None
+    inputs = torch.randn(members, rank, n_in, generator=gen).to(dtype)
+    outputs = (0.05 * torch.randn(members, rank, n_out, generator=gen)).to(dtype)
+    y = torch.full((members * rows, n_out), float("nan"), dtype=dtype)
+    launch_lowrank_linear(x, weight, bias, inputs, outputs, y, ops.triton_dtype(dtype), transposed, **blocks)
+    expected = reference(x, weight, bias, inputs, outputs, transposed)
+    scale = float(expected.abs().max())
+    torch.testing.assert_close(y.double(), expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype] * scale)
+    # The rank term is really there: without it the outputs would be visibly different.
+    plain = reference(x, weight, bias, inputs, torch.zeros_like(outputs), transposed)
+    assert (plain - expected).abs().max() > 10 * TOLERANCE[dtype] * scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rank", [1, 2, 4])
+def test_kernel_matches_the_reference(dtype, rank):
+    # Odd sizes: 37 inputs (two K tiles, the second masked), 53 outputs, 3 rows per member (a 16-row
+    # tile holds parts of 6 members), with and without a bias, three seeds.
+    for seed in range(3):
+        check(dtype, members=5, rows=3, n_in=37, n_out=53, rank=rank, seed=seed, with_bias=seed != 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_with_a_transposed_conv1d_weight(dtype):
+    check(dtype, members=3, rows=2, n_in=21, n_out=40, rank=2, seed=4, transposed=True)
+
+
+@pytest.mark.parametrize(
+    "members,rows,n_in,n_out,rank,blocks",
+    [
+        (1, 1, 1, 1, 1, {}),  # one element
+        (2, 40, 9, 70, 3, {}),  # 64-row tiles, a member across two of them; rank 3 in a block of 4
+        (3, 7, 50, 33, 2, {"block_m": 16, "block_n": 16, "block_k": 16}),  # several tiles each way
+    ],
+)
+def test_kernel_over_tile_edges(members, rows, n_in, n_out, rank, blocks):
+    check(torch.float32, members, rows, n_in, n_out, rank, seed=members, **blocks)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("conv1d", [False, True])
+def test_layer_on_the_triton_backend_equals_its_torch_fallback(conv1d):
+    """LowRankLinear with the kernel against its own torch path; a Conv1D's weight is [in, out] and its
+    factors swap roles (the layer maps them, the kernel only reads the weight transposed)."""
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(5)
+    members, rows, n_in, n_out, rank = 3, 4, 19, 27, 2
+    base = Conv1D(n_out, n_in) if conv1d else torch.nn.Linear(n_in, n_out)
+    torch.nn.init.normal_(base.bias)
+    shape = (n_in, n_out) if conv1d else (n_out, n_in)  # eps = A B^T has the weight's shape
+    factors = [(torch.randn(shape[0], rank), torch.randn(shape[1], rank)) for _ in range(members)]
+    scales = [0.5, -0.5, 0.25]
+    x = torch.randn(members * rows, 2, n_in)
+    fused = LowRankLinear(base, factors, scales, conv1d, backend="triton")
+    fallback = LowRankLinear(base, factors, scales, conv1d, backend="torch")
+    assert fused.fused and not fallback.fused
+    torch.testing.assert_close(fused(x), fallback(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A small Llama with biased attention projections: interpreted kernels run each layer as Python."""
+    torch.manual_seed(0)
+    tokenizer = build_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        attention_bias=True,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return LlamaForCausalLM(config).eval(), tokenizer
+
+
+@torch.no_grad()
+def test_lowrank_mode_logits_with_the_kernel_equal_the_torch_fallback(tiny):
+    model, tokenizer = tiny
+    batch = tokenizer(["cd 2 4 8 > 24:", "rev 123:"], return_tensors="pt", padding=True)
+    logits = {}
+    for backend in ("triton", "torch"):
+        es = fastes.ES(
+            fastes.linear_weights(model), sigma=0.05, lr=0.01, population=4, seed=3,
+            noise_type="lowrank", rank=2, backend=backend,
+        )  # fmt: skip
+        grouped = {k: v.repeat(es.population, 1) for k, v in batch.items()}
+        with population_batched(es, model, mode="lowrank"):
+            layers = [m for m in model.modules() if isinstance(m, LowRankLinear)]
+            assert layers and all(layer.fused == (backend == "triton") for layer in layers)
+            logits[backend] = model(**grouped).logits
+    torch.testing.assert_close(logits["triton"], logits["torch"], rtol=1e-4, atol=1e-4)
+    # The members differ: the rank term reaches the logits.
+    members = logits["triton"].reshape(4, -1, *logits["triton"].shape[1:])
+    assert (members[0] - members[1]).abs().max() > 1e-2
