@@ -67,8 +67,8 @@ def test_the_benchmark_reports_every_mode(tmp_path):
 
 
 def test_the_smollm2_quick_preset_runs_every_stage(tmp_path, capsys):
-    """The whole study on the shipped model at small budgets (predicted ~12 min on 2 CPU cores; 20.0 min
-    inside pytest on 2026-12-05: docs/results/smollm2-quick-tests-2026-12-05.md)."""
+    """The whole study on the shipped model at small budgets (predicted ~12 min on 2 CPU cores; 10.1 min
+    inside pytest on 2026-12-05: docs/results/smollm2-quick-tests-2026-12-05-every-core.md)."""
     out = tmp_path / "experiment"
     assert cli.main(["experiment", "--preset", "smollm2-quick", "--out", str(out)]) == 0
     assert "report:" in capsys.readouterr().out
