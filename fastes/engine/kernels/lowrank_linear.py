@@ -207,12 +207,13 @@ def launch_lowrank_linear(
     grid = (triton.cdiv(rows, block_m), triton.cdiv(n_out, block_n))
     # Each thread holds its share of the x tile and, summing the products in the K loop, of r factor
     # tiles per K step: 8 warps for the 64-row tile keep that in registers. The fp32 dot runs on FMAs:
-    # prefetching the next K tile (Triton's software pipelining) made the 64-row tile spill, and leaving
-    # it out made ptxas spill one value of the 16-row tile at rank 8 on sm_80 (benchmarks/aot.py: no
-    # spills for sm_90, sm_80, gfx942).
+    # there prefetching the next K tile (Triton's software pipelining) made the 64-row tile spill, and
+    # leaving it out made ptxas spill one value of the 16-row tile at rank 8 on sm_80; with the products
+    # given, the 64-row tile spilled 16 bytes on sm_90 at 1 stage (at rank 8 also at 2) and none at
+    # Triton's default 3 (benchmarks/aot.py: no spills for sm_90, sm_80, gfx942).
     tuning = {"num_warps": 8 if block_m > 32 else 4}
     if dot_in_fp32:
-        tuning["num_stages"] = 1 if block_m > 32 else 2
+        tuning["num_stages"] = (3 if first else 1) if block_m > 32 else 2
     lowrank_linear_kernel[grid](
         x,
         weight,
