@@ -24,11 +24,13 @@ import triton.language as tl
 from .rounding import round_to
 
 PRODUCT_ROWS = 4  # rows per program of the products kernel: 512 programs for a 2048-row decode step
-PRODUCT_K = 256  # its K step: 8 elements (16 bytes in 16 bit) per thread and row with 4 warps
+PRODUCT_K = 256  # its K step: 8 elements of x per thread with 4 warps (16 bytes in 16 bit: one load)
 # Products first pays when the column tiles' recomputation (r x tiles FMAs per input feature and row on
 # the CUDA cores) costs more than one read of x (2 bytes per input feature and row): at the fp32-FLOPs-
 # to-copy-bandwidth ratio of an H100 / H200 (67 TFLOPS over 3.0 / 4.3 TB/s: 22 / 16 FLOPs per byte) that
-# is r x tiles above ~16-22; twice that also covers the extra launch at a 2048-row decode step.
+# is r x tiles above ~16-22. Twice that leaves room for the extra launch (3 us in the cost model): at a
+# 2048-row decode step on an H200 it pays from K of about 3000 at the threshold, of about 800 at 76 tiles
+# (gate and up of Qwen2.5-0.5B), and a prefill's rows hide the launch.
 PRODUCTS_FIRST_TILES = 32
 BLOCK_N = 64  # the GEMM's tile width
 
