@@ -3,15 +3,16 @@
     python -m benchmarks.aot [--targets sm_90,sm_80,gfx942] [--models ...] [--json FILE] [--no-cache]
 
 The launch functions (`launch_perturb`, `launch_update`, `launch_fill`, `launch_normals`,
-`launch_virtual_linear`, `launch_lowrank_linear`) are called on CPU tensors with Triton's
-`JITFunction.run` replaced by a recorder (`capture`), and so is one ES iteration of each real model of
-MODEL_CONFIGS, on the meta device, through fastes.ES and population_batched in every dtype, noise and
-mode (`model_launches`). Each recorded launch is specialised by Triton's own binder, exactly as `run`
-would on a GPU (signature, constexprs, divisibility attributes), and compiled with `triton.compile` for
-a `GPUTarget`: PTX and a cubin via the ptxas shipped in the Triton wheel (AMD: an hsaco). `cuobjdump`
-from the same wheel gives registers, local memory and the SASS. Launches that specialise alike are
-compiled once per target, and each result is cached (`compile_cached`). Exit status 1 when a launch
-fails to compile or spills registers, or when launches of one label compile to more than one variant.
+`launch_virtual_linear`, `launch_lowrank_linear`: its products, then its GEMM) are called on CPU tensors
+with Triton's `JITFunction.run` replaced by a recorder (`capture`), and so is one ES iteration of each
+real model of MODEL_CONFIGS, on the meta device, through fastes.ES and population_batched in every
+dtype, noise and mode (`model_launches`). Each recorded launch is specialised by Triton's own binder,
+exactly as `run` would on a GPU (signature, constexprs, divisibility attributes), and compiled with
+`triton.compile` for a `GPUTarget`: PTX and a cubin via the ptxas shipped in the Triton wheel (AMD: an
+hsaco). `cuobjdump` from the same wheel gives registers, local memory and the SASS. Launches that
+specialise alike are compiled once per target, and each result is cached (`compile_cached`). Exit status
+1 when a launch fails to compile or spills registers, or when launches of one label compile to more than
+one variant.
 docs/gpu.md has the counts and timings.
 
 This needs compiled kernels, so it refuses to run under TRITON_INTERPRET=1 (the test suite starts it in
@@ -118,8 +119,9 @@ def runtime_launches() -> list[Launch]:
     def add(label: str, launch, *args) -> None:
         with capture() as recorded:
             launch(*args)
-        for one in recorded:
-            one.label = label
+        kernels = {one.kernel for one in recorded}
+        for one in recorded:  # a launch function of two kernels (lowrank_linear) labels each apart
+            one.label = label if len(kernels) == 1 else f"{label} {one.kernel.__name__}"
         all_launches.extend(recorded)
 
     for name, (torch_dtype, dtype) in dtypes.items():
@@ -205,11 +207,12 @@ def runtime_launches() -> list[Launch]:
                 *(x, conv_weight, y, member_keys, scales, 1, rows, dtype),
                 *(None, 32, 32, True, "rademacher"),
             )
-        # The low-rank layer's GEMM: 16- and 64-row tiles, with a bias, and a Conv1D's transposed weight
-        # without one (models without biases cover the rest); ranks 1, 3 (in a block of 4) and 8, and at
-        # odd sizes 1 and 2 (gfx942 spills a few scalar registers there at ranks 3 and 8: real models'
-        # sizes are multiples of 16). Launches of a label differ in their rows per member only: they must
-        # share one variant.
+        # The low-rank layer's GEMM, with its products inside or computed first: 16- and 64-row tiles,
+        # with a bias, and a Conv1D's transposed weight without one (models without biases cover the
+        # rest); ranks 1, 3 (in a block of 4) and 8, and at odd sizes 1 and 2, products first at rank 1
+        # only (gfx942 spills a few scalar registers at odd sizes: products inside at ranks 3 and 8, first
+        # in fp32 at rank 2; real models' sizes are multiples of 16). Launches of a label differ in their
+        # rows per member only: they must share one variant per kernel.
         for n_in, n_out, ranks in [(64, 48, (1, 3, 8)), (37, 33, (1, 2))]:
             weight = torch.zeros(n_out, n_in, dtype=torch_dtype)
             bias = torch.zeros(n_out, dtype=torch_dtype)
@@ -220,16 +223,31 @@ def runtime_launches() -> list[Launch]:
                     inputs = torch.zeros(members, rank, n_in, dtype=torch_dtype)
                     outputs = torch.zeros(members, rank, n_out, dtype=torch_dtype)
                     shape = f"K={n_in} N={n_out} rank={rank} rows={members * rows}"
-                    add(
-                        f"lowrank_linear {name} {shape}",
-                        launch_lowrank_linear,
-                        *(x, weight, bias, inputs, outputs, y, dtype),
-                    )
-                    add(
-                        f"lowrank_linear {name} transposed {shape}",
-                        launch_lowrank_linear,
-                        *(x, weight.T.contiguous(), None, inputs, outputs, y, dtype, True),
-                    )
+                    for first in (False, True) if n_in % 16 == 0 or rank == 1 else (False,):
+                        way = "products first " if first else ""
+                        add(
+                            f"lowrank_linear {name} {way}{shape}",
+                            launch_lowrank_linear,
+                            *(x, weight, bias, inputs, outputs, y, dtype, False, None, 64, 32, first),
+                        )
+                        add(
+                            f"lowrank_linear {name} {way}transposed {shape}",
+                            launch_lowrank_linear,
+                            *(
+                                x,
+                                weight.T.contiguous(),
+                                None,
+                                inputs,
+                                outputs,
+                                y,
+                                dtype,
+                                True,
+                                None,
+                                64,
+                                32,
+                                first,
+                            ),
+                        )
     for raw_bits in (True, False):
         out = torch.empty(4099, dtype=torch.int64 if raw_bits else torch.float32)
         for key, tid, offset in [((1, 1), 1, 0), ((16, 1 << 31), (1 << 32) - 1, 16), ((0, 0), 16, 1 << 34)]:

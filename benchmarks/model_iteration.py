@@ -19,12 +19,16 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from fastes.engine.kernels.lowrank_linear import BLOCK_N, products_first
+
 POPULATION = 32  # members (16 antithetic directions)
 PROMPTS = 64  # prompts per member
 NEW_TOKENS = 256
 PROMPT_TOKENS = 64  # assumed prompt length (prefill)
 RANK = 1  # low-rank noise
-BLOCK_N = 64  # the output tile width of the low-rank GEMM (fastes/engine/kernels/lowrank_linear.py)
+# A launch of a small kernel (the low-rank products): its start and drain, which a kernel reading a few
+# MB does not hide. The generation's own launches are left out (a floor); this one is fastes' extra.
+LAUNCH_US = 3.0
 MODES = ("member", "materialised", "virtual", "lowrank")
 NOTES = [
     f"Scenario: population {POPULATION} (antithetic: {POPULATION // 2} directions) x {PROMPTS} prompts "
@@ -41,13 +45,15 @@ NOTES = [
     "Noise work: perturb = members x evolved elements at the perturb kernel's predicted rate; virtual = "
     "the virtual_linear kernel's noise (its SASS loop per noise element, tile of 64 rows in decode, 128 "
     "in prefill, regenerated per 128-row tile) beyond the time of the same step without noise; "
-    "low-rank = the factors' normals, the rank-r term inside the one Triton GEMM that writes y "
-    "(fastes/engine/kernels/lowrank_linear.py: no pass over x or y of its own; its per-row products with "
-    "the input factors, redone by each of the out / 64 column tiles, and the epilogue's products with the "
-    "output factors on the CUDA cores at the fp32 peak, not overlapped with the GEMM; each member's "
-    "factors read from HBM once per forward pass, their per-row re-reads served by L1/L2) and the "
-    "update's fp32 GEMM on the CUDA cores; update = the fused update over 16 directions at its predicted "
-    "rate.",
+    "low-rank = the factors' normals, the rank-r term of the low-rank layer "
+    "(fastes/engine/kernels/lowrank_linear.py: its epilogue multiplies each row's r products into the "
+    "output factors; the products are summed inside the GEMM's K loop, redone by each of the out / 64 "
+    "column tiles, or, where rank x tiles >= 32 (products_first), first by a launch per projection and "
+    "forward pass that reads x once at the copy bandwidth, reads each member's input factors and writes "
+    f"r fp32 numbers per row, plus {LAUNCH_US:g} us per launch; the FMAs on the CUDA cores at the fp32 "
+    "peak, not overlapped with the GEMM; each member's factors read from HBM once per forward pass) and "
+    "the update's fp32 GEMM on the CUDA cores; update = the fused update over 16 directions at its "
+    "predicted rate.",
     "'fastes share' = noise work / predicted iteration; 'x floor' = iteration / plain inference of the "
     "same tokens with shared weights (all members in one batch where it fits).",
 ]
@@ -78,6 +84,7 @@ class ModelShape:
     evolved: int  # elements of the evolved projection matrices
     matmul: int  # elements of every matmul weight read per token (a tied lm_head included)
     total: int  # every parameter, stored once
+    shapes: tuple  # (outputs, inputs) of each evolved projection matrix
     factor_rows: int  # sum over evolved matrices of (rows + columns): low-rank factor numbers at rank 1
     input_features: int  # sum over evolved matrices of their columns (the projection's input width)
     kv_bytes_per_token: int  # bf16 keys and values of all layers, one row
@@ -107,6 +114,7 @@ def shape_of(model: torch.nn.Module, name: str) -> ModelShape:
         evolved=sum(p.numel() for p in evolved),
         matmul=sum(w.numel() for w in matmul),
         total=sum(p.numel() for p in model.parameters()),
+        shapes=tuple(tuple(p.shape) for p in evolved),
         factor_rows=sum(sum(p.shape) for p in evolved),
         input_features=sum(p.shape[1] for p in evolved),
         kv_bytes_per_token=config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 2,
@@ -180,18 +188,30 @@ def lowrank_noise_seconds(
     model: ModelShape, device, rates: NoiseRates, members: int, tokens: int, forwards: int = 1
 ) -> float:
     """Low-rank evaluation: the members' factors (normals), and what the rank-r term adds to the base
-    GEMM over `tokens` rows in `forwards` forward passes, as the fused Triton GEMM on a GPU
-    (fastes.es.population.LowRankLinear) computes it: no pass over x or y of its own. Per rank, each
-    row's product with its member's input factor (2 in FLOPs) is redone by each of the out / BLOCK_N
-    column tiles (every evolved matrix of these models has a multiple of 64 outputs) and the epilogue
-    multiplies it into the output factor (2 out FLOPs): fp32 FMAs on the CUDA cores, priced at their peak
-    and not overlapped with the tensor cores' GEMM. The factors are read per row and tile, but a member's
-    rows share them: HBM reads each member's factors once per forward pass, the rest comes from L1/L2."""
+    GEMM over `tokens` rows in `forwards` forward passes, as fastes.es.population.LowRankLinear computes
+    it on a GPU. Each row's r products with its member's input factors are computed one of two ways per
+    matrix (`products_first` of fastes/engine/kernels/lowrank_linear.py):
+    - inside the GEMM's K loop, redone by each of the out / BLOCK_N column tiles (2 in FLOPs per rank,
+      row and tile);
+    - or first, by a launch per forward pass that reads x once (2 bytes per input feature of every row)
+      and each member's input factors and writes r fp32 numbers per row, at the copy bandwidth (its FLOPs
+      are far below the bf16 peak's balance), plus LAUNCH_US; the GEMM's K loop is then the plain one.
+    The epilogue multiplies the products into the output factors (2 out FLOPs per rank). The FLOPs are
+    fp32 FMAs on the CUDA cores, priced at their peak and not overlapped with the tensor cores' GEMM; the
+    GEMM reads each member's factors from HBM once per forward pass, the rest from L1/L2."""
     factors = members * RANK * model.factor_rows * rates.fill
-    outputs = model.factor_rows - model.input_features
-    flops = 2 * tokens * RANK * (model.evolved / BLOCK_N + outputs)
-    reads = forwards * members * RANK * 2 * model.factor_rows
-    return factors + max(flops / (device.fp32_tflops * 1e12), reads / (device.copy_tb_s * 1e12))
+    first = [(n_out, n_in) for n_out, n_in in model.shapes if products_first(RANK, n_out)]
+    in_gemm = [(n_out, n_in) for n_out, n_in in model.shapes if not products_first(RANK, n_out)]
+    first_inputs = sum(n_in for _, n_in in first)
+    products_bytes = tokens * (2 * first_inputs + 4 * RANK * len(first))
+    products_bytes += forwards * members * RANK * 2 * first_inputs
+    products = products_bytes / (device.copy_tb_s * 1e12) + forwards * len(first) * LAUNCH_US * 1e-6
+    outputs = sum(n_out for n_out, _ in model.shapes)
+    recomputed = sum(n_in * math.ceil(n_out / BLOCK_N) for n_out, n_in in in_gemm)
+    flops = 2 * tokens * RANK * (recomputed + outputs)
+    reads = forwards * members * RANK * 2 * (outputs + sum(n_in for _, n_in in in_gemm))
+    gemm = max(flops / (device.fp32_tflops * 1e12), reads / (device.copy_tb_s * 1e12))
+    return factors + products + gemm
 
 
 def lowrank_update_seconds(model: ModelShape, device, rates: NoiseRates, directions: int) -> float:

@@ -1,4 +1,5 @@
-"""The low-rank population linear layer as one Triton GEMM (interpreted) against plain torch."""
+"""The low-rank population linear layer (its products kernel, then its GEMM; interpreted) against plain
+torch."""
 
 import pytest
 import torch
@@ -6,7 +7,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import fastes
 from fastes.engine import ops
-from fastes.engine.kernels import launch_lowrank_linear
+from fastes.engine.kernels import launch_lowrank_linear, launch_lowrank_products, lowrank_linear
 from fastes.es.population import LowRankLinear, population_batched
 from fastes.models.loading import build_tokenizer
 
@@ -17,15 +18,19 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 def reference(x, weight, bias, inputs, outputs, transposed=False):
     """x W^T + bias + sum_i (x_m . inputs[m, i]) outputs[m, i] for member m's rows, in float64."""
-    members = inputs.shape[0]
     w = weight.double() if transposed else weight.double().T
     y = x.double() @ w + (0 if bias is None else bias.double())
-    grouped = x.double().reshape(members, -1, x.shape[-1])
-    products = grouped @ inputs.double().transpose(1, 2)  # [members, R, r]
+    products = reference_products(x, inputs)  # [members, R, r]
     return y + (products @ outputs.double()).reshape(y.shape)
 
 
-def check(dtype, members, rows, n_in, n_out, rank, seed, transposed=False, with_bias=True, **blocks):
+def reference_products(x, inputs):
+    """x_m . inputs[m, i] for member m's rows, [members, R, r] in float64."""
+    grouped = x.double().reshape(inputs.shape[0], -1, x.shape[-1])
+    return grouped @ inputs.double().transpose(1, 2)
+
+
+def check(dtype, members, rows, n_in, n_out, rank, seed, first, transposed=False, with_bias=True, **blocks):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(members * rows, n_in, generator=gen).to(dtype)
     weight = (0.1 * torch.randn((n_in, n_out) if transposed else (n_out, n_in), generator=gen)).to(dtype)
@@ -33,7 +38,9 @@ def check(dtype, members, rows, n_in, n_out, rank, seed, transposed=False, with_
     inputs = torch.randn(members, rank, n_in, generator=gen).to(dtype)
     outputs = (0.05 * torch.randn(members, rank, n_out, generator=gen)).to(dtype)
     y = torch.full((members * rows, n_out), float("nan"), dtype=dtype)
-    launch_lowrank_linear(x, weight, bias, inputs, outputs, y, ops.triton_dtype(dtype), transposed, **blocks)
+    launch_lowrank_linear(
+        x, weight, bias, inputs, outputs, y, ops.triton_dtype(dtype), transposed, first=first, **blocks
+    )
     expected = reference(x, weight, bias, inputs, outputs, transposed)
     scale = float(expected.abs().max())
     torch.testing.assert_close(y.double(), expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype] * scale)
@@ -44,16 +51,43 @@ def check(dtype, members, rows, n_in, n_out, rank, seed, transposed=False, with_
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("rank", [1, 2, 4])
-def test_kernel_matches_the_reference(dtype, rank):
+@pytest.mark.parametrize("first", [False, True], ids=["products-in-gemm", "products-first"])
+def test_kernel_matches_the_reference(dtype, rank, first):
     # Odd sizes: 37 inputs (two K tiles, the second masked), 53 outputs, 3 rows per member (a 16-row
     # tile holds parts of 6 members), with and without a bias, three seeds.
     for seed in range(3):
-        check(dtype, members=5, rows=3, n_in=37, n_out=53, rank=rank, seed=seed, with_bias=seed != 1)
+        check(
+            dtype,
+            members=5,
+            rows=3,
+            n_in=37,
+            n_out=53,
+            rank=rank,
+            seed=seed,
+            first=first,
+            with_bias=seed != 1,
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("members,rows,n_in,rank", [(5, 3, 37, 3), (2, 9, 300, 1), (1, 1, 1, 2)])
+def test_products_kernel_matches_the_reference(dtype, members, rows, n_in, rank):
+    # 3 rows per member straddle the 4-row programs; 300 inputs take two K steps (the second masked);
+    # rank 3 is stored in a block of 4.
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(members * rows, n_in, generator=gen).to(dtype)
+    inputs = torch.randn(members, rank, n_in, generator=gen).to(dtype)
+    products = torch.full((members * rows, rank), float("nan"))
+    launch_lowrank_products(x, inputs, products)
+    expected = reference_products(x, inputs).reshape(products.shape)
+    # fp32 sums of exact 16-bit products: only the summation order differs.
+    torch.testing.assert_close(products.double(), expected, rtol=1e-5, atol=1e-5 * n_in**0.5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_with_a_transposed_conv1d_weight(dtype):
-    check(dtype, members=3, rows=2, n_in=21, n_out=40, rank=2, seed=4, transposed=True)
+@pytest.mark.parametrize("first", [False, True], ids=["products-in-gemm", "products-first"])
+def test_kernel_with_a_transposed_conv1d_weight(dtype, first):
+    check(dtype, members=3, rows=2, n_in=21, n_out=40, rank=2, seed=4, first=first, transposed=True)
 
 
 @pytest.mark.parametrize(
@@ -64,13 +98,29 @@ def test_kernel_with_a_transposed_conv1d_weight(dtype):
         (3, 7, 50, 33, 2, {"block_m": 16, "block_n": 16, "block_k": 16}),  # several tiles each way
     ],
 )
-def test_kernel_over_tile_edges(members, rows, n_in, n_out, rank, blocks):
-    check(torch.float32, members, rows, n_in, n_out, rank, seed=members, **blocks)
+@pytest.mark.parametrize("first", [False, True], ids=["products-in-gemm", "products-first"])
+def test_kernel_over_tile_edges(members, rows, n_in, n_out, rank, blocks, first):
+    check(torch.float32, members, rows, n_in, n_out, rank, seed=members, first=first, **blocks)
+
+
+def test_products_run_first_for_wide_outputs_only():
+    # Rank x column tiles against the threshold: Qwen2.5-1.5B's q (1536 outputs) keeps its products in
+    # the GEMM, its gate (8960) computes them first; rank 2 doubles the recomputation.
+    assert not lowrank_linear.products_first(1, 1536) and lowrank_linear.products_first(1, 8960)
+    assert lowrank_linear.products_first(2, 1024) and not lowrank_linear.products_first(2, 960)
+
+
+@pytest.fixture(params=[False, True], ids=["products-in-gemm", "products-first"])
+def products_first(request, monkeypatch):
+    """Both ways of the layer's products: a threshold of 0 column tiles sends every layer first."""
+    if request.param:
+        monkeypatch.setattr(lowrank_linear, "PRODUCTS_FIRST_TILES", 0)
+    return request.param
 
 
 @torch.no_grad()
 @pytest.mark.parametrize("conv1d", [False, True])
-def test_layer_on_the_triton_backend_equals_its_torch_fallback(conv1d):
+def test_layer_on_the_triton_backend_equals_its_torch_fallback(conv1d, products_first):
     """LowRankLinear with the kernel against its own torch path; a Conv1D's weight is [in, out] and its
     factors swap roles (the layer maps them, the kernel only reads the weight transposed)."""
     from transformers.pytorch_utils import Conv1D
@@ -110,7 +160,7 @@ def tiny():
 
 
 @torch.no_grad()
-def test_lowrank_mode_logits_with_the_kernel_equal_the_torch_fallback(tiny):
+def test_lowrank_mode_logits_with_the_kernel_equal_the_torch_fallback(tiny, products_first):
     model, tokenizer = tiny
     batch = tokenizer(["cd 2 4 8 > 24:", "rev 123:"], return_tensors="pt", padding=True)
     logits = {}

@@ -115,8 +115,10 @@ class VirtualLinear(_PopulationLayer):
 class LowRankLinear(_PopulationLayer):
     """y_m = x_m W^T + scale_m / sqrt(r) * (x_m B_m) A_m^T: the members' rank-r noise is never formed.
 
-    With the Triton backend (CUDA tensors) one GEMM (fastes/engine/kernels/lowrank_linear.py) computes
-    the base projection and the term together and writes y once. Otherwise the base projection runs
+    With the Triton backend (CUDA tensors) one GEMM (fastes/engine/kernels/lowrank_linear.py) adds each
+    row's r products with its member's input factors times the output factors in its epilogue and writes
+    y once; the products are summed in its K loop, or, for wide outputs, first by a launch that reads x
+    once (`products_first`). Otherwise the base projection runs
     once on all rows (the plain model's own GEMM) and the rank-r term is then added into its output in
     place: per row, a dot product with the member's input factor and an outer-product add of its output
     factor. On CPU in fp32 that is one call of the compiled library (fastes/engine/csrc/lowrank_cpu.c: one

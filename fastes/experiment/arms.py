@@ -4,10 +4,10 @@ How intermediate policies are probed: train() keeps only its newest checkpoints,
 in segments. Every segment resumes the run from the previous segment's checkpoint (train() resumes
 exactly: the result equals an uninterrupted run), and the segment's final model is probed.
 The GRPO -> ES arm starts from the GRPO arm's model halfway through (the study's GRPO runs at a constant
-learning rate and draws its batches from (seed, step), so the first half of the GRPO arm is exactly the GRPO phase a
-shorter GRPO run would have) and runs ES with a fresh ES state. With equal prompt batches for both
-phases that is bit for bit train() with algorithm "grpo_es" (tested); here each phase keeps its own arm's
-batch size, and the GRPO phase is not paid for twice.
+learning rate and draws its batches from (seed, step), so the first half of the GRPO arm is exactly the
+GRPO phase a shorter GRPO run would have) and runs ES with a fresh ES state. With equal prompt batches
+for both phases that is bit for bit train() with algorithm "grpo_es" (tested); here each phase keeps its
+own arm's batch size, and the GRPO phase is not paid for twice.
 """
 
 from __future__ import annotations

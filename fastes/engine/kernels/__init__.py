@@ -10,7 +10,7 @@ past 2^31 (i64) and for multiples of 16, so a run would crash on key word 1 and 
 `benchmarks.aot` compiles every launch the runtime makes for sm_90/sm_80 and checks this.
 """
 
-from .lowrank_linear import launch_lowrank_linear
+from .lowrank_linear import launch_lowrank_linear, launch_lowrank_products, products_first
 from .noise import launch_fill, launch_normals
 from .perturb import launch_perturb
 from .table import TileTable, build_tile_table
@@ -25,8 +25,10 @@ __all__ = [
     "build_tile_table",
     "launch_fill",
     "launch_lowrank_linear",
+    "launch_lowrank_products",
     "launch_normals",
     "launch_perturb",
     "launch_update",
     "launch_virtual_linear",
+    "products_first",
 ]
