@@ -40,6 +40,30 @@ def products_first(rank: int, n_out: int, block_n: int = BLOCK_N) -> bool:
     return rank * triton.cdiv(n_out, block_n) >= PRODUCTS_FIRST_TILES
 
 
+@triton.jit
+def add_products(
+    sums,
+    a,
+    inputs,
+    factor_rows,
+    k_start,
+    K,
+    mask,
+    RANK: tl.constexpr,
+    RANK_BLOCK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One K step of the rows' products: sums[:, i] += a . inputs[member, i, k_start : k_start + BLOCK_K]
+    for each row of the fp32 x tile `a`, `factor_rows` holding where each row's member's factors start."""
+    ranks = tl.arange(0, RANK_BLOCK)
+    for i in tl.static_range(RANK):
+        offsets = factor_rows[:, None] + (k_start + i * K + tl.arange(0, BLOCK_K))[None, :]
+        factor = tl.load(inputs + offsets, mask=mask, other=0.0)
+        partial = tl.sum(a * factor.to(tl.float32), axis=1)
+        sums += tl.where(ranks[None, :] == i, partial[:, None], 0.0)
+    return sums
+
+
 @triton.jit(do_not_specialize=["rows", "rows_per_member"])
 def lowrank_products_kernel(
     x,
@@ -66,10 +90,7 @@ def lowrank_products_kernel(
         ks = k_start + tl.arange(0, BLOCK_K)
         mask = row_ok[:, None] & (ks < K)[None, :]
         a = tl.load(x + row_ids[:, None] * stride_x + ks[None, :], mask=mask, other=0.0).to(tl.float32)
-        for i in tl.static_range(RANK):
-            factor = tl.load(inputs + factor_rows[:, None] + i * K + ks[None, :], mask=mask, other=0.0)
-            partial = tl.sum(a * factor.to(tl.float32), axis=1)
-            sums += tl.where(ranks[None, :] == i, partial[:, None], 0.0)
+        sums = add_products(sums, a, inputs, factor_rows, k_start, K, mask, RANK, RANK_BLOCK, BLOCK_K)
     out_mask = row_ok[:, None] & (ranks < RANK)[None, :]
     tl.store(products + row_ids[:, None] * RANK + ranks[None, :], sums, mask=out_mask)
 
@@ -134,11 +155,7 @@ def lowrank_linear_kernel(
             acc += tl.dot(a, w)
         if not PRODUCTS_GIVEN:
             a32 = a.to(tl.float32)
-            for i in tl.static_range(RANK):
-                offsets = factor_rows[:, None] + (k_start + i * K + tl.arange(0, BLOCK_K))[None, :]
-                factor = tl.load(inputs + offsets, mask=a_mask, other=0.0)
-                partial = tl.sum(a32 * factor.to(tl.float32), axis=1)
-                sums += tl.where(ranks[None, :] == i, partial[:, None], 0.0)
+            sums = add_products(sums, a32, inputs, factor_rows, k_start, K, a_mask, RANK, RANK_BLOCK, BLOCK_K)
 
     out_mask = row_ok[:, None] & col_ok[None, :]
     for i in tl.static_range(RANK):
