@@ -29,6 +29,7 @@ Where no C compiler is found, or building fails, `available()` turns False after
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -328,6 +329,16 @@ def _table(parts: Sequence[chunks.Part], tensor_ids: Sequence[int], per_block: i
     return torch.tensor(rows, dtype=torch.int64)
 
 
+@functools.lru_cache(maxsize=16)
+def _planned(
+    numels: tuple[int, ...], tensor_ids: tuple[int, ...], per_block: int
+) -> tuple[tuple[chunks.Chunk, torch.Tensor], ...]:
+    """Each chunk of the plan with its part table, built once per layout: ES asks for the same layout
+    every generation, and building a 135M-parameter model's ~600 tables costs ~5 ms a pass."""
+    plan = chunks.plan(numels, per_block)
+    return tuple((chunk, _table(chunk.parts, tensor_ids, per_block)) for chunk in plan)
+
+
 def _noise_chunk(noise_kind: str, table: torch.Tensor, lanes: int, keys: torch.Tensor) -> torch.Tensor:
     """eps of distribution `noise_kind` for the lanes of a chunk planned with its block size."""
     kind = "sign" if noise_kind == "rademacher" else "normal"
@@ -373,8 +384,8 @@ def normals(key: Key, tensor_ids: Sequence[int], numels: Sequence[int], stream: 
     chunk plan packs them into (small tensors share a call): one call per tensor costs more than its noise."""
     keys = round_keys(key)
     out = [torch.empty(numel, dtype=torch.float32) for numel in numels]
-    for chunk in chunks.plan(numels):
-        lanes = _run("normal", _table(chunk.parts, tensor_ids, 4), stream, keys, chunk.lanes // 4)
+    for chunk, table in _planned(tuple(numels), tuple(tensor_ids), 4):
+        lanes = _run("normal", table, stream, keys, chunk.lanes // 4)
         for index, start, n, lane in chunk.parts:
             out[index][start : start + n] = lanes[lane : lane + n]
     return out
@@ -420,8 +431,8 @@ def perturb(
 
         _parallel(call, n_blocks)
         return
-    for chunk in chunks.plan([t.numel() for t in sources], per_block):
-        eps = _noise_chunk(noise_kind, _table(chunk.parts, tensor_ids, per_block), chunk.lanes, keys)
+    for chunk, table in _planned(tuple(t.numel() for t in sources), tuple(tensor_ids), per_block):
+        eps = _noise_chunk(noise_kind, table, chunk.lanes, keys)
         for index, start, n, lane in chunk.parts:
             src = sources[index].view(-1)[start : start + n]
             dst = destinations[index].view(-1)[start : start + n]
@@ -472,17 +483,15 @@ def es_update(
 
         _parallel(call, n_blocks)
         return
-    for chunk in chunks.plan([p.numel() for p in params], per_block):
+    for chunk, table in _planned(tuple(p.numel() for p in params), tuple(tensor_ids), per_block):
         total = _scratch("total", chunk.lanes)
-        table = _table(chunk.parts, tensor_ids, per_block)
         _run_sum(noise_kind, table, schedules, weight_column, total, chunk.lanes // per_block)
         u = None
         if rounding is not None and any(params[i].dtype != torch.float32 for i, *_ in chunk.parts):
             # The rounding stream has 4 elements per block; sign chunks' lanes are 128-aligned, so a
             # 4-element table at the same lanes gives each element its uniform.
-            if noise_kind == "rademacher":
-                table = _table(chunk.parts, tensor_ids, 4)
-            words = _run("words", table, noise.STREAM_ROUNDING, rounding, chunk.lanes // 4)
+            words_table = _table(chunk.parts, tensor_ids, 4) if noise_kind == "rademacher" else table
+            words = _run("words", words_table, noise.STREAM_ROUNDING, rounding, chunk.lanes // 4)
             u = noise._uniform(words.to(torch.int64) & noise.MASK32)
         for index, start, n, lane in chunk.parts:
             param = params[index]
