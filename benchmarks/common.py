@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import json
 import os
 import platform
 import re
@@ -103,6 +104,16 @@ def dated_stem(out_dir: Path, name: str, date: str, suffix: str = "", endings=("
     while any((out_dir / f"{stem}{ending}").exists() for ending in endings):
         stem, n = f"{name}-{date}-{n}{suffix}", n + 1
     return stem
+
+
+def write_results(out_dir: Path, name: str, report: dict, markdown: str) -> Path:
+    """Write `report` as <name>-<date>.json and `markdown` as its .md beside it, under a stem no earlier
+    results file has (dated_stem, report["date"]); returns the .md path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = dated_stem(out_dir, name, report["date"])
+    (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out_dir / f"{stem}.md").write_text(markdown)
+    return out_dir / f"{stem}.md"
 
 
 def environment(ctx: Context, load_at_start: list[float] | None) -> dict:

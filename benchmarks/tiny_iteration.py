@@ -28,10 +28,10 @@ import torch
 from benchmarks.common import (
     IterationSetting,
     cpu_model,
-    dated_stem,
     load_average,
     load_bench_model,
     make_run,
+    write_results,
 )
 
 SETTING = IterationSetting(population=16, batch=32, max_new_tokens=12)
@@ -158,11 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     for mode in args.modes.split(","):
         report["modes"][mode] = measure_mode(mode, args.rounds)
         print(f"{mode}: iteration time ratio {report['modes'][mode]['time_ratio']:.3f}", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = dated_stem(args.out, "tiny-iteration", report["date"])
-    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / f"{stem}.md").write_text(markdown(report))
-    print(f"wrote {args.out / stem}.md")
+    print(f"wrote {write_results(args.out, 'tiny-iteration', report, markdown(report))}")
     return 0
 
 

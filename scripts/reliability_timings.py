@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trainer-cases", type=int, default=200)
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
-    from benchmarks.common import cpu_model, dated_stem, load_average
+    from benchmarks.common import cpu_model, load_average, write_results
 
     now = datetime.datetime.now()
     report = {"date": now.strftime("%Y-%m-%d"), "time": now.strftime("%H:%M"), "cpu": cpu_model()}
@@ -211,11 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     ):
         print(f"reliability timings: {name} ...", flush=True)
         report[name] = measure()
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = dated_stem(args.out, "reliability-timings", report["date"])
-    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / f"{stem}.md").write_text(markdown(report))
-    print(f"wrote {args.out / stem}.md")
+    print(f"wrote {write_results(args.out, 'reliability-timings', report, markdown(report))}")
     return 0
 
 
