@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from fastes.errors import ConfigError
 from fastes.models.loading import num_params, tiny_model_path
 from fastes.models.sources import resolve_model
-from fastes.run.auto_settings import SMALL_MODEL_PARAMS
+from fastes.run.auto_settings import SMALL_MODEL_PARAMS, torch_threads
 from fastes.run.config import MAX_SEED, PROMPT_SETTINGS
 
 from .arms import Context, make_context, population_sweep, train_arm, training_curves
@@ -207,8 +207,7 @@ def run_experiment(
     ctx = make_context(preset, out, base_path, device, plan, progress, done)
     params = num_params(ctx.load(base_path)[0])
     threads = torch.get_num_threads()  # the caller's, given back at the end
-    if params < 5_000_000:  # as train(): a tiny model's matmuls only lose from sharing threads
-        torch.set_num_threads(1)
+    torch.set_num_threads(torch_threads(params))  # as train() sets them: one for a tiny model
     try:
         clock = StageClock(estimate_seconds(preset, plan), chosen, params >= SMALL_MODEL_PARAMS)
         for stage in chosen:

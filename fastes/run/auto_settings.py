@@ -31,12 +31,19 @@ from fastes.models.loading import uses_chat_template
 from .config import TrainConfig, config_from_dict
 
 SMALL_MODEL_PARAMS = 20_000_000  # below: a toy model (the built-in tiny and small ones are < 1M)
+ONE_THREAD_PARAMS = 5_000_000  # below: matmuls too small to share, extra threads only synchronise
 PLAIN_NEW_TOKENS = 12
 INSTRUCT_NEW_TOKENS = 48
 EVAL_ROWS = 256
 TINY_GRPO_LR = 3e-4
 GRPO_LR = 1e-6  # TRL's default
 MEMORY_SHARE = 0.25  # of the memory available at the start, for materialised members or eval rows
+
+
+def torch_threads(params: int, requested: int = 0) -> int:
+    """The torch threads a run of a `params`-parameter model takes: `requested` (the config's `threads`)
+    when set, one below ONE_THREAD_PARAMS, else the process's current count."""
+    return requested or (1 if params < ONE_THREAD_PARAMS else torch.get_num_threads())
 
 
 def available_memory(device: str) -> int:

@@ -29,7 +29,7 @@ from fastes.checkpoint import latest_checkpoint, save_checkpoint, write_atomic
 from fastes.errors import ConfigError, NonFiniteUpdateError
 from fastes.es.optimizer import ES, CollectiveError
 from fastes.models import adapters
-from fastes.models.loading import ModelError, is_character_tokenizer, load_model, save_model
+from fastes.models.loading import ModelError, is_character_tokenizer, load_model, num_params, save_model
 from fastes.models.sources import resolve_model
 from fastes.tasks import DatasetTask, Example, Task
 from fastes.tasks.setup import make_task, task_errors
@@ -340,9 +340,7 @@ def prepare_run(
     found, run_id, previous = _read_run_dir(out_dir, identity, phases, resume, overwrite)
     if "es" in phases:
         _check_evolvable(model, model_dir, cfg.es)
-    # A tiny model's matmuls are too small to share: extra threads only add synchronisation.
-    small = sum(p.numel() for p in model.parameters()) < 5_000_000
-    torch.set_num_threads(cfg.threads or (1 if small else torch.get_num_threads()))
+    torch.set_num_threads(auto_settings.torch_threads(num_params(model), cfg.threads))
     run = Run(cfg, model, tokenizer, task, out_dir, identity, callbacks=hooks)
     task.attach(tokenizer=tokenizer, device=next(model.parameters()).device)  # reward models run here
     run.test = task.split("test")[: cfg.eval_size]
