@@ -32,6 +32,27 @@ def tiny():
     return build_tiny_model("tiny", tokenizer).eval(), tokenizer
 
 
+def kernel_llama(**config):
+    """A Llama smaller than the built-in tiny one, and its tokenizer, for tests whose interpreted kernels
+    run every linear layer as Python; `config` overrides LlamaConfig's settings."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    tokenizer = build_tokenizer()
+    settings = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return LlamaForCausalLM(LlamaConfig(**{**settings, **config})).eval(), tokenizer
+
+
 HIDDEN, LAYERS, HEADS, FFN = 16, 2, 2, 32
 # A byte-level BPE vocabulary: enough for prompts of digits, lowercase letters and punctuation.
 CHARS = [chr(c) for c in range(32, 127)]

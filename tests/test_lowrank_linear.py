@@ -3,13 +3,12 @@ torch."""
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from conftest import kernel_llama
 
 import fastes
 from fastes.engine import ops
 from fastes.engine.kernels import launch_lowrank_linear, launch_lowrank_products, lowrank_linear
 from fastes.es.population import LowRankLinear, population_batched
-from fastes.models.loading import build_tokenizer
 
 # The kernel rounds y once; the reference rounds only at the end too, so 16-bit differences are the
 # summation order and that one rounding, relative to the largest output.
@@ -142,21 +141,7 @@ def test_layer_on_the_triton_backend_equals_its_torch_fallback(conv1d, products_
 @pytest.fixture(scope="module")
 def tiny():
     """A small Llama with biased attention projections: interpreted kernels run each layer as Python."""
-    torch.manual_seed(0)
-    tokenizer = build_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        attention_bias=True,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    return LlamaForCausalLM(config).eval(), tokenizer
+    return kernel_llama(intermediate_size=48, attention_bias=True)
 
 
 @torch.no_grad()

@@ -2,14 +2,12 @@
 
 import pytest
 import torch
-from conftest import NOISE_KINDS
-from transformers import LlamaConfig, LlamaForCausalLM
+from conftest import NOISE_KINDS, kernel_llama
 
 import fastes
 from fastes.engine import noise, ops
 from fastes.engine.kernels import launch_virtual_linear
 from fastes.es.population import PopulationLinear, VirtualLinear, population_batched
-from fastes.models.loading import build_tokenizer
 
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3)}
 
@@ -79,20 +77,7 @@ def test_kernel_with_a_transposed_conv1d_weight(noise_kind, dtype, members, rows
 @pytest.fixture(scope="module")
 def tiny():
     """A smaller Llama than the built-in one: interpreted kernels run every linear layer as Python."""
-    torch.manual_seed(0)
-    tokenizer = build_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    return LlamaForCausalLM(config).eval(), tokenizer
+    return kernel_llama()
 
 
 @torch.no_grad()
