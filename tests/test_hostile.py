@@ -122,6 +122,28 @@ def test_weights_that_are_already_nan_are_refused():
         next(es.members())
 
 
+def test_weights_are_read_once_a_generation_and_again_after_a_change(monkeypatch):
+    """The update's overflow check reuses the perturbation check's read of the weights, unless a torch op
+    wrote one since: a weight made inf between evaluation and step is still refused."""
+    reads = []
+    real = fastes.es.optimizer._max_abs
+    monkeypatch.setattr(fastes.es.optimizer, "_max_abs", lambda p: reads.append(p) or real(p))
+    model = net()
+    es = fastes.ES(fastes.linear_weights(model), sigma=0.1, lr=0.1, population=2)
+    evolved = len(es.param_groups[0]["params"])
+    for generation in range(2):
+        list(es.members())
+        es.step(torch.tensor([1.0, 0.0]))
+        assert len(reads) == evolved * (generation + 1)
+    list(es.members())
+    with torch.no_grad():
+        model[0].weight[0, 0] = math.inf
+    before = model[0].weight.clone()
+    with pytest.raises(NonFiniteUpdateError, match="'0.weight' are already NaN or inf"):
+        es.step(torch.tensor([1.0, 0.0]))
+    assert torch.equal(model[0].weight, before)
+
+
 @pytest.mark.parametrize(
     "inner, message",
     [

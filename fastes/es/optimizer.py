@@ -192,6 +192,7 @@ class ES(torch.optim.Optimizer):
         self._buffers: list[list[torch.Tensor]] | None = None
         self._applied: list[list[torch.Tensor]] | None = None
         self._perturbation_checked = -1  # the generation _check_perturbation last passed
+        self._read_weights: tuple[tuple, list[list[float]]] | None = None  # _largest_weights' last read
 
     # --- parameters -------------------------------------------------------------------------------
 
@@ -269,7 +270,12 @@ class ES(torch.optim.Optimizer):
 
     def _largest_weights(self) -> list[list[float]]:
         """max |theta| of every evolved tensor, group by group; refuses weights that are already NaN or inf
-        (ES evolves finite weights only). One read of the weights."""
+        (ES evolves finite weights only). One read of the weights, which the update's check of the same
+        generation reuses while every tensor keeps its storage and torch's version counter (no in-place
+        torch op since; ES's own writes are the update, after which the read is dropped)."""
+        stamp = (self.generation, [(p.data_ptr(), p._version) for g in self.param_groups for p in g["params"]])
+        if self._read_weights is not None and self._read_weights[0] == stamp:
+            return self._read_weights[1]
         largest = [
             # meta tensors (kernel launches compiled ahead of time) have shapes but no values to bound
             [0.0] * len(g["params"])
@@ -284,6 +290,7 @@ class ES(torch.optim.Optimizer):
                         f"ES generation {self.generation}: the weights of {_quoted(name)} are already NaN or "
                         "inf; ES evolves finite weights only: start from a model without NaN or inf"
                     )
+        self._read_weights = (stamp, largest)
         return largest
 
     def _check_perturbation(self) -> None:
@@ -510,6 +517,7 @@ class ES(torch.optim.Optimizer):
 
     def _update(self, direction_weights: list[float], n_members: int) -> None:
         self._check_update(direction_weights, n_members)
+        self._read_weights = None  # the compiled kernels write without bumping torch's version counter
         keys = [noise.member_key(self.seed, self.generation, j) for j in range(self.directions)]
         rounding = noise.rounding_key(self.seed, self.generation) if self.stochastic_rounding else None
         for group in self.param_groups:
