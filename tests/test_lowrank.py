@@ -112,29 +112,42 @@ def rank_term_reference(x, weight, bias, factors, scales):
     return torch.cat(out)
 
 
+class CountingLinear(torch.nn.Linear):
+    """An nn.Linear subclass with a forward of its own (as quantised or adapter layers have): the layer
+    must run that forward, not the plain GEMM."""
+
+    calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        CountingLinear.calls += 1
+        return super().forward(x)
+
+
 @torch.no_grad()
 @pytest.mark.parametrize(
-    ("path", "dtype"), [("compiled", torch.float32), ("torch", torch.float32), ("torch", torch.bfloat16)]
+    ("path", "dtype"),
+    [("linear", torch.float32), ("subclass", torch.float32), ("linear", torch.bfloat16)],
 )
 @pytest.mark.parametrize("rank", [1, 3])
 @pytest.mark.parametrize(
     ("members", "rows", "in_features", "out_features"), [(1, 1, 5, 3), (3, 5, 37, 53), (4, 2, 64, 17)]
 )
 def test_low_rank_layer_equals_the_formula(path, dtype, rank, members, rows, in_features, out_features):
-    """LowRankLinear's two ways of adding the rank-r term (the compiled CPU library in fp32, torch ops
-    elsewhere) against the naive per-member formula, over odd sizes, ranks, dtypes and seeds."""
-    if path == "compiled" and not cpu_library.available():
-        pytest.skip("no C compiler here: the compiled CPU library cannot be built")
+    """LowRankLinear off the Triton backend (the term written first and the base GEMM accumulating into
+    it; after a subclass's own forward, the term added to its output) against the naive per-member
+    formula, over odd sizes, ranks, dtypes and seeds."""
+    kind = CountingLinear if path == "subclass" else torch.nn.Linear
     for seed in (0, 1, 2):
         torch.manual_seed(seed)
-        base = torch.nn.Linear(in_features, out_features, bias=seed != 1).to(dtype)
+        base = kind(in_features, out_features, bias=seed != 1).to(dtype)
+        calls = CountingLinear.calls
         factors = [(torch.randn(out_features, rank), torch.randn(in_features, rank)) for _ in range(members)]
         scales = torch.randn(members).tolist()
         layer = LowRankLinear(base, factors, scales)
-        layer.compiled = path == "compiled"
         x = torch.randn(members * rows, 2, in_features).to(dtype)  # [batch, positions, in]
         expected = rank_term_reference(x, base.weight, base.bias, factors, scales)
         got = layer(x)
+        assert CountingLinear.calls == calls + (path == "subclass")
         assert got.shape == (members * rows, 2, out_features) and got.dtype == dtype
         # bf16 rounds the base output and the sum once each: errors scale with the largest output
         atol = 1e-5 if dtype == torch.float32 else 1e-2 * float(expected.abs().max())
@@ -142,26 +155,25 @@ def test_low_rank_layer_equals_the_formula(path, dtype, rank, members, rows, in_
         torch.testing.assert_close(got.double().reshape(-1, out_features), expected, rtol=rtol, atol=atol)
 
 
-@torch.no_grad()
-@pytest.mark.skipif(
+needs_library = pytest.mark.skipif(
     not cpu_library.available(), reason="no C compiler here: the compiled CPU library cannot be built"
 )
-def test_compiled_rank_term_does_not_depend_on_the_thread_split():
-    torch.manual_seed(3)
-    members, rows, size = 2, 600, 576  # enough rows for two threads
-    x, y = torch.randn(members * rows, size), torch.randn(members * rows, size)
-    inputs, outputs = torch.randn(members, 2, size), torch.randn(members, 2, size)
-    results = []
-    threads = torch.get_num_threads()
-    try:
-        for count in (1, 2):
-            torch.set_num_threads(count)
-            out = y.clone()
-            cpu_library.lowrank_add(x, out, inputs, outputs)
-            results.append(out)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(results[0], results[1]) and not torch.equal(results[0], y)
+
+
+@needs_library
+@pytest.mark.parametrize(("rows", "cols", "k_total"), [(3, 5, 1), (7, 64, 8), (5, 130, 3), (2, 1200, 16)])
+def test_compiled_update_is_the_ordered_formula_bit_for_bit(rows, cols, k_total):
+    """The library's update (runs of 64 columns summed in vectors, the rest one by one) against
+    w * decay + sum_k a[:, k] bt[k] summed in order in plain fp32 torch: every bit equal."""
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        w, a, b = torch.randn(rows, cols), torch.randn(rows, k_total), torch.randn(cols, k_total)
+        total = torch.zeros(rows, cols)
+        for k in range(k_total):
+            total = total + a[:, k : k + 1] * b[:, k]
+        expected = w * 0.9 + total
+        cpu_library.lowrank_update(w, a, b, 0.9)
+        assert torch.equal(w, expected)
 
 
 def test_modes_refuse_the_other_noise_type(tiny):

@@ -59,7 +59,7 @@ def _int32(value: int) -> int:
 # The compiled library: built once per machine, cached on disk, called through ctypes
 # ---------------------------------------------------------------------------------------------------
 
-# The noise contract, and the low-rank population forward's rank-r term (fastes.es.population.LowRankLinear)
+# The noise contract, and the low-rank ES update (fastes.engine.lowrank.update)
 SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("noise_cpu.c", "lowrank_cpu.c"))
 # No -ffast-math: the uniforms, the log's exponent split and the angle reduction rely on exact IEEE
 # arithmetic; -ffp-contract=off leaves the source's explicit fmaf calls as the only fused multiply-adds,
@@ -77,8 +77,6 @@ _SIGNATURES = {
     "fastes_perturb_f32": [_POINTER, _POINTER, _I64, _I64, _I64, _U32, _POINTER, _I64, _FLOAT],
     "fastes_update_f32": [_POINTER, _POINTER, _I64, _I64, _I64, _U32, _POINTER, _POINTER, _I64, _I64]
     + [_FLOAT, _FLOAT],
-    # (x, y, b, a, rows per member, in, out, rank, first row, end row): lowrank_cpu.c
-    "fastes_lowrank_add_f32": [_POINTER] * 4 + [_I64] * 6,
     # (w, a, b transposed, columns, a's columns, decay, first row, end row): lowrank_cpu.c
     "fastes_lowrank_update_f32": [_POINTER] * 3 + [_I64, _I64, _FLOAT, _I64, _I64],
 }
@@ -508,27 +506,10 @@ def es_update(
 
 
 # ---------------------------------------------------------------------------------------------------
-# The low-rank population forward's rank-r term
+# The low-rank ES update
 # ---------------------------------------------------------------------------------------------------
 
 _LOWRANK_MIN_FLOPS_PER_THREAD = 1 << 20  # below this, a thread costs more than it saves
-
-
-def lowrank_add(x: torch.Tensor, y: torch.Tensor, inputs: torch.Tensor, outputs: torch.Tensor) -> None:
-    """y[row] += sum_i (x[row] . inputs[m, i]) outputs[m, i] in place, m the row's member (rows grouped
-    by member, fp32, contiguous): x [rows, in], y [rows, out], inputs [members, r, in], outputs
-    [members, r, out]. See csrc/lowrank_cpu.c."""
-    library = _load()
-    members, rank, in_features = inputs.shape
-    rows, out_features = y.shape
-    pointers = (x.data_ptr(), y.data_ptr(), inputs.data_ptr(), outputs.data_ptr())
-    sizes = (rows // members, in_features, out_features, rank)
-
-    def call(lo: int, hi: int) -> None:
-        library.fastes_lowrank_add_f32(*pointers, *sizes, lo, hi)
-
-    per_row = 2 * rank * (in_features + out_features)
-    _parallel(call, rows, max(1, _LOWRANK_MIN_FLOPS_PER_THREAD // per_row))
 
 
 def lowrank_update(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, decay: float) -> None:

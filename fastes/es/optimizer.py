@@ -273,7 +273,8 @@ class ES(torch.optim.Optimizer):
         (ES evolves finite weights only). One read of the weights, which the update's check of the same
         generation reuses while every tensor keeps its storage and torch's version counter (no in-place
         torch op since; ES's own writes are the update, after which the read is dropped)."""
-        stamp = (self.generation, [(p.data_ptr(), p._version) for g in self.param_groups for p in g["params"]])
+        tensors = [p for g in self.param_groups for p in g["params"]]
+        stamp = (self.generation, [(p.data_ptr(), p._version) for p in tensors])
         if self._read_weights is not None and self._read_weights[0] == stamp:
             return self._read_weights[1]
         largest = [
