@@ -122,26 +122,37 @@ def test_weights_that_are_already_nan_are_refused():
         next(es.members())
 
 
-def test_weights_are_read_once_a_generation_and_again_after_a_change(monkeypatch):
-    """The update's overflow check reuses the perturbation check's read of the weights, unless a torch op
-    wrote one since: a weight made inf between evaluation and step is still refused."""
+@pytest.mark.parametrize("noise_type", ["full", "lowrank"])
+def test_weights_are_read_once_a_generation_and_again_after_a_change(monkeypatch, noise_type):
+    """The update's overflow check reuses the perturbation check's read of the weights, and the compiled
+    low-rank update measures the next generation's as it writes (no read at all after the first), unless
+    a torch op wrote a weight since: a weight made inf between two checks is still refused."""
     reads = []
     real = fastes.es.optimizer._max_abs
     monkeypatch.setattr(fastes.es.optimizer, "_max_abs", lambda p: reads.append(p) or real(p))
     model = net()
-    es = fastes.ES(fastes.linear_weights(model), sigma=0.1, lr=0.1, population=2)
+    es = fastes.ES(fastes.linear_weights(model), sigma=0.1, lr=0.1, population=2, noise_type=noise_type)
     evolved = len(es.param_groups[0]["params"])
-    for generation in range(2):
+    measured = noise_type == "lowrank" and es.resolved_backend == "cpu"
+    for generation in range(3):
         list(es.members())
         es.step(torch.tensor([1.0, 0.0]))
-        assert len(reads) == evolved * (generation + 1)
-    list(es.members())
+        assert len(reads) == evolved * (1 if measured else generation + 1)
+    weight = model[0].weight
+    list(es.members())  # the perturbation check of generation 3
     with torch.no_grad():
-        model[0].weight[0, 0] = math.inf
-    before = model[0].weight.clone()
+        weight[0, 0] = math.inf  # between that check and the update's
+    before = weight.clone()
     with pytest.raises(NonFiniteUpdateError, match="'0.weight' are already NaN or inf"):
         es.step(torch.tensor([1.0, 0.0]))
-    assert torch.equal(model[0].weight, before)
+    assert torch.equal(weight, before)
+    with torch.no_grad():
+        weight[0, 0] = 0.0
+    es.step(torch.tensor([1.0, 0.0]))
+    with torch.no_grad():
+        weight[0, 0] = math.inf  # between an update and the next generation's perturbation check
+    with pytest.raises(NonFiniteUpdateError, match="'0.weight' are already NaN or inf"):
+        list(es.members())
 
 
 @pytest.mark.parametrize(

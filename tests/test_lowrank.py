@@ -172,8 +172,18 @@ def test_compiled_update_is_the_ordered_formula_bit_for_bit(rows, cols, k_total)
         for k in range(k_total):
             total = total + a[:, k : k + 1] * b[:, k]
         expected = w * 0.9 + total
-        cpu_library.lowrank_update(w, a, b, 0.9)
+        largest = cpu_library.lowrank_update(w, a, b, 0.9)
         assert torch.equal(w, expected)
+        assert largest == float(expected.abs().max())  # measured as it writes, for ES's next check
+
+
+@needs_library
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_compiled_update_reports_a_non_finite_result(bad):
+    for column in (0, 70):  # in a run of 64 columns, and in the columns after the last run
+        w, a, b = torch.randn(4, 75), torch.randn(4, 2), torch.randn(75, 2)
+        w[2, column] = bad
+        assert math.isnan(cpu_library.lowrank_update(w, a, b, 0.5))
 
 
 def test_modes_refuse_the_other_noise_type(tiny):

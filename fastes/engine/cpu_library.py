@@ -31,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -80,6 +81,8 @@ _SIGNATURES = {
     # (w, a, b transposed, columns, a's columns, decay, first row, end row): lowrank_cpu.c
     "fastes_lowrank_update_f32": [_POINTER] * 3 + [_I64, _I64, _FLOAT, _I64, _I64],
 }
+
+_RESULTS = {"fastes_lowrank_update_f32": _FLOAT}  # the others return nothing
 
 _library: ctypes.CDLL | None = None
 _unavailable: str | None = None  # why the library cannot be built here, once known
@@ -160,6 +163,7 @@ def _load() -> ctypes.CDLL:
             library = ctypes.CDLL(str(_build(_compiler())))
             for name, argtypes in _SIGNATURES.items():
                 getattr(library, name).argtypes = argtypes
+                getattr(library, name).restype = _RESULTS.get(name)
             _library = library
             return library
         except (OSError, RuntimeError, subprocess.SubprocessError) as error:
@@ -512,15 +516,17 @@ def es_update(
 _LOWRANK_MIN_FLOPS_PER_THREAD = 1 << 20  # below this, a thread costs more than it saves
 
 
-def lowrank_update(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, decay: float) -> None:
+def lowrank_update(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, decay: float) -> float:
     """w = w * decay + a @ b.T in place, one pass over w (fp32, contiguous): w [rows, cols], a [rows, K],
-    b [cols, K]. See csrc/lowrank_cpu.c."""
+    b [cols, K]. Returns max |w| after the update (NaN if w holds NaN or inf). See csrc/lowrank_cpu.c."""
     library = _load()
     rows, cols = w.shape
     a, bt = a.contiguous(), b.T.contiguous()
     pointers = (w.data_ptr(), a.data_ptr(), bt.data_ptr())
+    largest = []
 
     def call(lo: int, hi: int) -> None:
-        library.fastes_lowrank_update_f32(*pointers, cols, a.shape[1], decay, lo, hi)
+        largest.append(library.fastes_lowrank_update_f32(*pointers, cols, a.shape[1], decay, lo, hi))
 
     _parallel(call, rows, max(1, _LOWRANK_MIN_FLOPS_PER_THREAD // (2 * a.shape[1] * cols)))
+    return math.nan if any(math.isnan(m) for m in largest) else max(largest, default=0.0)

@@ -111,14 +111,15 @@ def update(
     rounding_key: Key | None = None,
     grad: torch.Tensor | None = None,
     backend: str = "auto",
-) -> None:
+) -> float | None:
     """theta = theta * decay + coef * sum_j w_j A_j B_j^T / sqrt(r), as one [out, P r] x [P r, in] GEMM.
 
     `pairs` are the directions' factors (A_j, B_j) of this tensor (`factors`), in the order of `weights`.
     With `grad`, coef * sum is written there instead; `rounding_key` rounds 16-bit results
     stochastically (uniforms from the rounding stream, as the full-rank update). An fp32 weight is
     updated in place: on the compiled CPU backend in one pass over it (fastes/engine/csrc/lowrank_cpu.c),
-    elsewhere by a GEMM with beta = decay.
+    elsewhere by a GEMM with beta = decay. Returns max |theta| after the update where that pass measured it
+    (NaN if theta holds NaN or inf), else None.
     """
     # column j*r+i of A is scaled by coef w_j / sqrt(r), so that one GEMM gives the whole step
     scale = torch.tensor(list(weights), dtype=torch.float32, device=param.device) * (coef / math.sqrt(rank))
@@ -127,7 +128,7 @@ def update(
     if grad is not None:
         grad.copy_((a_all @ b_all.T).to(grad.dtype))
     elif param.dtype == torch.float32 and ops.resolve_backend([param], backend) == "cpu":
-        cpu_library.lowrank_update(param, a_all, b_all, decay)
+        return cpu_library.lowrank_update(param, a_all, b_all, decay)
     elif param.dtype == torch.float32:
         param.addmm_(a_all, b_all.T, beta=decay)
     else:
@@ -137,3 +138,4 @@ def update(
             param.copy_(noise.stochastic_round(new, param.dtype, u))
         else:
             param.copy_(new.to(param.dtype))
+    return None

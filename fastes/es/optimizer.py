@@ -270,20 +270,21 @@ class ES(torch.optim.Optimizer):
 
     def _largest_weights(self) -> list[list[float]]:
         """max |theta| of every evolved tensor, group by group; refuses weights that are already NaN or inf
-        (ES evolves finite weights only). One read of the weights, which the update's check of the same
-        generation reuses while every tensor keeps its storage and torch's version counter (no in-place
-        torch op since; ES's own writes are the update, after which the read is dropped)."""
-        tensors = [p for g in self.param_groups for p in g["params"]]
-        stamp = (self.generation, [(p.data_ptr(), p._version) for p in tensors])
-        if self._read_weights is not None and self._read_weights[0] == stamp:
-            return self._read_weights[1]
-        largest = [
-            # meta tensors (kernel launches compiled ahead of time) have shapes but no values to bound
-            [0.0] * len(g["params"])
-            if g["params"][0].is_meta
-            else torch.stack(list(map(_max_abs, g["params"]))).tolist()
-            for g in self.param_groups
-        ]
+        (ES evolves finite weights only). One read of the weights a generation: the update's check
+        reuses the perturbation check's, and the compiled low-rank update measures the next generation's
+        as it writes. A read stands while every tensor keeps its storage and torch's version counter
+        (an in-place torch op since makes it read again)."""
+        stamp = self._weights_stamp(self.generation)
+        if self._read_weights is None or self._read_weights[0] != stamp:
+            read = [
+                # meta tensors (kernel launches compiled ahead of time) have shapes but no values to bound
+                [0.0] * len(g["params"])
+                if g["params"][0].is_meta
+                else torch.stack(list(map(_max_abs, g["params"]))).tolist()
+                for g in self.param_groups
+            ]
+            self._read_weights = (stamp, read)
+        largest = self._read_weights[1]
         for group, values in zip(self.param_groups, largest):
             for name, m in zip(group["names"], values):
                 if not math.isfinite(m):
@@ -291,8 +292,11 @@ class ES(torch.optim.Optimizer):
                         f"ES generation {self.generation}: the weights of {_quoted(name)} are already NaN or "
                         "inf; ES evolves finite weights only: start from a model without NaN or inf"
                     )
-        self._read_weights = (stamp, largest)
         return largest
+
+    def _weights_stamp(self, generation: int) -> tuple:
+        """What a read of the weights is valid for: the generation, each tensor's storage and version."""
+        return (generation, [(p.data_ptr(), p._version) for g in self.param_groups for p in g["params"]])
 
     def _check_perturbation(self) -> None:
         """Before a generation's first member: theta +- sigma eps must stay finite for every member
@@ -519,9 +523,10 @@ class ES(torch.optim.Optimizer):
     def _update(self, direction_weights: list[float], n_members: int) -> None:
         self._check_update(direction_weights, n_members)
         self._read_weights = None  # the compiled kernels write without bumping torch's version counter
+        measured = [[None] * len(g["params"]) for g in self.param_groups]  # max |theta| after the update
         keys = [noise.member_key(self.seed, self.generation, j) for j in range(self.directions)]
         rounding = noise.rounding_key(self.seed, self.generation) if self.stochastic_rounding else None
-        for group in self.param_groups:
+        for group, group_measured in zip(self.param_groups, measured):
             params = group["params"]
             options = self._update_options(group, n_members)
             if self.inner is not None:  # gradient mode: -1/(N sigma) sum_i w_i eps_i into .grad
@@ -547,7 +552,7 @@ class ES(torch.optim.Optimizer):
                 per_key = [self.lowrank_factors(group, low, key) for key in keys]
                 for n, i in enumerate(low):
                     pairs = [factors[n] for factors in per_key]
-                    lowrank.update(
+                    group_measured[i] = lowrank.update(
                         params[i],
                         group["ids"][i],
                         pairs,
@@ -559,6 +564,8 @@ class ES(torch.optim.Optimizer):
                     )
         if self.inner is not None:
             self._inner_step()
+        elif all(m is not None for values in measured for m in values):
+            self._read_weights = (self._weights_stamp(self.generation + 1), measured)
 
     # --- state ------------------------------------------------------------------------------------
 
