@@ -62,8 +62,11 @@ def test_the_benchmark_reports_every_mode(tmp_path):
     assert {"plain batched inference", "fastes lowrank"} == set(second["variants"])
     assert all(entry["share_of_limit"] > 0 for entry in first["variants"].values())
     for entry in (first["interleaved"], first["member_interleaved"], second["interleaved"]):
-        assert len(entry["rounds"]) == 2 and entry["rate_ratio"] > 0
-    assert len(report["targets"]) == 6
+        assert len(entry["rounds"]) == 2 and entry["rate_ratio"] > 0 and entry["work_ratio"] > 0
+        # every prompt and generated token is a computed position; padding adds more
+        assert all(r["es_positions"] >= r["es_tokens"] for r in entry["rounds"])
+        assert all(r["plain_positions"] >= r["plain_tokens"] for r in entry["rounds"])
+    assert len(report["targets"]) == 8
 
 
 def test_the_smollm2_quick_preset_runs_every_stage(tmp_path, capsys):
