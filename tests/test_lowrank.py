@@ -133,9 +133,9 @@ class CountingLinear(torch.nn.Linear):
     ("members", "rows", "in_features", "out_features"), [(1, 1, 5, 3), (3, 5, 37, 53), (4, 2, 64, 17)]
 )
 def test_low_rank_layer_equals_the_formula(path, dtype, rank, members, rows, in_features, out_features):
-    """LowRankLinear off the Triton backend (the term written first and the base GEMM accumulating into
-    it; after a subclass's own forward, the term added to its output) against the naive per-member
-    formula, over odd sizes, ranks, dtypes and seeds."""
+    """LowRankLinear off the Triton backend (the base projection's own forward, a subclass's included,
+    then the term added into its output) against the naive per-member formula, over odd sizes, ranks,
+    dtypes and seeds."""
     kind = CountingLinear if path == "subclass" else torch.nn.Linear
     for seed in (0, 1, 2):
         torch.manual_seed(seed)

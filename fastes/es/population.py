@@ -23,7 +23,7 @@ import torch
 from fastes.engine import ops
 
 from .optimizer import ES, Member
-from .params import PROJECTION_TYPES, Projection, projections
+from .params import Projection, projections
 
 
 class _PopulationLayer(torch.nn.Module):
@@ -118,13 +118,12 @@ class LowRankLinear(_PopulationLayer):
     With the Triton backend (CUDA tensors) one GEMM (fastes/engine/kernels/lowrank_linear.py) adds each
     row's r products with its member's input factors times the output factors in its epilogue and writes
     y once; the products are summed in its K loop, or, for wide outputs, first by a launch that reads x
-    once (`products_first`). Otherwise (CPU, or backend "torch") the term is written first and the base
-    GEMM accumulates into it: a batched matmul gives each row's r products with its member's input
-    factors, one broadcast multiply-add per rank writes bias + products x output factors into y, and
-    y.addmm_ (beta = 1) adds x W^T. The GEMM reads y in its own pass, so the term costs no second pass
-    over an output that has left the cache (measured on SmolLM2: docs/real_models.md). A projection type
-    with a forward of its own (a subclass) runs that forward and gets the term added after. The output
-    side is stored pre-scaled.
+    once (`products_first`). Otherwise (CPU, or backend "torch") the base projection runs once on all rows
+    (the plain model's own GEMM), a batched matmul gives each row's r products with its member's input
+    factors, and one broadcast multiply-add per rank adds products x output factors into the output in
+    place. All torch ops, so they run in torch's own thread pool: a compiled pass in threads of our own
+    was slower in the model than alone, contending with the pool's threads as they spin between ops
+    (docs/real_models.md). The output side is stored pre-scaled.
 
     The factors follow the weight's own layout (eps = A B^T has the weight's shape): for a Conv1D weight
     [in, out], A is the input side and B the output side, so the roles swap.
@@ -152,7 +151,6 @@ class LowRankLinear(_PopulationLayer):
         resolved = ops.resolve_backend([weight], backend)
         self.transposed = transposed
         self.fused = resolved == "triton"  # one Triton GEMM with the term in its epilogue
-        self.plain = type(base) in PROJECTION_TYPES  # its forward is the GEMM (and bias) alone
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         members, _, out_features = self.outputs.shape
@@ -164,24 +162,12 @@ class LowRankLinear(_PopulationLayer):
         flat = x.reshape(-1, x.shape[-1])  # member m's rows are the m-th of `members` equal blocks
         if self.fused:
             return self._fused(flat).view(*x.shape[:-1], out_features)
-        weight, bias = self.base.weight, self.base.bias
-        flat = flat.to(weight.dtype)
-        grouped = flat.reshape(members, -1, flat.shape[-1])
-        products = torch.bmm(grouped, self.inputs.transpose(1, 2))  # [members, rows per member, r]
-        if not self.plain:  # the subclass's own forward, then the term added to its output
-            y = self.base(flat)
-            self._add_term(y.view(members, -1, out_features), products)
-            return y.view(*x.shape[:-1], out_features)
-        lead = (products[..., :1], self.outputs[:, :1])  # the term is written, not added: y starts here
-        term = torch.mul(*lead) if bias is None else torch.addcmul(bias, *lead)
-        self._add_term(term, products, start=1)
-        y = term.view(-1, out_features).addmm_(flat, weight if self.transposed else weight.T)  # beta = 1
+        y = self.base(flat)
+        grouped, grouped_y = flat.reshape(members, -1, flat.shape[-1]), y.view(members, -1, out_features)
+        products = torch.bmm(grouped.to(y.dtype), self.inputs.transpose(1, 2))  # [members, rows, r]
+        for i in range(products.shape[-1]):
+            grouped_y.addcmul_(products[..., i : i + 1], self.outputs[:, i : i + 1])
         return y.view(*x.shape[:-1], out_features)
-
-    def _add_term(self, y: torch.Tensor, products: torch.Tensor, start: int = 0) -> None:
-        """y [members, rows per member, out] += products[..., i] outputs[:, i] for i >= start."""
-        for i in range(start, products.shape[-1]):
-            y.addcmul_(products[..., i : i + 1], self.outputs[:, i : i + 1])
 
     def _fused(self, flat: torch.Tensor) -> torch.Tensor:
         from fastes.engine.kernels import launch_lowrank_linear
