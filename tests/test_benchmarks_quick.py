@@ -6,11 +6,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` lives at the repo root
 
 from benchmarks import run  # noqa: E402
+from benchmarks.lowrank_forward_cpu import written_first  # noqa: E402
 from benchmarks.suites import SUITES  # noqa: E402
+from fastes.es.population import LowRankLinear  # noqa: E402
 
 
 def positive(value: float) -> bool:
@@ -119,3 +122,16 @@ def test_a_second_run_the_same_day_gets_its_own_dated_files(tmp_path):
     (tmp_path / "cpu-x-2026-12-03-2-update.png").write_bytes(b"")
     assert dated_stem(tmp_path, "cpu-x", "2026-12-03", endings=(".md", "-update.png")) == "cpu-x-2026-12-03-3"
     assert dated_stem(tmp_path, "cpu-x", "2026-12-03", "-quick") == "cpu-x-2026-12-03-quick"
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_benchmarked_alternative_computes_the_same_layer(bias):
+    """benchmarks.lowrank_forward_cpu times a second way of adding the term (written first, the GEMM
+    accumulating into it): it must compute what the layer computes, or the comparison means nothing."""
+    torch.manual_seed(4)
+    base = torch.nn.Linear(37, 53, bias=bias)
+    factors = [(torch.randn(53, 2), torch.randn(37, 2)) for _ in range(3)]
+    layer = LowRankLinear(base, factors, [0.5, -0.5, 0.25])
+    x = torch.randn(3 * 4, 5, 37)
+    torch.testing.assert_close(written_first(layer, x), layer(x), rtol=1e-5, atol=1e-5)

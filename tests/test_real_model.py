@@ -71,6 +71,16 @@ def test_the_benchmark_reports_every_mode(tmp_path):
     assert 6 <= len(report["targets"]) <= 8  # the same-steps ratio where some round matched
 
 
+def test_the_forward_benchmark_reports_both_ways(tmp_path):
+    from benchmarks.lowrank_forward_cpu import main
+
+    assert main(["--shape", "2x2x4", "--rounds", "2", "--out", str(tmp_path)]) == 0
+    report = json.loads(next(tmp_path.glob("lowrank-forward-cpu-*.json")).read_text())
+    assert set(report["ratio_to_plain"]) == {"added after", "written first"}
+    assert all(ratio > 0 for ratio in report["ratio_to_plain"].values())
+    assert len(report["rounds"]) == 2 and all(1 <= r["plain"]["steps"] <= 4 for r in report["rounds"])
+
+
 def test_the_smollm2_quick_preset_runs_every_stage(tmp_path, capsys):
     """The whole study on the shipped model at small budgets (predicted ~12 min on 2 CPU cores; 10.1 min
     inside pytest on 2026-12-05: docs/results/smollm2-quick-tests-2026-12-05-every-core.md)."""
