@@ -151,18 +151,20 @@ def interleaved(args: argparse.Namespace, mode: str) -> dict:
 
     es_loop.generate = recording  # this process measures and exits: nothing else uses the module
 
+    def counted(gens: list) -> tuple[int, int]:
+        """Tokens processed (every row's prompt and generated tokens) and decode steps of some calls."""
+        return prompt_tokens + sum(g.num_tokens for g in gens), sum(map(_steps, gens))
+
     def plain() -> tuple[float, int, int]:
         start = time.perf_counter()
         gens = [generate(run.model, run.tokenizer, rows, max_new_tokens=args.new_tokens) for rows in calls]
-        seconds = time.perf_counter() - start
-        return seconds, prompt_tokens + sum(g.num_tokens for g in gens), sum(map(_steps, gens))
+        return time.perf_counter() - start, *counted(gens)
 
     def iteration() -> tuple[float, int, int, dict]:
         generated.clear()
         record = es_iteration(run, es, 0)  # the same prompts every time; the members change
         parts = {k: v for k, v in record.items() if k.startswith("time/")}
-        steps = sum(map(_steps, generated))
-        return record["seconds"], prompt_tokens + _generated(record), steps, parts
+        return record["seconds"], *counted(generated), parts
 
     cold = iteration()
     plain()
