@@ -1,6 +1,7 @@
 """Low-rank noise: factors from the noise contract, factored forward, GEMM update, ES with it."""
 
 import math
+import weakref
 
 import pytest
 import torch
@@ -184,6 +185,117 @@ def test_compiled_update_reports_a_non_finite_result(bad):
         w, a, b = torch.randn(4, 75), torch.randn(4, 2), torch.randn(75, 2)
         w[2, column] = bad
         assert math.isnan(cpu_library.lowrank_update(w, a, b, 0.5))
+
+
+@needs_library
+def test_compiled_update_of_many_tensors_is_each_tensors_own_update(monkeypatch):
+    """All tensors' rows split over the threads at once (ranges crossing from one tensor into the next)
+    give every tensor exactly its own update and its own max |w|, and a NaN in one tensor shows in that
+    tensor's result only."""
+    monkeypatch.setattr(cpu_library, "_LOWRANK_MIN_FLOPS_PER_THREAD", 1)  # split even these small ones
+    shapes = [(3, 5), (40, 130), (1, 64), (17, 700), (9, 1)]
+    for seed, threads in ((0, 2), (1, 3)):
+        monkeypatch.setattr(torch, "get_num_threads", lambda n=threads: n)
+        torch.manual_seed(seed)
+        updates = [(torch.randn(s), torch.randn(s[0], 4), torch.randn(s[1], 4)) for s in shapes]
+        alone = [(w.clone(), a, b) for w, a, b in updates]
+        expected = [cpu_library.lowrank_update(w, a, b, 0.75) for w, a, b in alone]
+        updates[3][0][16, 650] = math.nan  # the last row of a tensor that spans both threads' ranges
+        got = cpu_library.lowrank_update_all(updates, 0.75)
+        for index, ((w, _, _), (w_alone, _, _)) in enumerate(zip(updates, alone)):
+            if index == 3:
+                assert math.isnan(got[index])
+                w[16, 650] = w_alone[16, 650]
+            else:
+                assert got[index] == expected[index]
+            assert torch.equal(w, w_alone)
+    assert cpu_library.lowrank_update_all([], 0.5) == []
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_updating_many_tensors_is_updating_each(backend):
+    """lowrank.update_all against lowrank.update tensor by tensor, bit for bit: fp32 weights (one
+    compiled call on the CPU backend), a bf16 weight rounded stochastically, and a gradient buffer."""
+    torch.manual_seed(3)
+    shapes = [(33, 70), (5, 3), (64, 130)]
+    params = [torch.randn(shapes[0]), torch.randn(shapes[1]).bfloat16(), torch.randn(shapes[2])]
+    grads = [None, None, torch.zeros(shapes[2])]
+    ids = [11, 12, 13]
+    keys = [noise.member_key(7, 2, j) for j in range(3)]
+    pairs = [[lowrank.factors(key, tid, p.shape, 2, "cpu") for key in keys] for tid, p in zip(ids, params)]
+    weights, options = [0.5, -1.0, 2.0], {"coef": 0.1, "decay": 0.9, "rank": 2, "backend": backend}
+    rounding = noise.rounding_key(7, 2)
+    alone = [p.clone() for p in params]
+    alone_grads = [None if g is None else g.clone() for g in grads]
+    expected = [
+        lowrank.update(p, tid, pair, weights, rounding_key=rounding, grad=g, **options)
+        for p, tid, pair, g in zip(alone, ids, pairs, alone_grads)
+    ]
+    got = lowrank.update_all(params, ids, pairs, weights, rounding_key=rounding, grads=grads, **options)
+    assert got == expected
+    assert got[0] is not None if backend == "cpu" else got[0] is None  # measured by the compiled pass
+    for mine, theirs in zip([*params, grads[2]], [*alone, alone_grads[2]]):
+        assert torch.equal(mine, theirs)
+
+
+def test_a_generation_makes_its_low_rank_factors_once(tiny, monkeypatch):
+    """Evaluation and the update of one generation share the members' factors (made once a direction,
+    equal to the noise contract's), and the next generation makes its own."""
+    model, _ = tiny
+    es = fastes.ES(
+        fastes.linear_weights(model), sigma=0.05, lr=0.01, population=4, noise_type="lowrank", seed=2
+    )
+    made = []
+    all_factors = lowrank.all_factors
+    monkeypatch.setattr(
+        lowrank, "all_factors", lambda key, *rest: made.append(key) or all_factors(key, *rest)
+    )
+    x = torch.randint(0, 10, (8, 5))
+    for generation in range(2):
+        with population_batched(es, model, mode="lowrank"):
+            model(x)
+        es.step(torch.randn(4, 2))
+        assert made == [noise.member_key(2, generation, j) for j in range(es.directions)]
+        made.clear()
+    group, key = es.param_groups[0], noise.member_key(2, 2, 1)
+    every = list(range(len(group["params"])))
+    kept = es.lowrank_factors(group, every, key)
+    assert es.lowrank_factors(group, every, key) is kept and made == [key]
+    fresh = all_factors(key, group["ids"], [p.shape for p in group["params"]], es.rank, "cpu")
+    assert all(torch.equal(a, fa) and torch.equal(b, fb) for (a, b), (fa, fb) in zip(kept, fresh))
+
+
+@torch.no_grad()
+def test_layers_reading_one_input_make_their_products_together(tiny):
+    """q, k and v (and gate and up) take their columns of one product over their shared input; a
+    different input, or the same one changed in place, makes the products anew; the input is not kept
+    alive. Each layer's output is the one it computes on its own."""
+    model, _ = tiny
+    es = fastes.ES(
+        fastes.linear_weights(model), sigma=0.05, lr=0.01, population=4, noise_type="lowrank", rank=2
+    )
+    with population_batched(es, model, mode="lowrank"):
+        attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+        q, k, v = attention.q_proj, attention.k_proj, attention.v_proj
+        assert q.shared[0] is k.shared[0] is v.shared[0] is attention.o_proj.shared[0]
+        assert mlp.gate_proj.shared[0] is mlp.up_proj.shared[0] and mlp.down_proj.shared is None
+        def unshared(layer, x):
+            shared, layer.shared = layer.shared, None
+            try:
+                return layer(x)
+            finally:
+                layer.shared = shared
+
+        torch.manual_seed(0)
+        x, other = torch.randn(8, 3, q.base.in_features), torch.randn(8, 3, q.base.in_features)
+        torch.testing.assert_close(q(x), unshared(q, x), rtol=1e-6, atol=1e-6)
+        x.mul_(2), other.mul_(2)  # x: the same tensor, changed in place since q read it; both version 1
+        torch.testing.assert_close(v(x), unshared(v, x), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(k(x), unshared(k, x), rtol=1e-6, atol=1e-6)  # from v's products
+        torch.testing.assert_close(k(other), unshared(k, other), rtol=1e-6, atol=1e-6)  # another input
+        gone = weakref.ref(x)
+        del x
+        assert gone() is None  # the shared products hold no reference to the input
 
 
 def test_modes_refuse_the_other_noise_type(tiny):

@@ -28,9 +28,11 @@ Where no C compiler is found, or building fails, `available()` turns False after
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import functools
 import hashlib
+import itertools
 import math
 import os
 import platform
@@ -519,14 +521,37 @@ _LOWRANK_MIN_FLOPS_PER_THREAD = 1 << 20  # below this, a thread costs more than 
 def lowrank_update(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, decay: float) -> float:
     """w = w * decay + a @ b.T in place, one pass over w (fp32, contiguous): w [rows, cols], a [rows, K],
     b [cols, K]. Returns max |w| after the update (NaN if w holds NaN or inf). See csrc/lowrank_cpu.c."""
+    return lowrank_update_all([(w, a, b)], decay)[0]
+
+
+def lowrank_update_all(
+    updates: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], decay: float
+) -> list[float]:
+    """`lowrank_update(w, a, b, decay)` for every (w, a, b), all tensors' rows split over the threads at
+    once: a model has hundreds of weights, and a hand-off to a thread per weight costs as much as the
+    pass over a small one. Returns each w's max |w| after the update (NaN if it holds NaN or inf)."""
+    if not updates:
+        return []
     library = _load()
-    rows, cols = w.shape
-    a, bt = a.contiguous(), b.T.contiguous()
-    pointers = (w.data_ptr(), a.data_ptr(), bt.data_ptr())
-    largest = []
+    calls = [(w.data_ptr(), a.contiguous(), b.T.contiguous(), w.shape[1]) for w, a, b in updates]
+    ends = list(itertools.accumulate(w.shape[0] for w, _, _ in updates))  # tensor i: global rows < ends[i]
+    largest: list[list[float]] = [[] for _ in updates]
 
-    def call(lo: int, hi: int) -> None:
-        largest.append(library.fastes_lowrank_update_f32(*pointers, cols, a.shape[1], decay, lo, hi))
+    def call(lo: int, hi: int) -> None:  # global rows [lo, hi), tensor by tensor
+        index = bisect.bisect_right(ends, lo)
+        while lo < hi:
+            start = ends[index - 1] if index else 0
+            w, a, bt, cols = calls[index]
+            end = min(hi, ends[index])
+            rank = a.shape[1]
+            result = library.fastes_lowrank_update_f32(
+                w, a.data_ptr(), bt.data_ptr(), cols, rank, decay, lo - start, end - start
+            )
+            largest[index].append(result)
+            lo, index = end, index + 1
 
-    _parallel(call, rows, max(1, _LOWRANK_MIN_FLOPS_PER_THREAD // (2 * a.shape[1] * cols)))
-    return math.nan if any(math.isnan(m) for m in largest) else max(largest, default=0.0)
+    flops_per_row = 2 * sum(w.numel() * a.shape[1] for w, a, _ in updates) / ends[-1]
+    _parallel(call, ends[-1], max(1, int(_LOWRANK_MIN_FLOPS_PER_THREAD / flops_per_row)))
+    return [
+        math.nan if any(math.isnan(m) for m in values) else max(values, default=0.0) for values in largest
+    ]

@@ -121,10 +121,7 @@ def update(
     elsewhere by a GEMM with beta = decay. Returns max |theta| after the update where that pass measured it
     (NaN if theta holds NaN or inf), else None.
     """
-    # column j*r+i of A is scaled by coef w_j / sqrt(r), so that one GEMM gives the whole step
-    scale = torch.tensor(list(weights), dtype=torch.float32, device=param.device) * (coef / math.sqrt(rank))
-    a_all = torch.cat([a for a, _ in pairs], dim=1) * scale.repeat_interleave(rank)  # [out, P r]
-    b_all = torch.cat([b for _, b in pairs], dim=1)  # [in, P r]
+    a_all, b_all = _joined(pairs, _column_scales(weights, coef, rank, param.device))
     if grad is not None:
         grad.copy_((a_all @ b_all.T).to(grad.dtype))
     elif param.dtype == torch.float32 and ops.resolve_backend([param], backend) == "cpu":
@@ -139,3 +136,53 @@ def update(
         else:
             param.copy_(new.to(param.dtype))
     return None
+
+
+@torch.no_grad()
+def update_all(
+    params: Sequence[torch.Tensor],
+    tensor_ids: Sequence[int],
+    pairs: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]],
+    weights: Sequence[float],
+    *,
+    coef: float,
+    decay: float,
+    rank: int,
+    rounding_key: Key | None = None,
+    grads: Sequence[torch.Tensor | None] | None = None,
+    backend: str = "auto",
+) -> list[float | None]:
+    """`update` of every tensor i (its directions' factors `pairs[i]`, its gradient buffer `grads[i]`).
+
+    The fp32 weights that the compiled CPU backend updates in place go through it in one call, all their
+    rows split over its threads at once: a model has hundreds of weights, and handing each to the threads
+    on its own costs as much as a small weight's pass. Returns what `update` returns, tensor by tensor.
+    """
+    grads = [None] * len(params) if grads is None else grads
+    options = {"coef": coef, "decay": decay, "rank": rank, "rounding_key": rounding_key, "backend": backend}
+    measured: list[float | None] = [None] * len(params)
+    compiled = []
+    for i, (param, grad) in enumerate(zip(params, grads)):
+        if grad is None and param.dtype == torch.float32 and ops.resolve_backend([param], backend) == "cpu":
+            compiled.append(i)
+        else:
+            measured[i] = update(param, tensor_ids[i], pairs[i], weights, grad=grad, **options)
+    if compiled:
+        scales = _column_scales(weights, coef, rank, params[compiled[0]].device)
+        passes = [(params[i], *_joined(pairs[i], scales)) for i in compiled]
+        for i, largest in zip(compiled, cpu_library.lowrank_update_all(passes, decay)):
+            measured[i] = largest
+    return measured
+
+
+def _column_scales(weights: Sequence[float], coef: float, rank: int, device: torch.device) -> torch.Tensor:
+    """coef w_j / sqrt(r) for column j*r+i of the joined A, so that one product gives the whole step."""
+    scale = torch.tensor(list(weights), dtype=torch.float32, device=device) * (coef / math.sqrt(rank))
+    return scale.repeat_interleave(rank)
+
+
+def _joined(
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], scales: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The directions' factors side by side: (A [out, P r] with its columns scaled, B [in, P r])."""
+    return torch.cat([a for a, _ in pairs], dim=1) * scales, torch.cat([b for _, b in pairs], dim=1)

@@ -193,6 +193,7 @@ class ES(torch.optim.Optimizer):
         self._applied: list[list[torch.Tensor]] | None = None
         self._perturbation_checked = -1  # the generation _check_perturbation last passed
         self._read_weights: tuple[tuple, list[list[float]]] | None = None  # _largest_weights' last read
+        self._factors: tuple[int, dict] = (-1, {})  # lowrank_factors of one generation: (generation, made)
 
     # --- parameters -------------------------------------------------------------------------------
 
@@ -318,17 +319,21 @@ class ES(torch.optim.Optimizer):
     def lowrank_factors(
         self, group: dict, indices: list[int], key: tuple[int, int]
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Member `key`'s low-rank factors (A, B) of the tensors `indices` of param group `group`."""
+        """Member `key`'s low-rank factors (A, B) of the tensors `indices` of param group `group`.
+
+        Kept until the next generation: evaluation and the update ask for the same factors, and making
+        them again costs as much as a quarter of the update."""
         params = [group["params"][i] for i in indices]
-        return lowrank.all_factors(
-            key,
-            [group["ids"][i] for i in indices],
-            [p.shape for p in params],
-            self.rank,
-            params[0].device,
-            self.backend,
-            self.noise,
-        )
+        ids, shapes = [group["ids"][i] for i in indices], [p.shape for p in params]
+        generation, made = self._factors
+        if generation != self.generation:
+            made = {}
+            self._factors = (self.generation, made)
+        device = params[0].device
+        wanted = (key, tuple(ids), tuple(shapes), device)
+        if wanted not in made:
+            made[wanted] = lowrank.all_factors(key, ids, shapes, self.rank, device, self.backend, self.noise)
+        return made[wanted]
 
     def perturb_into(self, group: dict, destinations: list[torch.Tensor], member: Member) -> None:
         """Write `member`'s perturbed weights of param group `group` into `destinations`."""
@@ -550,18 +555,18 @@ class ES(torch.optim.Optimizer):
             low = [i for i, p in enumerate(params) if self._is_lowrank(p)]
             if low:  # every direction's factors of every low-rank tensor, two noise calls a direction
                 per_key = [self.lowrank_factors(group, low, key) for key in keys]
-                for n, i in enumerate(low):
-                    pairs = [factors[n] for factors in per_key]
-                    group_measured[i] = lowrank.update(
-                        params[i],
-                        group["ids"][i],
-                        pairs,
-                        direction_weights,
-                        rank=self.rank,
-                        grad=grads[i],
-                        backend=self.backend,
-                        **options,
-                    )
+                measured_low = lowrank.update_all(
+                    [params[i] for i in low],
+                    [group["ids"][i] for i in low],
+                    [[factors[n] for factors in per_key] for n in range(len(low))],
+                    direction_weights,
+                    rank=self.rank,
+                    grads=[grads[i] for i in low],
+                    backend=self.backend,
+                    **options,
+                )
+                for i, largest in zip(low, measured_low):
+                    group_measured[i] = largest
         if self.inner is not None:
             self._inner_step()
         elif all(m is not None for values in measured for m in values):
@@ -623,6 +628,7 @@ class ES(torch.optim.Optimizer):
         for group, saved in zip(self.param_groups, state["param_groups"]):
             group.update({k: saved[k] for k in _GROUP_DEFAULT_KEYS})
         self.generation = int(state["generation"])
+        self._factors = (-1, {})  # made under the options before these
         self.history = [dict(h) for h in state["history"]]
         if self.inner is not None:
             self.inner.load_state_dict(state["inner_optimizer"])
