@@ -279,6 +279,7 @@ def test_layers_reading_one_input_make_their_products_together(tiny):
         q, k, v = attention.q_proj, attention.k_proj, attention.v_proj
         assert q.shared[0] is k.shared[0] is v.shared[0] is attention.o_proj.shared[0]
         assert mlp.gate_proj.shared[0] is mlp.up_proj.shared[0] and mlp.down_proj.shared is None
+
         def unshared(layer, x):
             shared, layer.shared = layer.shared, None
             try:
@@ -296,6 +297,10 @@ def test_layers_reading_one_input_make_their_products_together(tiny):
         gone = weakref.ref(x)
         del x
         assert gone() is None  # the shared products hold no reference to the input
+        with torch.inference_mode():  # generate's tensors, which count no versions
+            x = torch.randn(8, 3, q.base.in_features)
+            torch.testing.assert_close(q(x), unshared(q, x), rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(v(x), unshared(v, x), rtol=1e-6, atol=1e-6)
 
 
 def test_modes_refuse_the_other_noise_type(tiny):

@@ -126,12 +126,14 @@ class SharedProducts:
         self.inputs = torch.cat(inputs, dim=1)  # [members, the layers' ranks together, in]
         ends = torch.tensor([i.shape[1] for i in inputs]).cumsum(0).tolist()
         self.columns = [slice(end - i.shape[1], end) for end, i in zip(ends, inputs)]
-        self._made: tuple[weakref.ref, int, torch.Tensor] | None = None  # (input, its version, products)
+        self._made: tuple[weakref.ref, int | None, torch.Tensor] | None = None  # (input, version, products)
 
     def products(self, x: torch.Tensor, grouped: torch.Tensor, layer: int) -> torch.Tensor:
         """Layer `layer`'s products [members, rows, r] for input `x`, rows `grouped` [members, rows, in]."""
-        if self._made is None or self._made[0]() is not x or self._made[1] != x._version:
-            self._made = (weakref.ref(x), x._version, torch.bmm(grouped, self.inputs.transpose(1, 2)))
+        # inference tensors (generate) count no versions: theirs is None, as the model writes no input
+        version = None if x.is_inference() else x._version
+        if self._made is None or self._made[0]() is not x or self._made[1] != version:
+            self._made = (weakref.ref(x), version, torch.bmm(grouped, self.inputs.transpose(1, 2)))
         return self._made[2][..., self.columns[layer]]
 
 
@@ -144,9 +146,10 @@ class LowRankLinear(_PopulationLayer):
     once (`products_first`). Otherwise (CPU, or backend "torch") the base projection runs once on all rows
     (the plain model's own GEMM), a batched matmul gives each row's r products with its member's input
     factors (one for all the layers of a block that read the same input: SharedProducts), and one
-    broadcast multiply-add per rank adds products x output factors into the output in place. All torch ops, so they run in torch's own thread pool: a compiled pass in threads of our own
-    was slower in the model than alone, contending with the pool's threads as they spin between ops
-    (docs/real_models.md). The output side is stored pre-scaled.
+    broadcast multiply-add per rank adds products x output factors into the output in place. All torch
+    ops, so they run in torch's own thread pool: a compiled pass in threads of our own was slower in the
+    model than alone, contending with the pool's threads as they spin between ops (docs/real_models.md).
+    The output side is stored pre-scaled.
 
     The factors follow the weight's own layout (eps = A B^T has the weight's shape): for a Conv1D weight
     [in, out], A is the input side and B the output side, so the roles swap.
