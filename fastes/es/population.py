@@ -123,7 +123,7 @@ class SharedProducts:
     """
 
     def __init__(self, inputs: list[torch.Tensor]) -> None:
-        self.inputs = torch.cat(inputs, dim=1)  # [members, the layers' ranks together, in]
+        self._inputs_t = torch.cat(inputs, dim=1).transpose(1, 2)  # [members, in, the layers' ranks]
         ends = torch.tensor([i.shape[1] for i in inputs]).cumsum(0).tolist()
         self.columns = [slice(end - i.shape[1], end) for end, i in zip(ends, inputs)]
         self._made: tuple[weakref.ref, int | None, torch.Tensor] | None = None  # (input, version, products)
@@ -133,7 +133,7 @@ class SharedProducts:
         # inference tensors (generate) count no versions: theirs is None, as the model writes no input
         version = None if x.is_inference() else x._version
         if self._made is None or self._made[0]() is not x or self._made[1] != version:
-            self._made = (weakref.ref(x), version, torch.bmm(grouped, self.inputs.transpose(1, 2)))
+            self._made = (weakref.ref(x), version, torch.bmm(grouped, self._inputs_t))
         return self._made[2][..., self.columns[layer]]
 
 
@@ -174,6 +174,8 @@ class LowRankLinear(_PopulationLayer):
         self.inputs = in_side.transpose(1, 2).to(weight.dtype).contiguous()  # [members, r, in]
         scaled = out_side.transpose(1, 2) * scale[:, None, None]
         self.outputs = scaled.to(weight.dtype).contiguous()  # [members, r, out], scale_m / sqrt(r) folded in
+        self._inputs_t = self.inputs.transpose(1, 2)
+        self._output_columns = self.outputs.split(1, dim=1)
         resolved = ops.resolve_backend([weight], backend)
         self.transposed = transposed
         self.fused = resolved == "triton"  # one Triton GEMM with the term in its epilogue
@@ -190,14 +192,17 @@ class LowRankLinear(_PopulationLayer):
         if self.fused:
             return self._fused(flat).view(*x.shape[:-1], out_features)
         y = self.base(flat)
-        grouped, grouped_y = flat.reshape(members, -1, flat.shape[-1]), y.view(members, -1, out_features)
-        grouped = grouped.to(y.dtype)
+        grouped = flat.reshape(members, -1, flat.shape[-1])
+        if grouped.dtype != y.dtype:
+            grouped = grouped.to(y.dtype)
         if self.shared is None:
-            products = torch.bmm(grouped, self.inputs.transpose(1, 2))  # [members, rows, r]
+            products = torch.bmm(grouped, self._inputs_t)  # [members, rows, r]
         else:
             products = self.shared[0].products(x, grouped, self.shared[1])
-        for i in range(products.shape[-1]):
-            grouped_y.addcmul_(products[..., i : i + 1], self.outputs[:, i : i + 1])
+        grouped_y = y.view(members, -1, out_features)
+        # a layer runs for every token of every row: the output's rank columns are sliced once, at setup
+        for column, output in zip(products.split(1, dim=-1), self._output_columns):
+            grouped_y.addcmul_(column, output)
         return y.view(*x.shape[:-1], out_features)
 
     def _fused(self, flat: torch.Tensor) -> torch.Tensor:
