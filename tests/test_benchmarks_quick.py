@@ -135,3 +135,29 @@ def test_the_benchmarked_alternative_computes_the_same_layer(bias):
     layer = LowRankLinear(base, factors, [0.5, -0.5, 0.25])
     x = torch.randn(3 * 4, 5, 37)
     torch.testing.assert_close(written_first(layer, x), layer(x), rtol=1e-5, atol=1e-5)
+
+
+def test_the_memory_target_compares_median_runs_of_fresh_processes(monkeypatch):
+    """benchmarks.real_model runs plain generation and the default mode --memory-repeats times each,
+    alternating, every other variant once, and reports each repeated variant's median run by peak."""
+    import argparse
+
+    from benchmarks import real_model
+
+    peaks = {"plain": iter([300, 100, 200]), "fastes lowrank": iter([5, 9, 7]), "naive loop": iter([50])}
+    order = []
+
+    def child(args, shape, name):
+        order.append(name)
+        return {"seconds": float(len(order)), "peak_bytes": next(peaks[name]), "tokens": 1}
+
+    monkeypatch.setattr(real_model, "_child", child)
+    monkeypatch.setattr(real_model, "_progress", lambda message: None)
+    args = argparse.Namespace(memory_repeats=3)
+    names = ["plain", "fastes lowrank", "naive loop"]
+    variants = real_model._fresh_variants(args, (2, 2, 4), names, compared=names[:2])
+    assert order == [*names, "plain", "fastes lowrank", "plain", "fastes lowrank"]
+    assert variants["plain"]["peak_bytes"] == 200 and variants["plain"]["seconds"] == 6.0
+    assert variants["fastes lowrank"]["peak_bytes"] == 7
+    assert [r["peak_bytes"] for r in variants["plain"]["runs"]] == [300, 100, 200]
+    assert variants["naive loop"]["peak_bytes"] == 50 and len(variants["naive loop"]["runs"]) == 1

@@ -53,7 +53,7 @@ def test_smollm2_answers_instruct_arithmetic_in_the_asked_format(capsys):
 def test_the_benchmark_reports_every_mode(tmp_path):
     from benchmarks.real_model import main
 
-    args = ["--shapes", "2x2x4,2x3x3", "--rounds", "2", "--out", str(tmp_path)]
+    args = ["--shapes", "2x2x4,2x3x3", "--rounds", "2", "--memory-repeats", "2", "--out", str(tmp_path)]
     assert main(args) == 0
     report = json.loads(next(tmp_path.glob("real-model-*.json")).read_text())
     first, second = report["shapes"]["2x2x4"], report["shapes"]["2x3x3"]
@@ -62,6 +62,8 @@ def test_the_benchmark_reports_every_mode(tmp_path):
     )
     assert {"plain batched inference", "fastes lowrank"} == set(second["variants"])
     assert all(entry["share_of_limit"] > 0 for entry in first["variants"].values())
+    runs = {name: len(entry["runs"]) for name, entry in first["variants"].items()}
+    assert runs["plain batched inference"] == runs["fastes lowrank"] == 2 and runs["naive loop"] == 1
     for entry in (first["interleaved"], first["member_interleaved"], second["interleaved"]):
         assert len(entry["rounds"]) == 2 and entry["rate_ratio"] > 0
         equal = [r["rate_ratio"] for r in entry["rounds"] if r["es_steps"] == r["plain_steps"]]
