@@ -1,7 +1,6 @@
 """Low-rank noise: factors from the noise contract, factored forward, GEMM update, ES with it."""
 
 import math
-import weakref
 
 import pytest
 import torch
@@ -263,44 +262,6 @@ def test_a_generation_makes_its_low_rank_factors_once(tiny, monkeypatch):
     assert es.lowrank_factors(group, every, key) is kept and made == [key]
     fresh = all_factors(key, group["ids"], [p.shape for p in group["params"]], es.rank, "cpu")
     assert all(torch.equal(a, fa) and torch.equal(b, fb) for (a, b), (fa, fb) in zip(kept, fresh))
-
-
-@torch.no_grad()
-def test_layers_reading_one_input_make_their_products_together(tiny):
-    """q, k and v (and gate and up) take their columns of one product over their shared input; a
-    different input, or the same one changed in place, makes the products anew; the input is not kept
-    alive. Each layer's output is the one it computes on its own."""
-    model, _ = tiny
-    es = fastes.ES(
-        fastes.linear_weights(model), sigma=0.05, lr=0.01, population=4, noise_type="lowrank", rank=2
-    )
-    with population_batched(es, model, mode="lowrank"):
-        attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
-        q, k, v = attention.q_proj, attention.k_proj, attention.v_proj
-        assert q.shared[0] is k.shared[0] is v.shared[0] is attention.o_proj.shared[0]
-        assert mlp.gate_proj.shared[0] is mlp.up_proj.shared[0] and mlp.down_proj.shared is None
-
-        def unshared(layer, x):
-            shared, layer.shared = layer.shared, None
-            try:
-                return layer(x)
-            finally:
-                layer.shared = shared
-
-        torch.manual_seed(0)
-        x, other = torch.randn(8, 3, q.base.in_features), torch.randn(8, 3, q.base.in_features)
-        torch.testing.assert_close(q(x), unshared(q, x), rtol=1e-6, atol=1e-6)
-        x.mul_(2), other.mul_(2)  # x: the same tensor, changed in place since q read it; both version 1
-        torch.testing.assert_close(v(x), unshared(v, x), rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(k(x), unshared(k, x), rtol=1e-6, atol=1e-6)  # from v's products
-        torch.testing.assert_close(k(other), unshared(k, other), rtol=1e-6, atol=1e-6)  # another input
-        gone = weakref.ref(x)
-        del x
-        assert gone() is None  # the shared products hold no reference to the input
-        with torch.inference_mode():  # generate's tensors, which count no versions
-            x = torch.randn(8, 3, q.base.in_features)
-            torch.testing.assert_close(q(x), unshared(q, x), rtol=1e-6, atol=1e-6)
-            torch.testing.assert_close(v(x), unshared(v, x), rtol=1e-6, atol=1e-6)
 
 
 def test_modes_refuse_the_other_noise_type(tiny):

@@ -41,6 +41,25 @@ def test_every_es_iteration_records_where_its_time_went(tmp_path):
         assert 0 <= record["format"] <= 1
 
 
+@pytest.mark.parametrize("mode", ["member", "materialised"])
+def test_every_es_iteration_records_its_longest_completion(tmp_path, monkeypatch, mode):
+    """The batch decodes until its longest completion ends, so the record names that length: the longest
+    of every member's completions, as ES's own generate calls returned them."""
+    import fastes.run.es_loop as es_loop
+
+    calls = []
+    generate = es_loop.generate
+    monkeypatch.setattr(es_loop, "generate", lambda *a, **k: calls.append(generate(*a, **k)) or calls[-1])
+    train(run_config(tmp_path, **{"es.iterations": 2, "es.eval_mode": mode, "max_new_tokens": 6}))
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][1:]
+    per_iteration = len(calls) // len(steps)
+    assert per_iteration == (4 if mode == "member" else 1)
+    for index, record in enumerate(steps):
+        made = calls[index * per_iteration : (index + 1) * per_iteration]
+        assert record["completion_tokens_max"] == max(max(gen.lengths) for gen in made)
+    assert all(1 <= record["completion_tokens_max"] <= 6 for record in steps)
+
+
 def test_a_run_without_signal_says_so_once(tmp_path, capsys):
     # A sigma far below float resolution: every member answers as the base does, reward_std is 0.
     train(run_config(tmp_path, **{"es.iterations": NO_SIGNAL_STEPS + 2, "es.sigma": 1e-30}))

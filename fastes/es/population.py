@@ -15,7 +15,6 @@ On exit the original modules are put back; the base weights are never written, s
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -113,30 +112,6 @@ class VirtualLinear(_PopulationLayer):
         return y.reshape(*x.shape[:-1], out_features)
 
 
-class SharedProducts:
-    """The products x B_m of several low-rank layers that read the same input (q, k and v of an
-    attention block; gate and up of an MLP): one batched matmul over x gives all of them. That product
-    reads x and does little arithmetic, so one for three layers costs a third of three.
-
-    The last input is held by a weak reference: a layer called with that very tensor (unchanged since)
-    takes its columns of the products made for it; any other input makes them for all layers anew.
-    """
-
-    def __init__(self, inputs: list[torch.Tensor]) -> None:
-        self._inputs_t = torch.cat(inputs, dim=1).transpose(1, 2)  # [members, in, the layers' ranks]
-        ends = torch.tensor([i.shape[1] for i in inputs]).cumsum(0).tolist()
-        self.columns = [slice(end - i.shape[1], end) for end, i in zip(ends, inputs)]
-        self._made: tuple[weakref.ref, int | None, torch.Tensor] | None = None  # (input, version, products)
-
-    def products(self, x: torch.Tensor, grouped: torch.Tensor, layer: int) -> torch.Tensor:
-        """Layer `layer`'s products [members, rows, r] for input `x`, rows `grouped` [members, rows, in]."""
-        # inference tensors (generate) count no versions: theirs is None, as the model writes no input
-        version = None if x.is_inference() else x._version
-        if self._made is None or self._made[0]() is not x or self._made[1] != version:
-            self._made = (weakref.ref(x), version, torch.bmm(grouped, self._inputs_t))
-        return self._made[2][..., self.columns[layer]]
-
-
 class LowRankLinear(_PopulationLayer):
     """y_m = x_m W^T + scale_m / sqrt(r) * (x_m B_m) A_m^T: the members' rank-r noise is never formed.
 
@@ -145,10 +120,11 @@ class LowRankLinear(_PopulationLayer):
     y once; the products are summed in its K loop, or, for wide outputs, first by a launch that reads x
     once (`products_first`). Otherwise (CPU, or backend "torch") the base projection runs once on all rows
     (the plain model's own GEMM), a batched matmul gives each row's r products with its member's input
-    factors (one for all the layers of a block that read the same input: SharedProducts), and one
-    broadcast multiply-add per rank adds products x output factors into the output in place. All torch
-    ops, so they run in torch's own thread pool: a compiled pass in threads of our own was slower in the
-    model than alone, contending with the pool's threads as they spin between ops (docs/real_models.md).
+    factors, and one broadcast multiply-add per rank adds products x output factors into the output in
+    place. All torch ops, so they run in torch's own thread pool: a compiled pass in threads of our own
+    was slower in the model than alone, contending with the pool's threads as they spin between ops
+    (docs/real_models.md). Layers that read the same input (q, k and v) could share one product: tried
+    on 2026-12-05, one batched matmul for them was 3x faster alone and no faster in the model.
     The output side is stored pre-scaled.
 
     The factors follow the weight's own layout (eps = A B^T has the weight's shape): for a Conv1D weight
@@ -179,7 +155,6 @@ class LowRankLinear(_PopulationLayer):
         resolved = ops.resolve_backend([weight], backend)
         self.transposed = transposed
         self.fused = resolved == "triton"  # one Triton GEMM with the term in its epilogue
-        self.shared: tuple[SharedProducts, int] | None = None  # products made with other layers, its index
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         members, _, out_features = self.outputs.shape
@@ -195,10 +170,7 @@ class LowRankLinear(_PopulationLayer):
         grouped = flat.reshape(members, -1, flat.shape[-1])
         if grouped.dtype != y.dtype:
             grouped = grouped.to(y.dtype)
-        if self.shared is None:
-            products = torch.bmm(grouped, self._inputs_t)  # [members, rows, r]
-        else:
-            products = self.shared[0].products(x, grouped, self.shared[1])
+        products = torch.bmm(grouped, self._inputs_t)  # [members, rows, r]
         grouped_y = y.view(members, -1, out_features)
         # a layer runs for every token of every row: the output's rank columns are sliced once, at setup
         for column, output in zip(products.split(1, dim=-1), self._output_columns):
@@ -251,35 +223,18 @@ def _population_layers(
         scales = [m.sign * group["sigma"] for m in members]
         every = list(range(len(group["params"])))
         by_key = {m.key: es.lowrank_factors(group, every, m.key) for m in members}  # antithetic pairs share
-        layers = [
+        return [
             LowRankLinear(
                 linear.module, [by_key[m.key][i] for m in members], scales, linear.transposed, es.backend
             )
             for i, linear in enumerate(linears)
         ]
-        _share_products(layers, linears)
-        return layers
     buffers = [torch.empty((len(members), *p.shape), dtype=p.dtype, device=p.device) for p in group["params"]]
     for index, member in enumerate(members):
         es.perturb_into(group, [b[index] for b in buffers], member)
     return [
         PopulationLinear(linear.module, buffer, linear.transposed) for linear, buffer in zip(linears, buffers)
     ]
-
-
-def _share_products(layers: list[LowRankLinear], linears: list[Projection]) -> None:
-    """Let the unfused low-rank layers of one block that could read the same input (the same parent
-    module, input width and dtype) make their products together (SharedProducts)."""
-    siblings: dict[tuple, list[int]] = {}
-    for index, (layer, linear) in enumerate(zip(layers, linears)):
-        if not layer.fused:
-            parent = linear.path.rpartition(".")[0]
-            siblings.setdefault((parent, linear.in_features, layer.inputs.dtype), []).append(index)
-    for indices in siblings.values():
-        if len(indices) > 1:
-            shared = SharedProducts([layers[i].inputs for i in indices])
-            for position, i in enumerate(indices):
-                layers[i].shared = (shared, position)
 
 
 def member_groups(es: ES, mode: str, materialise_bytes: float) -> list[list[Member]]:

@@ -120,6 +120,11 @@ def es_iteration(run: Run, es: ES, step: int) -> dict[str, float]:
     answers = torch.tensor([[s.answer for s in row] for row in scores], dtype=torch.float64)
     well_formed = distributed.all_sum([sum(s.format for s in flat), len(flat)]).tolist()
     answers = distributed.gather_strided(answers, es.population)
+    # a batch decodes until its longest completion ends: one member that answers at length sets the time
+    longest = torch.tensor(
+        [[max(map(len, member_ids), default=0)] for member_ids in ids], dtype=torch.float64
+    )
+    longest = distributed.gather_strided(longest, es.population)
     tokens = int(distributed.all_sum([tokens])[0])
     seconds = time.perf_counter() - start
     per_member = rewards.mean(dim=1)
@@ -128,6 +133,7 @@ def es_iteration(run: Run, es: ES, step: int) -> dict[str, float]:
         "reward_std": float(per_member.std(correction=0)),
         "reward_max": float(per_member.max()),
         "format": well_formed[0] / well_formed[1],
+        "completion_tokens_max": int(longest.max()),
         "lr": lr,
     }
     # JS diversity is defined on acceptance rates in [0, 1]: verifier outcomes, not any user reward.
