@@ -90,3 +90,26 @@ def test_batched_mode_refuses_non_linear_parameters_and_bad_row_counts(tiny):
     batch = tokenizer(PROMPTS[:3], return_tensors="pt", padding=True)
     with pytest.raises(ValueError, match="multiple of 4 rows"), population_batched(es, model):
         model(**batch)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("transposed", [False, True])
+def test_members_weights_are_held_in_the_batched_matmuls_layout(transposed):
+    """A materialised layer keeps its members' weights [members, in, out], contiguous (the layout
+    torch's CPU batched matmul runs fastest), for nn.Linear and Conv1D alike, and computes each member's
+    rows with its own weight."""
+    torch.manual_seed(0)
+    members, rows, in_features, out_features = 3, 5, 7, 4
+    base = torch.nn.Linear(in_features, out_features, bias=True)
+    per_member = torch.randn(members, out_features, in_features)
+    given = per_member.transpose(1, 2).contiguous() if transposed else per_member  # the weight's own layout
+    layer = PopulationLinear(base, given, transposed)
+    assert layer.weights.shape == (members, in_features, out_features) and layer.weights.is_contiguous()
+    x = torch.randn(members * rows, in_features)
+    expected = torch.cat(
+        [
+            torch.nn.functional.linear(x[m * rows : (m + 1) * rows], per_member[m], base.bias)
+            for m in range(members)
+        ]
+    )
+    torch.testing.assert_close(layer(x), expected, rtol=1e-6, atol=1e-6)
