@@ -4,7 +4,7 @@ Inside `population_batched(es, model, mode)`, each projection (nn.Linear, or tra
 its [in, out] weight) whose weight ES evolves is swapped for a population layer, and the batch is read
 as `members` equal groups of rows: row r belongs to member r // (batch / members). `generate` with its
 KV cache works unchanged. Three modes:
-- "materialised": `PopulationLinear` holds all members' perturbed weights in one [members, out, in]
+- "materialised": `PopulationLinear` holds all members' perturbed weights in one [members, in, out]
   buffer (built by the perturb kernel) and applies them with a batched matmul. Any device.
 - "virtual": `VirtualLinear` runs the Triton kernel that regenerates each member's noise tile in
   registers inside the matmul: no per-member weights exist, memory stays that of plain inference.
@@ -42,8 +42,8 @@ class PopulationLinear(_PopulationLayer):
     """A projection with one weight per member; input rows are grouped by member.
 
     The members' weights are held [members, in, out] whatever the projection's own layout: torch's CPU
-    batched matmul takes a contiguous right-hand side 1.3-1.5x faster than a transposed view at decode
-    sizes (32 rows a member), with the same result bit for bit (docs/evaluation_modes.md).
+    batched matmul takes a contiguous right-hand side 1.3-1.55x faster than a transposed view at decode
+    sizes (32 rows a member), with the same result bit for bit (docs/benchmarks.md).
     """
 
     def __init__(self, base: torch.nn.Module, weights: torch.Tensor, transposed: bool = False) -> None:
