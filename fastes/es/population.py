@@ -157,7 +157,7 @@ class LowRankLinear(_PopulationLayer):
         self.inputs = in_side.transpose(1, 2).to(weight.dtype).contiguous()  # [members, r, in]
         scaled = out_side.transpose(1, 2) * scale[:, None, None]
         self.outputs = scaled.to(weight.dtype).contiguous()  # [members, r, out], scale_m / sqrt(r) folded in
-        self._inputs_t = self.inputs.transpose(1, 2)
+        self._inputs_t = self.inputs.transpose(1, 2).contiguous()  # [members, in, r]: bmm's fast layout
         self._output_columns = self.outputs.split(1, dim=1)
         resolved = ops.resolve_backend([weight], backend)
         self.transposed = transposed
