@@ -49,8 +49,8 @@ class PopulationLinear(_PopulationLayer):
     def __init__(self, base: torch.nn.Module, weights: torch.Tensor, transposed: bool = False) -> None:
         super().__init__()
         self.base = base
-        # the members' perturbed weights in the projection's layout: [members, out, in] for nn.Linear,
-        # [members, in, out] for a Conv1D (transposed)
+        # `weights` comes in the projection's own layout: [members, out, in] for nn.Linear, [members, in,
+        # out] for a Conv1D (transposed)
         self.weights = weights if transposed else weights.transpose(1, 2).contiguous()
         self.transposed = transposed
 
@@ -240,7 +240,7 @@ def _population_layers(
     for index, member in enumerate(members):
         es.perturb_into(group, [b[index] for b in buffers], member)
     layers = []
-    for i, linear in enumerate(linears):  # a layer takes its buffer, so the one it copies is freed at once
+    for i, linear in enumerate(linears):  # drop each buffer as its layer copies it: one extra copy at most
         buffer, buffers[i] = buffers[i], None
         layers.append(PopulationLinear(linear.module, buffer, linear.transposed))
     return layers
