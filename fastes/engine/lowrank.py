@@ -122,10 +122,10 @@ def update(
     (NaN if theta holds NaN or inf), else None.
     """
     a_all, b_all = _joined(pairs, _column_scales(weights, coef, rank, param.device))
+    if _compiled_in_place(param, grad, backend):
+        return cpu_library.lowrank_update(param, a_all, b_all, decay)
     if grad is not None:
         grad.copy_((a_all @ b_all.T).to(grad.dtype))
-    elif param.dtype == torch.float32 and ops.resolve_backend([param], backend) == "cpu":
-        return cpu_library.lowrank_update(param, a_all, b_all, decay)
     elif param.dtype == torch.float32:
         param.addmm_(a_all, b_all.T, beta=decay)
     else:
@@ -163,7 +163,7 @@ def update_all(
     measured: list[float | None] = [None] * len(params)
     compiled = []
     for i, (param, grad) in enumerate(zip(params, grads)):
-        if grad is None and param.dtype == torch.float32 and ops.resolve_backend([param], backend) == "cpu":
+        if _compiled_in_place(param, grad, backend):
             compiled.append(i)
         else:
             measured[i] = update(param, tensor_ids[i], pairs[i], weights, grad=grad, **options)
@@ -173,6 +173,11 @@ def update_all(
         for i, largest in zip(compiled, cpu_library.lowrank_update_all(passes, decay)):
             measured[i] = largest
     return measured
+
+
+def _compiled_in_place(param: torch.Tensor, grad: torch.Tensor | None, backend: str) -> bool:
+    """Whether the compiled CPU library updates this weight in place (fp32, no gradient buffer)."""
+    return grad is None and param.dtype == torch.float32 and ops.resolve_backend([param], backend) == "cpu"
 
 
 def _column_scales(weights: Sequence[float], coef: float, rank: int, device: torch.device) -> torch.Tensor:
