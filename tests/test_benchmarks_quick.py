@@ -138,26 +138,45 @@ def test_the_benchmarked_alternative_computes_the_same_layer(bias):
 
 
 def test_the_memory_target_compares_median_runs_of_fresh_processes(monkeypatch):
-    """benchmarks.real_model runs plain generation and the default mode --memory-repeats times each,
-    alternating, every other variant once, and reports each repeated variant's median run by peak."""
+    """benchmarks.real_model runs plain generation and the default mode --memory-repeats times each under
+    each allocator setting, alternating, every other variant once under glibc's own, and reports each
+    repeated variant's median run by peak, per allocator setting."""
     import argparse
 
     from benchmarks import real_model
 
-    peaks = {"plain": iter([300, 100, 200]), "fastes lowrank": iter([5, 9, 7]), "naive loop": iter([50])}
+    peaks = {
+        ("plain", "default"): iter([300, 100, 200]),
+        ("fastes lowrank", "default"): iter([5, 9, 7]),
+        ("naive loop", "default"): iter([50]),
+        ("plain", "fixed mmap threshold"): iter([40, 60, 50]),
+        ("fastes lowrank", "fixed mmap threshold"): iter([3, 3, 4]),
+    }
     order = []
+    environments = []
 
-    def child(args, shape, name):
-        order.append(name)
-        return {"seconds": float(len(order)), "peak_bytes": next(peaks[name]), "tokens": 1}
+    def child(args, shape, name, allocator="default"):
+        order.append((name, allocator))
+        environments.append(real_model.ALLOCATORS[allocator])
+        return {"seconds": float(len(order)), "peak_bytes": next(peaks[name, allocator]), "tokens": 1}
 
     monkeypatch.setattr(real_model, "_child", child)
     monkeypatch.setattr(real_model, "_progress", lambda message: None)
     args = argparse.Namespace(memory_repeats=3)
     names = ["plain", "fastes lowrank", "naive loop"]
     variants = real_model._fresh_variants(args, (2, 2, 4), names, compared=names[:2])
-    assert order == [*names, "plain", "fastes lowrank", "plain", "fastes lowrank"]
-    assert variants["plain"]["peak_bytes"] == 200 and variants["plain"]["seconds"] == 6.0
+    fixed = [("plain", "fixed mmap threshold"), ("fastes lowrank", "fixed mmap threshold")]
+    default = [("plain", "default"), ("fastes lowrank", "default")]
+    assert order == [(name, "default") for name in names] + fixed + default + fixed + default + fixed
+    assert all(
+        env == {"MALLOC_MMAP_THRESHOLD_": "131072"}
+        for (_, a), env in zip(order, environments)
+        if a != "default"
+    )
+    assert variants["plain"]["peak_bytes"] == 200 and variants["plain"]["seconds"] == 10.0
     assert variants["fastes lowrank"]["peak_bytes"] == 7
     assert [r["peak_bytes"] for r in variants["plain"]["runs"]] == [300, 100, 200]
+    assert variants["plain"]["fixed mmap threshold"]["peak_bytes"] == 50
+    assert variants["fastes lowrank"]["fixed mmap threshold"]["peak_bytes"] == 3
     assert variants["naive loop"]["peak_bytes"] == 50 and len(variants["naive loop"]["runs"]) == 1
+    assert "fixed mmap threshold" not in variants["naive loop"]
