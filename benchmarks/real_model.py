@@ -9,13 +9,14 @@ population x prompts x new tokens, on instruct-form arithmetic prompts, fp32, gr
 The headline, per shape: one ES iteration's token rate (prompt and generated tokens of every row per
 second) against plain batched generation of the same rows, both in one process, warm, interleaved for
 `--rounds` rounds (the order alternates), as the median of the rounds' ratios: a 2-core machine's speed
-drifts by +-10% within a minute, which a ratio of neighbours cancels. The first (cold) iteration is
-reported apart: it pays once for writing the weights the first time (they are mapped from the file)
-and for loading the compiled library. Beside it, the median over the rounds whose ES iteration decoded
-as many steps as plain generation did: a batch decodes until its last row stops, so a member whose
-answer runs longer than the unperturbed model's keeps all rows decoding, work that the headline
-charges to ES. Member by member, likewise against plain generation of each
-member's rows one call at a time (first shape).
+drifts by +-10% within a minute, which a ratio of neighbours cancels. The rounds run as `fastes train`
+runs its steps, with the objects made before them frozen out of full garbage collections. The first
+(cold) iteration is reported apart: it pays once for writing the weights the first time (they are mapped
+from the file) and for loading the compiled library. Beside it, the median over the rounds whose ES
+iteration decoded as many steps as plain generation did: a batch decodes until its last row stops, so a
+member whose answer runs longer than the unperturbed model's keeps all rows decoding, work that the
+headline charges to ES. Member by member, likewise against plain generation of each member's rows one
+call at a time (first shape).
 
 Then each variant in a fresh process (so that no variant's peak memory is hidden by what an earlier one
 left allocated): plain batched inference, fastes' default eval mode for this model and the other modes,
@@ -140,6 +141,26 @@ def _steps(gen) -> int:
     return max(gen.lengths)
 
 
+def _round(index: int, plain, iteration) -> dict:
+    """One round: plain generation and an ES iteration, the order alternating from one round to the next."""
+    if index % 2:
+        es_seconds, es_tokens, es_steps, parts = iteration()
+        plain_seconds, plain_tokens, plain_steps = plain()
+    else:
+        plain_seconds, plain_tokens, plain_steps = plain()
+        es_seconds, es_tokens, es_steps, parts = iteration()
+    return {
+        "plain_seconds": plain_seconds,
+        "plain_tokens": plain_tokens,
+        "plain_steps": plain_steps,
+        "es_seconds": es_seconds,
+        "es_tokens": es_tokens,
+        "es_steps": es_steps,
+        "rate_ratio": (es_tokens / es_seconds) / (plain_tokens / plain_seconds),
+        "parts": parts,
+    }
+
+
 def interleaved(args: argparse.Namespace, mode: str) -> dict:
     """ES iterations of eval mode `mode` and plain generation of the same rows, warm, alternating.
 
@@ -152,6 +173,7 @@ def interleaved(args: argparse.Namespace, mode: str) -> dict:
     import fastes.run.es_loop as es_loop
     from fastes.models.generation import generate
     from fastes.run.es_loop import es_iteration
+    from fastes.run.shared import long_lived_objects_frozen
 
     run, es, prompts, prompt_tokens = _setup(args, mode)
     calls = [prompts] * args.population if mode == "member" else [prompts * args.population]
@@ -180,26 +202,8 @@ def interleaved(args: argparse.Namespace, mode: str) -> dict:
 
     cold = iteration()
     plain()
-    rounds = []
-    for index in range(args.rounds):
-        if index % 2:
-            es_seconds, es_tokens, es_steps, parts = iteration()
-            plain_seconds, plain_tokens, plain_steps = plain()
-        else:
-            plain_seconds, plain_tokens, plain_steps = plain()
-            es_seconds, es_tokens, es_steps, parts = iteration()
-        rounds.append(
-            {
-                "plain_seconds": plain_seconds,
-                "plain_tokens": plain_tokens,
-                "plain_steps": plain_steps,
-                "es_seconds": es_seconds,
-                "es_tokens": es_tokens,
-                "es_steps": es_steps,
-                "rate_ratio": (es_tokens / es_seconds) / (plain_tokens / plain_seconds),
-                "parts": parts,
-            }
-        )
+    with long_lived_objects_frozen():  # as `fastes train` runs its steps
+        rounds = [_round(index, plain, iteration) for index in range(args.rounds)]
     median = statistics.median
     equal = [r for r in rounds if r["es_steps"] == r["plain_steps"]]
     return {

@@ -4,14 +4,15 @@
 
 The demo's setting (16 members x 32 countdown prompts x 12 new tokens, greedy, antithetic off as in the
 iteration suite), each round interleaved: plain batched generation of the same 512 rows; the same
-generate call inside `population_batched` (the members' perturbed weights or factors in place, built
-once outside the timing); entering and leaving `population_batched` alone; and a whole
-`es_iteration`, whose own split (generation, noise, scoring, update) it records. The headline is the
-iteration's time over plain generation's for the same rows and steps (every row runs the same number of
-decode steps, so the time ratio compares the same work; the generated-token rate is also reported, and
-is lower for ES whenever perturbed members stop earlier at EOS). Medians over rounds. Measured, never
-asserted. Writes <out>/tiny-iteration-<date>.json and .md (the tiny model runs on one thread, as
-`fastes train` runs it: see fastes.run.train).
+generate call inside `population_batched` (the members' perturbed weights or factors in place, built once
+outside the timing); entering and leaving `population_batched` alone; and a whole `es_iteration`, whose
+own split (generation, noise, scoring, update) it records. The headline is the iteration's time over
+plain generation's for the same rows and steps (every row runs the same number of decode steps, so the
+time ratio compares the same work; the generated-token rate is also reported, and is lower for ES
+whenever perturbed members stop earlier at EOS). Medians over rounds, run as `fastes train` runs its
+steps: with the objects made before them frozen out of full garbage collections. Measured, never
+asserted. Writes <out>/tiny-iteration-<date>.json and .md (the tiny model runs on one thread, as `fastes
+train` runs it: see fastes.run.train).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def measure_mode(mode: str, rounds: int) -> dict:
     from fastes.es.population import population_batched
     from fastes.models.generation import generate
     from fastes.run.es_loop import es_iteration
-    from fastes.run.shared import batch_for
+    from fastes.run.shared import batch_for, long_lived_objects_frozen
 
     bench = load_bench_model("tiny", torch.device("cpu"), torch.float32)
     run, es = make_run(bench.clone(), SETTING, "auto", mode)
@@ -73,16 +74,17 @@ def measure_mode(mode: str, rounds: int) -> dict:
     seconds: dict[str, list[float]] = {name: [] for name in [*calls, "ES iteration"]}
     tokens: dict[str, int] = {}
     parts: list[dict] = []
-    for _ in range(rounds):
-        for name, call in calls.items():
-            s, out = _timed(call)
-            seconds[name].append(s)
-            if out is not None:
-                tokens[name] = out.num_tokens
-        s, record = _timed(lambda: es_iteration(run, es, 0))
-        seconds["ES iteration"].append(s)
-        tokens["ES iteration"] = round(record["tokens_per_second"] * record["seconds"])
-        parts.append({k: v for k, v in record.items() if k.startswith("time/")})
+    with long_lived_objects_frozen():  # as `fastes train` runs its steps
+        for _ in range(rounds):
+            for name, call in calls.items():
+                s, out = _timed(call)
+                seconds[name].append(s)
+                if out is not None:
+                    tokens[name] = out.num_tokens
+            s, record = _timed(lambda: es_iteration(run, es, 0))
+            seconds["ES iteration"].append(s)
+            tokens["ES iteration"] = round(record["tokens_per_second"] * record["seconds"])
+            parts.append({k: v for k, v in record.items() if k.startswith("time/")})
     median = {name: statistics.median(values) for name, values in seconds.items()}
     split = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
     return {

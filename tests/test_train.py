@@ -1,5 +1,6 @@
 """End-to-end training on the shipped tiny model: ES and GRPO learn, and a killed run resumes exactly."""
 
+import gc
 import json
 import math
 import shutil
@@ -84,6 +85,46 @@ def test_a_run_gives_the_callers_thread_count_back(easy_task, tmp_path):
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(1)  # the suite's (conftest)
+
+
+class FrozenCounts:
+    """A callback that records how many objects the garbage collector holds frozen at each step."""
+
+    def __init__(self):
+        self.counts = []
+
+    def on_step_end(self, step, metrics):
+        self.counts.append(gc.get_freeze_count())
+
+
+def test_the_steps_run_with_the_objects_made_before_them_frozen(easy_task, tmp_path):
+    """The model, tokenizer and task (and the imported libraries) are kept out of full garbage
+    collections while the steps run, and the caller's collector is as it was afterwards, also when a
+    step fails; a caller's own frozen objects stay frozen."""
+    recorder = FrozenCounts()
+    settings = common(easy_task, tmp_path / "run", **{"es.iterations": 2, "es.population": 2})
+    assert gc.get_freeze_count() == 0
+    train(load_config(None, settings), callbacks=[recorder])
+    assert len(recorder.counts) == 2 and all(count > 1000 for count in recorder.counts)
+    assert gc.get_freeze_count() == 0
+
+    def failing(step, metrics):
+        raise RuntimeError("a callback fails")
+
+    recorder.on_step_end = failing
+    settings["out_dir"] = str(tmp_path / "failing")
+    with pytest.raises(RuntimeError, match="a callback fails"):
+        train(load_config(None, settings), callbacks=[recorder])
+    assert gc.get_freeze_count() == 0
+
+    gc.freeze()  # the caller's
+    try:
+        frozen = gc.get_freeze_count()
+        settings["out_dir"] = str(tmp_path / "caller")
+        train(load_config(None, settings))
+        assert gc.get_freeze_count() >= frozen
+    finally:
+        gc.unfreeze()
 
 
 def test_es_follows_its_learning_rate_schedule(easy_task, tmp_path):

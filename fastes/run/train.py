@@ -40,7 +40,7 @@ from .config import ESSettings, TrainConfig, es_key
 from .es_loop import PartTimer, es_iteration, evolved_weights, make_es
 from .evaluation import Evaluator, rates
 from .grpo_loop import grpo_step, make_grpo_optimizer
-from .shared import Run, reward_parts
+from .shared import Run, long_lived_objects_frozen, reward_parts
 from .size_checks import check_sizes
 
 PHASES = {"es": ("es",), "grpo": ("grpo",), "grpo_es": ("grpo", "es")}
@@ -454,33 +454,35 @@ def run_phases(run: Run, start: Start) -> tuple[int, dict[str, Any] | None]:
     no_signal = NoSignal()
     quiet = not cfg.progress or not distributed.is_writer()
     bar = tqdm(total=sum(lengths), initial=global_step, disable=quiet, desc=cfg.algorithm)
-    for phase_index in range(start.phase_index, len(phases)):
-        phase = phases[phase_index]
-        resumed = start if phase_index == start.phase_index else Start()
-        es, optimizer = _phase_state(run, phase, resumed)
-        for step in range(resumed.step, lengths[phase_index]):
-            if es is not None:
-                try:
-                    record = es_iteration(run, es, step)
-                except NonFiniteUpdateError as error:  # name the run's keys, not fastes.ES's arguments
-                    raise error.renamed(es_key) from None
-            else:
-                record = grpo_step(run, optimizer, run.reference, step)
-            global_step += 1
-            run.task.at_step(global_step)
-            record = {"global_step": global_step, "phase": phase, "step": step + 1, **record}
-            last = step + 1 == lengths[phase_index]
-            if run.test and (cfg.eval_every and (step + 1) % cfg.eval_every == 0 or last):
-                last_eval = evaluate(run, run.test)
-                record.update(last_eval["record"])
-            run.log(record)
-            _show(record, no_signal, bar)
-            if phase == "grpo" and (step + 1) % GRPO_CHECKSUM_EVERY == 0:
-                distributed.check_same_weights(run.model.parameters(), f"GRPO step {step + 1}")
-            if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-                _checkpoint(run, global_step, phase_index, step + 1, es, optimizer)
-        if phase_index + 1 < len(phases):  # a phase boundary is a checkpoint: the next phase starts fresh
-            _checkpoint(run, global_step, phase_index + 1, 0, None, None)
+    # the objects made so far live as long as the run: no full garbage collection needs to walk them
+    with long_lived_objects_frozen():
+        for phase_index in range(start.phase_index, len(phases)):
+            phase = phases[phase_index]
+            resumed = start if phase_index == start.phase_index else Start()
+            es, optimizer = _phase_state(run, phase, resumed)
+            for step in range(resumed.step, lengths[phase_index]):
+                if es is not None:
+                    try:
+                        record = es_iteration(run, es, step)
+                    except NonFiniteUpdateError as error:  # name the run's keys, not fastes.ES's arguments
+                        raise error.renamed(es_key) from None
+                else:
+                    record = grpo_step(run, optimizer, run.reference, step)
+                global_step += 1
+                run.task.at_step(global_step)
+                record = {"global_step": global_step, "phase": phase, "step": step + 1, **record}
+                last = step + 1 == lengths[phase_index]
+                if run.test and (cfg.eval_every and (step + 1) % cfg.eval_every == 0 or last):
+                    last_eval = evaluate(run, run.test)
+                    record.update(last_eval["record"])
+                run.log(record)
+                _show(record, no_signal, bar)
+                if phase == "grpo" and (step + 1) % GRPO_CHECKSUM_EVERY == 0:
+                    distributed.check_same_weights(run.model.parameters(), f"GRPO step {step + 1}")
+                if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+                    _checkpoint(run, global_step, phase_index, step + 1, es, optimizer)
+            if phase_index + 1 < len(phases):  # a phase boundary is a checkpoint: the next phase starts fresh
+                _checkpoint(run, global_step, phase_index + 1, 0, None, None)
     bar.close()
     return global_step, last_eval
 
