@@ -383,8 +383,16 @@ class IterationSetting:
     max_new_tokens: int
 
 
-def make_run(bench: BenchModel, setting: IterationSetting, backend: str, eval_mode: str | None = None):
-    """A fastes.run.shared.Run on `bench` for the countdown task, with the ES it iterates."""
+def make_run(
+    bench: BenchModel,
+    setting: IterationSetting,
+    backend: str,
+    eval_mode: str | None = None,
+    antithetic: bool = False,
+):
+    """A fastes.run.shared.Run on `bench` for the countdown task, with the ES it iterates: N noise
+    directions by default, as in the naive loop (the engines do the same work); `antithetic` as a
+    run's default settings have it."""
     from fastes.run import auto_settings
     from fastes.run.es_loop import make_es
     from fastes.run.shared import Run
@@ -395,7 +403,7 @@ def make_run(bench: BenchModel, setting: IterationSetting, backend: str, eval_mo
     cfg.backend = backend
     cfg.progress = False
     cfg.es.population = setting.population
-    cfg.es.antithetic = False  # N noise directions, as in the naive loop: the engines do the same work
+    cfg.es.antithetic = antithetic
     if eval_mode is not None:
         cfg.es.eval_mode = eval_mode
         if eval_mode == "lowrank":  # the low-rank eval mode evaluates low-rank noise (rank cfg.es.rank)

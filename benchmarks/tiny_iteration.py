@@ -1,18 +1,19 @@
 """Where one ES iteration of the tiny model spends its time, against plain batched generation.
 
-    python -m benchmarks.tiny_iteration [--threads 1] [--rounds 9] [--modes materialised,lowrank] [--out DIR]
+    python -m benchmarks.tiny_iteration [--threads 1] [--rounds 9] [--modes materialised,lowrank]
+                                        [--antithetic] [--out DIR]
 
-The demo's setting (16 members x 32 countdown prompts x 12 new tokens, greedy, antithetic off as in the
-iteration suite), each round interleaved: plain batched generation of the same 512 rows; the same
-generate call inside `population_batched` (the members' perturbed weights or factors in place, built once
-outside the timing); entering and leaving `population_batched` alone; and a whole `es_iteration`, whose
-own split (generation, noise, scoring, update) it records. The headline is the iteration's time over
-plain generation's for the same rows and steps (every row runs the same number of decode steps, so the
-time ratio compares the same work; the generated-token rate is also reported, and is lower for ES
-whenever perturbed members stop earlier at EOS). Medians over rounds, run as `fastes train` runs its
-steps: with the objects made before them frozen out of full garbage collections. Measured, never
-asserted. Writes <out>/tiny-iteration-<date>.json and .md (the tiny model runs on one thread, as `fastes
-train` runs it: see fastes.run.train).
+The demo's setting (16 members x 32 countdown prompts x 12 new tokens, greedy; antithetic off as in the
+iteration suite, or on, as a run has it by default, with --antithetic), each round interleaved: plain
+batched generation of the same 512 rows; the same generate call inside `population_batched` (the members'
+perturbed weights or factors in place, built once outside the timing); entering and leaving
+`population_batched` alone; and a whole `es_iteration`, whose own split (generation, noise, scoring,
+update) it records. The headline is the iteration's time over plain generation's for the same rows and
+steps (every row runs the same number of decode steps, so the time ratio compares the same work; the
+generated-token rate is also reported, and is lower for ES whenever perturbed members stop earlier at
+EOS). Medians over rounds, run as `fastes train` runs its steps: with the objects made before them frozen
+out of full garbage collections. Measured, never asserted. Writes <out>/tiny-iteration-<date>.json and
+.md (the tiny model runs on one thread, as `fastes train` runs it: see fastes.run.train).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def _timed(call) -> tuple[float, object]:
     return time.perf_counter() - start, result
 
 
-def measure_mode(mode: str, rounds: int) -> dict:
+def measure_mode(mode: str, rounds: int, antithetic: bool = False) -> dict:
     """Interleaved rounds of plain generation, population generation, enter/exit and a whole iteration."""
     from fastes.es.population import population_batched
     from fastes.models.generation import generate
@@ -52,7 +53,7 @@ def measure_mode(mode: str, rounds: int) -> dict:
     from fastes.run.shared import batch_for, long_lived_objects_frozen
 
     bench = load_bench_model("tiny", torch.device("cpu"), torch.float32)
-    run, es = make_run(bench.clone(), SETTING, "auto", mode)
+    run, es = make_run(bench.clone(), SETTING, "auto", mode, antithetic)
     prompts = run.prompts(batch_for(run, "es", 0)) * SETTING.population
     members = list(es.members())
 
@@ -107,7 +108,8 @@ def markdown(report: dict) -> str:
         "",
         f"Measured {report['date']} {report['time']}; {report['cpu']}; {report['threads']} torch thread(s); "
         f"load average {report['load_average_at_start']} at the start; {SETTING.population} members x "
-        f"{SETTING.batch} prompts x {SETTING.max_new_tokens} new tokens; median of {report['rounds']} "
+        f"{SETTING.batch} prompts x {SETTING.max_new_tokens} new tokens; antithetic pairs "
+        f"{'on' if report['antithetic'] else 'off'}; median of {report['rounds']} "
         "interleaved rounds (`python -m benchmarks.tiny_iteration`).",
         "",
         "| mode | plain ms | population generation ms | enter + exit ms | ES iteration ms | its generation / "
@@ -144,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--modes", default="materialised,lowrank")
+    parser.add_argument("--antithetic", action="store_true", help="antithetic pairs, as a run's default")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -154,11 +157,12 @@ def main(argv: list[str] | None = None) -> int:
         "cpu": cpu_model(),
         "threads": args.threads,
         "rounds": args.rounds,
+        "antithetic": args.antithetic,
         "load_average_at_start": load_average(),
         "modes": {},
     }
     for mode in args.modes.split(","):
-        report["modes"][mode] = measure_mode(mode, args.rounds)
+        report["modes"][mode] = measure_mode(mode, args.rounds, args.antithetic)
         print(f"{mode}: iteration time ratio {report['modes'][mode]['time_ratio']:.3f}", flush=True)
     print(f"wrote {write_results(args.out, 'tiny-iteration', report, markdown(report))}")
     return 0

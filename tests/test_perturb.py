@@ -227,7 +227,61 @@ def test_bad_input_raises_clear_errors(backend):
     for scale in (float("nan"), float("inf")):
         with pytest.raises(ValueError, match="scale must be finite"):
             call(good, scale=scale)
+    matrix = [torch.zeros(4, 6)]
+    with pytest.raises(ValueError, match="transpose of a contiguous"):  # neither layout: a strided slice
+        call(matrix, destinations=[torch.zeros(4, 12)[:, ::2]])
+    with pytest.raises(ValueError, match="twin"):
+        ops.perturb(matrix, [torch.zeros(4, 6)], [1], key, 0.1, backend=backend, twins=[])
+    with pytest.raises(ValueError, match="twin must be laid out"):
+        ops.perturb(
+            matrix, [torch.zeros(4, 6)], [1], key, 0.1, backend=backend, twins=[torch.zeros(6, 4).t()]
+        )
     assert torch.equal(good[0], torch.zeros(8))
+
+
+MATRICES = [(1, 1), (1, 9), (7, 1), (33, 5), (64, 257)]  # odd shapes; the last spans library tiles
+
+
+def contiguous(tensors):
+    return [t.contiguous() for t in tensors]
+
+
+# the interpreted kernel writes through the same contiguous copies as the torch backend: two cases of it
+LAYOUT_CASES = [(b, d, seed) for b in ("cpu", "torch") for d in DTYPES for seed in (0, 31337)] + [
+    ("triton", torch.float32, 0),
+    ("triton", torch.bfloat16, 31337),
+]
+
+
+@pytest.mark.parametrize("backend, dtype, seed", LAYOUT_CASES)
+@pytest.mark.parametrize("noise_kind", NOISE_KINDS)
+def test_transposed_destinations_and_twins_hold_what_one_call_per_sign_writes(
+    backend, noise_kind, dtype, seed
+):
+    """The materialised layer's way: each member's [out, in] weights written into the transpose of a
+    contiguous [in, out] tensor, an antithetic pair from one pass over the noise (its twin gets -scale).
+    Bit for bit what a call per sign into contiguous destinations writes, on every backend, with a 1-d
+    tensor (contiguous destination) among the matrices."""
+    key = noise.member_key(seed, 2, 5)
+    src = make_tensors(dtype, seed, [*MATRICES, (13,)])
+    ids = [noise.tensor_id(f"layers.{i}.weight") for i in range(len(src))]
+    expected = {sign: [torch.empty_like(t) for t in src] for sign in (1, -1)}
+    for sign, destinations in expected.items():
+        ops.perturb(src, destinations, ids, key, sign * SIGMA, noise_kind=noise_kind, backend=backend)
+
+    def transposed_buffers():  # [in, out] memory, seen as [out, in]; the 1-d tensor as it is
+        return [
+            torch.empty(t.shape[::-1], dtype=dtype).t() if t.dim() == 2 else torch.empty_like(t) for t in src
+        ]
+
+    plus, minus = transposed_buffers(), transposed_buffers()
+    ops.perturb(src, plus, ids, key, SIGMA, noise_kind=noise_kind, backend=backend, twins=minus)
+    assert not plus[-2].is_contiguous() and plus[-2].t().is_contiguous()
+    assert all(torch.equal(a, b) for a, b in zip(bits(contiguous(plus)), bits(expected[1])))
+    assert all(torch.equal(a, b) for a, b in zip(bits(contiguous(minus)), bits(expected[-1])))
+    alone = transposed_buffers()  # transposed destinations without twins
+    ops.perturb(src, alone, ids, key, -SIGMA, noise_kind=noise_kind, backend=backend)
+    assert all(torch.equal(a, b) for a, b in zip(bits(contiguous(alone)), bits(expected[-1])))
 
 
 def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):

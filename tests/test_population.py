@@ -113,3 +113,34 @@ def test_members_weights_are_held_in_the_batched_matmuls_layout(transposed):
         ]
     )
     torch.testing.assert_close(layer(x), expected, rtol=1e-6, atol=1e-6)
+
+
+@torch.no_grad()
+def test_materialised_antithetic_pairs_are_written_from_one_pass_over_their_noise(tiny, monkeypatch):
+    """Building the members' weights perturbs an antithetic pair with one call (the twin from the same
+    noise); a member whose twin is not in the group gets a call of its own. The logits equal member by
+    member evaluation's."""
+    from fastes.engine import ops
+
+    model, tokenizer = tiny
+    es = make_es(model, population=6, seed=5)
+    every = list(es.members())
+    group = [every[0], every[1], every[3], every[4]]  # pair (0, 1); 3 and 4 without their twins
+    calls = []
+    perturb = ops.perturb
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("twins") is not None)
+        return perturb(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "perturb", counted)
+    batch = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    grouped = {k: v.repeat(len(group), 1) for k, v in batch.items()}
+    with population_batched(es, model, members=group):
+        logits = model(**grouped).logits
+    assert calls == [True, False, False]
+    expected = []
+    for member in group:
+        with member:
+            expected.append(model(**batch).logits)
+    torch.testing.assert_close(logits, torch.cat(expected), rtol=1e-4, atol=1e-5)

@@ -282,19 +282,31 @@ def _run_sum(
     _parallel(call, n_blocks)
 
 
+def transposed_columns(destination: torch.Tensor) -> int:
+    """How the library writes a destination (fastes.engine.ops.perturb checks the layouts): 0 when it
+    is contiguous, else its column count (it is the transpose of a contiguous 2-d tensor: the
+    materialised layer's [in, out] buffers)."""
+    return 0 if destination.is_contiguous() else destination.shape[1]
+
+
 def _in_place_layout(
     sources: Sequence[torch.Tensor],
     destinations: Sequence[torch.Tensor],
     tensor_ids: Sequence[int],
     per_block: int,
+    twins: Sequence[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The part table of whole tensors laid end to end (no chunks: nothing is buffered), the addresses
-    (source, destination, elements) of each, and the number of blocks: for one library call over all."""
+    """The part table of whole tensors laid end to end (no chunks: nothing is buffered), the io table (a
+    row per tensor: source, destination and twin addresses, elements, destination layout; IO_COLUMNS in
+    noise_cpu.c) and the number of blocks: for one library call over all."""
     parts, lane = [], 0
     for index, t in enumerate(sources):
         parts.append(chunks.Part(index, 0, t.numel(), lane))
         lane += per_block * chunks.blocks(t.numel(), per_block)
-    io = [(s.data_ptr(), d.data_ptr(), s.numel()) for s, d in zip(sources, destinations)]
+    io = []
+    for index, (s, d) in enumerate(zip(sources, destinations)):
+        twin_address = twins[index].data_ptr() if twins is not None else 0  # laid out as d (ops.perturb)
+        io.append((s.data_ptr(), d.data_ptr(), s.numel(), twin_address, transposed_columns(d)))
     return _table(parts, tensor_ids, per_block), torch.tensor(io, dtype=torch.int64), lane // per_block
 
 
@@ -409,6 +421,12 @@ def uniform(
     return noise._uniform(words(key, tensor_id, numel, offset=offset, stream=stream))
 
 
+def library_perturbs(sources: Sequence[torch.Tensor]) -> bool:
+    """Whether `perturb` takes these sources in one library call (all fp32), which writes transposed
+    destinations and twins itself."""
+    return all(t.dtype == torch.float32 for t in sources)
+
+
 @torch.no_grad()
 def perturb(
     sources: Sequence[torch.Tensor],
@@ -417,17 +435,22 @@ def perturb(
     key: Key,
     scale: float,
     noise_kind: str = "gaussian",
+    twins: Sequence[torch.Tensor] | None = None,
 ) -> None:
-    """dst = (float32(src) + scale * eps(key, tensor id)) rounded to the tensor's dtype.
+    """dst = (float32(src) + scale * eps(key, tensor id)) rounded to the tensor's dtype; with `twins`
+    (one per source), each twin gets src - scale * eps from the same noise (an antithetic member's
+    weights), the bits a call with -scale writes.
 
-    All fp32: one library call over every tensor (the noise of a tile never leaves L1). Otherwise chunk
-    by chunk: the library's noise, then torch's rounding to the tensor's dtype.
+    All fp32 (`library_perturbs`): one library call over every tensor (the noise of a tile never leaves
+    L1); a destination may be the transpose of a contiguous tensor (`transposed_columns`). Otherwise
+    chunk by chunk into contiguous destinations: the library's noise, then torch's rounding to the
+    tensor's dtype.
     """
     keys = round_keys(key)
     per_block = noise.elements_per_block(noise_kind)
-    if all(t.dtype == torch.float32 for t in sources):
+    if library_perturbs(sources):
         library = _load()
-        table, io, n_blocks = _in_place_layout(sources, destinations, tensor_ids, per_block)
+        table, io, n_blocks = _in_place_layout(sources, destinations, tensor_ids, per_block, twins)
         args = (noise.perturbation_stream(noise_kind), keys.data_ptr(), per_block, scale)
 
         def call(lo: int, hi: int) -> None:
@@ -439,11 +462,13 @@ def perturb(
         eps = _noise_chunk(noise_kind, table, chunk.lanes, keys)
         for index, start, n, lane in chunk.parts:
             src = sources[index].view(-1)[start : start + n]
-            dst = destinations[index].view(-1)[start : start + n]
-            if src.dtype == torch.float32:
-                torch.add(src, eps[lane : lane + n], alpha=scale, out=dst)
-            else:
-                dst.copy_(torch.add(src.to(torch.float32), eps[lane : lane + n], alpha=scale))
+            writes = [(destinations[index], scale)] + ([(twins[index], -scale)] if twins is not None else [])
+            for destination, signed in writes:
+                dst = destination.view(-1)[start : start + n]
+                if src.dtype == torch.float32:
+                    torch.add(src, eps[lane : lane + n], alpha=signed, out=dst)
+                else:
+                    dst.copy_(torch.add(src.to(torch.float32), eps[lane : lane + n], alpha=signed))
 
 
 @torch.no_grad()

@@ -267,28 +267,76 @@ def perturb(
     *,
     noise_kind: str = "gaussian",
     backend: str = "auto",
+    twins: Sequence[torch.Tensor] | None = None,
 ) -> None:
     """Write sources + scale * eps(key) into destinations (may be the sources: in place).
 
     `noise_kind` is the distribution of eps: "gaussian" or "rademacher" (+-1). One kernel launch per
-    dtype covers every tensor.
+    dtype covers every tensor. With `twins` (one per source), each twin also gets sources - scale * eps
+    from the same noise: an antithetic member's weights, the same bits as a second call with -scale.
+    A destination (and its twin) may be contiguous, or a 2-d destination the transpose of a contiguous
+    tensor: the materialised layer holds the members' [out, in] weights as [in, out] (the compiled CPU
+    library writes them so directly; other backends through a contiguous copy).
     """
     noise.check_noise(noise_kind)
     check_tensors(sources, tensor_ids, "perturb")
-    if len(destinations) != len(sources) or any(
-        d.shape != s.shape or d.dtype != s.dtype or d.device != s.device or not d.is_contiguous()
-        for s, d in zip(sources, destinations)
+    outputs = list(destinations) + (list(twins) if twins is not None else [])
+    writes = list(zip(sources, destinations)) + (list(zip(destinations, twins)) if twins is not None else [])
+    counts_match = len(destinations) == len(sources) and (twins is None or len(twins) == len(sources))
+    if not counts_match or any(
+        d.shape != s.shape or d.dtype != s.dtype or d.device != s.device or not _writable_layout(d)
+        for s, d in writes
     ):
         raise ValueError(
-            "perturb: each destination must be a contiguous tensor of its source's shape, dtype and device"
+            "perturb: each destination must have its source's shape, dtype and device (a twin its "
+            "destination's), and be contiguous or the transpose of a contiguous 2-d tensor"
+        )
+    if twins is not None and any(d.is_contiguous() != t.is_contiguous() for d, t in zip(destinations, twins)):
+        raise ValueError(
+            "perturb: a twin must be laid out as its destination is (both contiguous or transposed)"
         )
     if not math.isfinite(scale):
         raise ValueError(f"perturb: scale must be finite, got {scale}")
     chosen = resolve_backend(sources, backend)
-    if chosen == "cpu":
+    if chosen == "cpu" and cpu_library.library_perturbs(sources):
+        cpu_library.perturb(sources, destinations, tensor_ids, key, scale, noise_kind, twins)
+        return
+    # the other backends write contiguous tensors: a transposed destination is written through a copy
+    staged = [
+        d if d.is_contiguous() else torch.empty_like(d, memory_format=torch.contiguous_format)
+        for d in outputs
+    ]
+    signed = [(staged[: len(sources)], scale)]
+    if twins is not None:
+        signed.append((staged[len(sources) :], -scale))
+    for targets, value in signed:
+        _perturb_contiguous(sources, targets, tensor_ids, key, value, noise_kind, chosen)
+    for destination, written in zip(outputs, staged):
+        if written is not destination:
+            destination.copy_(written)
+
+
+def _writable_layout(destination: torch.Tensor) -> bool:
+    """Contiguous, or the transpose of a contiguous 2-d tensor."""
+    return destination.is_contiguous() or (
+        destination.dim() == 2 and destination.stride() == (1, destination.shape[0])
+    )
+
+
+def _perturb_contiguous(
+    sources: Sequence[torch.Tensor],
+    destinations: Sequence[torch.Tensor],
+    tensor_ids: Sequence[int],
+    key: Key,
+    scale: float,
+    noise_kind: str,
+    backend: str,
+) -> None:
+    """`perturb` into contiguous destinations on the resolved `backend`."""
+    if backend == "cpu":
         cpu_library.perturb(sources, destinations, tensor_ids, key, scale, noise_kind)
         return
-    if chosen == "torch":
+    if backend == "torch":
         perturb_reference(sources, destinations, tensor_ids, key, scale, noise_kind)
         return
     from .kernels import launch_perturb

@@ -335,8 +335,16 @@ class ES(torch.optim.Optimizer):
             made[wanted] = lowrank.all_factors(key, ids, shapes, self.rank, device, self.backend, self.noise)
         return made[wanted]
 
-    def perturb_into(self, group: dict, destinations: list[torch.Tensor], member: Member) -> None:
-        """Write `member`'s perturbed weights of param group `group` into `destinations`."""
+    def perturb_into(
+        self,
+        group: dict,
+        destinations: list[torch.Tensor],
+        member: Member,
+        twin_destinations: list[torch.Tensor] | None = None,
+    ) -> None:
+        """Write `member`'s perturbed weights of param group `group` into `destinations`, and with
+        `twin_destinations` its antithetic twin's (the same direction, the opposite sign) from the same
+        noise. A destination may be the transpose of a contiguous tensor (fastes.engine.ops.perturb)."""
         scale = member.sign * group["sigma"]
         full = [i for i, p in enumerate(group["params"]) if not self._is_lowrank(p)]
         if full:  # one launch per dtype for every full-rank tensor
@@ -348,10 +356,15 @@ class ES(torch.optim.Optimizer):
                 scale,
                 noise_kind=self.noise,
                 backend=self.backend,
+                twins=None if twin_destinations is None else [twin_destinations[i] for i in full],
             )
-        for p, destination, tid in zip(group["params"], destinations, group["ids"]):
-            if self._is_lowrank(p):
-                lowrank.perturb(p, destination, tid, member.key, scale, self.rank, self.backend, self.noise)
+        for i, (p, tid) in enumerate(zip(group["params"], group["ids"])):
+            if not self._is_lowrank(p):
+                continue
+            lowrank.perturb(p, destinations[i], tid, member.key, scale, self.rank, self.backend, self.noise)
+            if twin_destinations is not None:
+                twin = twin_destinations[i]
+                lowrank.perturb(p, twin, tid, member.key, -scale, self.rank, self.backend, self.noise)
 
     def _apply(self, member: Member) -> None:
         if self._applied is not None:

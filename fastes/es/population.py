@@ -43,15 +43,16 @@ class PopulationLinear(_PopulationLayer):
 
     The members' weights are held [members, in, out] whatever the projection's own layout: torch's CPU
     batched matmul takes a contiguous right-hand side 1.3-1.55x faster than a transposed view at decode
-    sizes (32 rows a member), with the same result bit for bit (docs/benchmarks.md).
+    sizes (32 rows a member), with the same result bit for bit (docs/benchmarks.md). `_materialised`
+    writes them so; weights given in another layout are copied into it.
     """
 
     def __init__(self, base: torch.nn.Module, weights: torch.Tensor, transposed: bool = False) -> None:
         super().__init__()
         self.base = base
-        # `weights` comes in the projection's own layout: [members, out, in] for nn.Linear, [members, in,
-        # out] for a Conv1D (transposed)
-        self.weights = weights if transposed else weights.transpose(1, 2).contiguous()
+        # `weights` has the projection's own shape: [members, out, in] for nn.Linear (a transposed view
+        # of contiguous [members, in, out] memory costs no copy here), [members, in, out] for a Conv1D
+        self.weights = (weights if transposed else weights.transpose(1, 2)).contiguous()
         self.transposed = transposed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -236,14 +237,37 @@ def _population_layers(
             )
             for i, linear in enumerate(linears)
         ]
-    buffers = [torch.empty((len(members), *p.shape), dtype=p.dtype, device=p.device) for p in group["params"]]
-    for index, member in enumerate(members):
-        es.perturb_into(group, [b[index] for b in buffers], member)
-    layers = []
-    for i, linear in enumerate(linears):  # drop each buffer as its layer copies it: one extra copy at most
-        buffer, buffers[i] = buffers[i], None
-        layers.append(PopulationLinear(linear.module, buffer, linear.transposed))
-    return layers
+    return [
+        PopulationLinear(linear.module, weights, linear.transposed)
+        for linear, weights in zip(linears, _materialised(es, group, members, linears))
+    ]
+
+
+def _materialised(
+    es: ES, group: dict, members: list[Member], linears: list[Projection]
+) -> list[torch.Tensor]:
+    """Every member's perturbed weights of `group`, [members, *weight shape] each, held in memory as
+    [members, in, out] (an nn.Linear's [out, in] weights are written transposed, straight into the layout
+    PopulationLinear's batched matmul wants: no copy). An antithetic pair in `members` is written from one
+    pass over its noise."""
+    buffers = [
+        torch.empty(
+            (len(members), *(p.shape if linear.transposed else p.shape[::-1])), dtype=p.dtype, device=p.device
+        )
+        for p, linear in zip(group["params"], linears)
+    ]
+    views = [b if linear.transposed else b.transpose(1, 2) for b, linear in zip(buffers, linears)]
+    position = {member.index: i for i, member in enumerate(members)}
+    written: set[int] = set()
+    for i, member in enumerate(members):
+        if i in written:
+            continue
+        twin = position.get(member.index ^ 1) if es.antithetic else None  # members 2j and 2j + 1
+        es.perturb_into(
+            group, [v[i] for v in views], member, None if twin is None else [v[twin] for v in views]
+        )
+        written.update({i} if twin is None else {i, twin})
+    return views
 
 
 def member_groups(es: ES, mode: str, materialise_bytes: float) -> list[list[Member]]:

@@ -179,6 +179,11 @@ static void signs_tile(const uint32_t *c0, const uint32_t *c1, const uint32_t *c
 /* Tiles of a packed chunk: counters made from the part table                                   */
 /* ------------------------------------------------------------------------------------------- */
 
+/* A part's row of the io table: source address, destination address, elements, the antithetic twin's
+   destination address (0: none), and the destination's layout: 0 when it is the source's, or the
+   source's column count c when the destination holds the [c, rows] transpose of a [rows, c] source. */
+#define IO_COLUMNS 5
+
 typedef struct {
     uint32_t c3;                /* the stream word */
     const uint32_t *round_keys; /* 20 per direction */
@@ -186,7 +191,7 @@ typedef struct {
     int64_t n_directions;
     int per_block;  /* elements per Philox block: 4 (normals, words) or 128 (signs) */
     void *out;      /* chunk output (fills and sums), indexed by lane */
-    const int64_t *table, *io; /* in-place work: per part (source address, destination address, elements) */
+    const int64_t *table, *io; /* in-place work: per part, IO_COLUMNS numbers (see IO_COLUMNS) */
     float scale, coef, decay;
 } job_t;
 
@@ -265,7 +270,7 @@ static void tile_sum(const job_t *job, const uint32_t *c0, const uint32_t *c1, c
    first element's offset in the part, and how many. */
 static int64_t part_elements(const job_t *job, const int64_t *row, int64_t m, int64_t lane_block,
                              const int64_t **io, int64_t *first) {
-    *io = job->io + 3 * ((row - job->table) / 4);
+    *io = job->io + IO_COLUMNS * ((row - job->table) / 4);
     *first = job->per_block * (lane_block - row[1]);
     int64_t count = job->per_block * m;
     return *first + count > (*io)[2] ? (*io)[2] - *first : count;
@@ -292,16 +297,38 @@ static void sum_work(const job_t *job, const int64_t *row, const uint32_t *c0, c
     tile_sum(job, c0, c1, c2, m, (float *)job->out + job->per_block * lane_block);
 }
 
-/* fp32 in place: dst = src + scale * eps (perturb). */
+/* The values of source elements first .. first + count - 1 of a [rows, columns] source, written into
+   its transpose: element e goes to (e % columns) * rows + e / columns. Column by column, so that each
+   column's stores (one per row the tile touches) land side by side. */
+static void write_transposed(float *dst, int64_t columns, int64_t elements, int64_t first, const float *values,
+                             int64_t count) {
+    int64_t rows = elements / columns, end = first + count;
+    int64_t r_first = first / columns, r_last = (end - 1) / columns;
+    for (int64_t c = 0; c < columns; c++) {
+        float *column = dst + c * rows;
+        int64_t r = r_first + (r_first * columns + c < first); /* the first row holds this column's element */
+        int64_t r_end = r_last + (r_last * columns + c < end);
+        for (; r < r_end; r++) column[r] = values[r * columns + c - first];
+    }
+}
+
+/* fp32: dst = src + scale * eps, and the twin's destination (where given) src - scale * eps. */
 static void perturb_work(const job_t *job, const int64_t *row, const uint32_t *c0, const uint32_t *c1,
                          const uint32_t *c2, int64_t m, int64_t lane_block) {
-    float eps[4 * TILE];
+    float eps[4 * TILE], out[4 * TILE];
     eps_tile(job, job->round_keys, c0, c1, c2, m, eps);
     const int64_t *io;
     int64_t first, count = part_elements(job, row, m, lane_block, &io, &first);
     const float *src = (const float *)(intptr_t)io[0] + first;
-    float *dst = (float *)(intptr_t)io[1] + first;
-    for (int64_t i = 0; i < count; i++) dst[i] = src[i] + job->scale * eps[i];
+    /* the twin is written as a call with -scale would write it: src + (-scale) * eps, the same bits */
+    float scales[2] = {job->scale, -job->scale};
+    for (int twin = 0; twin < 2; twin++) {
+        float *dst = (float *)(intptr_t)io[1 + 2 * twin];
+        if (dst == NULL) continue;
+        float *direct = io[4] ? out : dst + first;
+        for (int64_t i = 0; i < count; i++) direct[i] = src[i] + scales[twin] * eps[i];
+        if (io[4]) write_transposed(dst, io[4], io[2], first, out, count);
+    }
 }
 
 /* fp32 in place: theta = theta * decay + coef * sum_d w_d eps_d (the update's apply, rounded as the
@@ -342,8 +369,8 @@ void fastes_eps_sum(const int64_t *table, int64_t n_parts, int64_t lo, int64_t h
     for_each_tile(table, n_parts, lo, hi, tile_blocks(job.per_block), sum_work, &job);
 }
 
-/* fp32 tensors in place, io = per part (source address, destination address, elements):
-   dst = src + scale * eps. */
+/* fp32 tensors, io = per part (see IO_COLUMNS): dst = src + scale * eps, and twin = src - scale * eps
+   where a twin is given (an antithetic member's weights, from the same noise). */
 void fastes_perturb_f32(const int64_t *table, const int64_t *io, int64_t n_parts, int64_t lo, int64_t hi,
                         uint32_t c3, const uint32_t *rk, int64_t per_block, float scale) {
     job_t job = {.c3 = c3, .round_keys = rk, .per_block = (int)per_block, .table = table, .io = io,
