@@ -239,7 +239,8 @@ def test_bad_input_raises_clear_errors(backend):
     assert torch.equal(good[0], torch.zeros(8))
 
 
-MATRICES = [(1, 1), (1, 9), (7, 1), (33, 5), (64, 257)]  # odd shapes; the last spans library tiles
+# odd shapes; (64, 257) spans library tiles, (3, 1500) has rows longer than a tile (1024 elements)
+MATRICES = [(1, 1), (1, 9), (7, 1), (33, 5), (64, 257), (3, 1500)]
 
 
 def contiguous(tensors):
