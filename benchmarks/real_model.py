@@ -20,9 +20,9 @@ call at a time (first shape).
 
 Then each variant in a fresh process (so that no variant's peak memory is hidden by what an earlier one
 left allocated): plain batched inference, fastes' default eval mode for this model and the other modes,
-and the naive loop (benchmarks/naive.py:
-per-tensor seeded randn, perturb, generate, restore, N-pass update, member by member), each against the
-machine's limit: the tokens processed x 2 x parameters / the fp32 matmul rate measured in the same run.
+and the naive loop (benchmarks/naive.py: per-tensor seeded randn, perturb, generate, restore, N-pass
+update, member by member), each against the machine's limit: the tokens processed x 2 x parameters / the
+fp32 matmul rate measured in the same run.
 Peak memory is the RSS high-water mark, reset before each. Plain generation and ES's default mode, whose
 peaks the memory target compares, run `--memory-repeats` times each under two allocator settings:
 - glibc's own: its mmap threshold rises as large blocks are freed, after which freed memory may stay in

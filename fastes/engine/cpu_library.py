@@ -442,9 +442,10 @@ def perturb(
     weights), the bits a call with -scale writes.
 
     All fp32 (`library_perturbs`): one library call over every tensor (the noise of a tile never leaves
-    L1); a destination may be the transpose of a contiguous tensor (`transposed_columns`). Otherwise
-    chunk by chunk into contiguous destinations: the library's noise, then torch's rounding to the
-    tensor's dtype.
+    L1); a destination may be the transpose of a contiguous tensor (`transposed_columns`), and twins are
+    written in the same pass. Otherwise chunk by chunk into contiguous destinations, without twins
+    (fastes.engine.ops.perturb makes a second call for them): the library's noise, then torch's rounding
+    to the tensor's dtype.
     """
     keys = round_keys(key)
     per_block = noise.elements_per_block(noise_kind)
@@ -458,17 +459,17 @@ def perturb(
 
         _parallel(call, n_blocks)
         return
+    if twins is not None:
+        raise ValueError("perturb: twins are written by the library call over fp32 tensors only")
     for chunk, table in _planned(tuple(t.numel() for t in sources), tuple(tensor_ids), per_block):
         eps = _noise_chunk(noise_kind, table, chunk.lanes, keys)
         for index, start, n, lane in chunk.parts:
             src = sources[index].view(-1)[start : start + n]
-            writes = [(destinations[index], scale)] + ([(twins[index], -scale)] if twins is not None else [])
-            for destination, signed in writes:
-                dst = destination.view(-1)[start : start + n]
-                if src.dtype == torch.float32:
-                    torch.add(src, eps[lane : lane + n], alpha=signed, out=dst)
-                else:
-                    dst.copy_(torch.add(src.to(torch.float32), eps[lane : lane + n], alpha=signed))
+            dst = destinations[index].view(-1)[start : start + n]
+            if src.dtype == torch.float32:
+                torch.add(src, eps[lane : lane + n], alpha=scale, out=dst)
+            else:
+                dst.copy_(torch.add(src.to(torch.float32), eps[lane : lane + n], alpha=scale))
 
 
 @torch.no_grad()
