@@ -180,9 +180,11 @@ class LowRankLinear(_PopulationLayer):
             grouped = grouped.to(y.dtype)
         products = torch.bmm(grouped, self._inputs_t)  # [members, rows, r]
         grouped_y = y.view(members, -1, out_features)
-        # a layer runs for every token of every row: the output's rank columns are sliced once, at setup
-        for column, output in zip(products.split(1, dim=-1), self._output_columns):
-            grouped_y.addcmul_(column, output)
+        if len(self._output_columns) == 1:  # rank 1, the default: the products are the one column
+            grouped_y.addcmul_(products, self.outputs)
+        else:  # a layer runs for every token of every row: the rank columns are sliced once, at setup
+            for column, output in zip(products.split(1, dim=-1), self._output_columns):
+                grouped_y.addcmul_(column, output)
         return y.view(*x.shape[:-1], out_features)
 
     def _fused(self, flat: torch.Tensor) -> torch.Tensor:
