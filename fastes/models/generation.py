@@ -5,10 +5,12 @@ logits at the given temperature, cut by top-k, top-p and min-p when they are set
 in the order of transformers' warpers, and nothing else (nothing a checkpoint's generation_config
 suggests). A repetition penalty, when set, is transformers' own processor on the raw logits, before
 the sampler and in greedy decoding alike. The draw for row r
-at step t is the inverse CDF at a Philox uniform of (seed, r, t), so a row's sample does not depend on
-which other rows share the batch: the same seed gives the same completions whether the prompts are
-generated in one call, in chunks, or spread over processes (`first_row`). Without a seed, one is drawn
-from torch's global RNG (which it advances).
+at step t is the inverse CDF at a Philox uniform of (seed, r, t), so a row's draws do not depend on
+which other rows share the batch: with the same seed, the prompts generated in one call, in chunks or
+spread over processes (`first_row`) get the same uniforms. Their completions agree as far as the
+logits do: a CPU GEMM may round a row differently at another batch size, and on a real model that
+changes a sampled token now and then (docs/results/sampling-across-batch-shapes-2026-12-05.md).
+Without a seed, one is drawn from torch's global RNG (which it advances).
 """
 
 from __future__ import annotations
@@ -156,7 +158,8 @@ def generate_in_chunks(
     **options: Any,
 ) -> Generation:
     """`generate` over any number of prompts in calls of at most `rows_per_call` rows (one prompt at
-    least): the same completions as one call, since every row samples as its index in the whole list."""
+    least): every row samples as its index in the whole list, so the completions are one call's as far
+    as the batch shapes round the logits alike (see the module's docstring)."""
     per_call = max(1, rows_per_call // num_return_sequences)
     parts = [
         generate(
