@@ -120,3 +120,55 @@ def test_param_groups_are_fixed_once_a_generation_ran_and_a_copy_keeps_everythin
         es.add_param_group({"params": [("extra", torch.zeros(2, 2))]})
     twin = copy.deepcopy(es)
     assert twin.population == es.population and twin.generation == 1 and twin.history == es.history
+
+
+def loss_saving_the_weights(net: torch.nn.Module) -> torch.Tensor:
+    """A loss whose graph saved the second layer's weight (for the input's gradient)."""
+    return net(torch.randn(4, 3, requires_grad=True)).square().sum()
+
+
+@pytest.mark.parametrize("noise_type", ["full", "lowrank"])
+@pytest.mark.parametrize("backend", ["cpu", "triton", "torch"])
+def test_a_graph_that_saved_a_weight_refuses_backward_after_the_update_as_after_torch_optims(
+    backend, noise_type
+):
+    """The compiled library and the Triton kernels write through raw pointers, which torch's version
+    counters do not see: ES bumps them for every tensor it wrote, so a backward through a weight saved
+    before the update fails loudly, as after torch.optim's in-place update, instead of using new values."""
+    if backend == "cpu" and not fastes.engine.cpu_library.available():
+        pytest.skip("no C compiler here: the compiled CPU library cannot be built")
+    net = make_net()  # torch.optim's convention, which ES follows
+    loss = loss_saving_the_weights(net)
+    for p in net.parameters():
+        p.grad = torch.ones_like(p)
+    torch.optim.SGD(net.parameters(), lr=0.1).step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+    net = make_net()
+    loss = loss_saving_the_weights(net)
+    es = fastes.ES(fastes.linear_weights(net), **OPTIONS, noise_type=noise_type, backend=backend)
+    es.step(torch.linspace(0.0, 1.0, OPTIONS["population"]))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton", "torch"])
+def test_perturb_and_update_bump_the_versions_of_what_they_write_and_nothing_else(backend):
+    from fastes.engine import ops
+
+    if backend == "cpu" and not fastes.engine.cpu_library.available():
+        pytest.skip("no C compiler here: the compiled CPU library cannot be built")
+    source = torch.randn(5, 7)
+    destination, twin = torch.empty(7, 5).t(), torch.empty(7, 5).t()  # transposed, as materialised members
+    versions = source._version, destination._version, twin._version
+    ops.perturb([source], [destination], [3], (1, 2), 0.1, backend=backend, twins=[twin])
+    assert source._version == versions[0]
+    assert destination._version > versions[1] and twin._version > versions[2]
+
+    param, grad = torch.randn(5, 7), torch.zeros(5, 7)
+    versions = param._version, grad._version
+    ops.es_update([param], [3], [(1, 2)], [1.0], coef=0.1, grads=[grad], backend=backend)
+    assert param._version == versions[0] and grad._version > versions[1]
+    ops.es_update([param], [3], [(1, 2)], [1.0], coef=0.1, backend=backend)
+    assert param._version > versions[0]

@@ -123,7 +123,9 @@ def update(
     """
     a_all, b_all = _joined(pairs, _column_scales(weights, coef, rank, param.device))
     if _compiled_in_place(param, grad, backend):
-        return cpu_library.lowrank_update(param, a_all, b_all, decay)
+        largest = cpu_library.lowrank_update(param, a_all, b_all, decay)
+        ops.mark_written([param])
+        return largest
     if grad is not None:
         grad.copy_((a_all @ b_all.T).to(grad.dtype))
     elif param.dtype == torch.float32:
@@ -172,6 +174,7 @@ def update_all(
         passes = [(params[i], *_joined(pairs[i], scales)) for i in compiled]
         for i, largest in zip(compiled, cpu_library.lowrank_update_all(passes, decay)):
             measured[i] = largest
+        ops.mark_written([params[i] for i in compiled])
     return measured
 
 

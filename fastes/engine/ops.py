@@ -300,8 +300,33 @@ def perturb(
     chosen = resolve_backend(sources, backend)
     if chosen == "cpu" and cpu_library.library_perturbs(sources):
         cpu_library.perturb(sources, destinations, tensor_ids, key, scale, noise_kind, twins)
-        return
-    # the other backends write contiguous tensors: a transposed destination is written through a copy
+    else:
+        _perturb_staged(sources, destinations, twins, tensor_ids, key, scale, noise_kind, chosen)
+    mark_written(outputs)
+
+
+def mark_written(tensors: Sequence[torch.Tensor]) -> None:
+    """Bump the version counters of tensors written in place by the compiled library or a Triton kernel.
+
+    They write through raw pointers, which torch's counters do not see (an in-place torch op bumps
+    them). Bumped, a backward that saved one of these tensors before the write fails loudly, as after
+    torch.optim's in-place update, instead of using the new values."""
+    torch.autograd.graph.increment_version(list(tensors))
+
+
+def _perturb_staged(
+    sources: Sequence[torch.Tensor],
+    destinations: Sequence[torch.Tensor],
+    twins: Sequence[torch.Tensor] | None,
+    tensor_ids: Sequence[int],
+    key: Key,
+    scale: float,
+    noise_kind: str,
+    backend: str,
+) -> None:
+    """`perturb` on a backend that writes contiguous tensors: a transposed destination (or twin) is
+    written through a contiguous copy."""
+    outputs = list(destinations) + (list(twins) if twins is not None else [])
     staged = [
         d if d.is_contiguous() else torch.empty_like(d, memory_format=torch.contiguous_format)
         for d in outputs
@@ -310,7 +335,7 @@ def perturb(
     if twins is not None:
         signed.append((staged[len(sources) :], -scale))
     for targets, value in signed:
-        _perturb_contiguous(sources, targets, tensor_ids, key, value, noise_kind, chosen)
+        _perturb_contiguous(sources, targets, tensor_ids, key, value, noise_kind, backend)
     for destination, written in zip(outputs, staged):
         if written is not destination:
             destination.copy_(written)
@@ -399,10 +424,26 @@ def es_update(
     }
     if chosen == "cpu":
         cpu_library.es_update(params, tensor_ids, keys, weights, **options)
-        return
-    if chosen == "torch":
+    elif chosen == "torch":
         es_update_reference(params, tensor_ids, keys, weights, **options)
-        return
+    else:
+        _es_update_triton(params, tensor_ids, keys, weights, **options)
+    mark_written(params if grads is None else grads)
+
+
+def _es_update_triton(
+    params: Sequence[torch.Tensor],
+    tensor_ids: Sequence[int],
+    keys: Sequence[Key],
+    weights: Sequence[float],
+    *,
+    coef: float,
+    decay: float,
+    rounding_key: Key | None,
+    grads: Sequence[torch.Tensor] | None,
+    noise_kind: str,
+) -> None:
+    """`es_update` on the Triton kernels: one launch per dtype."""
     from .kernels import MODE_APPLY, MODE_APPLY_STOCHASTIC, MODE_GRADIENT, launch_update
 
     device = params[0].device

@@ -274,7 +274,7 @@ class ES(torch.optim.Optimizer):
         (ES evolves finite weights only). One read of the weights a generation: the update's check
         reuses the perturbation check's, and the compiled low-rank update measures the next generation's
         as it writes. A read stands while every tensor keeps its storage and torch's version counter
-        (an in-place torch op since makes it read again)."""
+        (an in-place write since, a torch op's or fastes' own kernels', makes it read again)."""
         stamp = self._weights_stamp(self.generation)
         if self._read_weights is None or self._read_weights[0] != stamp:
             read = [
@@ -540,7 +540,7 @@ class ES(torch.optim.Optimizer):
 
     def _update(self, direction_weights: list[float], n_members: int) -> None:
         self._check_update(direction_weights, n_members)
-        self._read_weights = None  # the compiled kernels write without bumping torch's version counter
+        self._read_weights = None  # the update rewrites the weights; a measured update records them below
         measured = [[None] * len(g["params"]) for g in self.param_groups]  # max |theta| after the update
         keys = [noise.member_key(self.seed, self.generation, j) for j in range(self.directions)]
         rounding = noise.rounding_key(self.seed, self.generation) if self.stochastic_rounding else None
