@@ -28,6 +28,7 @@ from .run.config import PROMPT_SETTINGS, TrainConfig, flag_help, flag_specs, loa
 from .version import __version__
 
 DEMO_EVAL_SIZE = 500  # test problems the demo reports on
+DEFAULT_EVAL_LIMIT = 200  # problems `fastes eval` takes unless told (or given a run)
 FEW_ANSWERS = 0.5  # `fastes eval` warns when the model states a readable answer on fewer problems
 # `fastes demo --model NAME`: settings chosen for a shipped model on validation problems only (the
 # first 272 train / next 100 problems of the same task), see docs/real_models.md. Flags override them.
@@ -233,14 +234,20 @@ def cmd_eval(args: argparse.Namespace) -> dict:
 
     # The run's own settings, checked and chosen as a run would: the same prompts, task and verifier.
     given = {key: getattr(args, key) for key in EVAL_SETTINGS if hasattr(args, key)}
+    limit = args.limit
+    if args.run is not None:  # a finished run's model and settings; flags given here still win
+        settings, eval_size = run_eval_settings(args.run, trained_model="model" not in given)
+        given = {**settings, **given}
+        limit = limit or eval_size
+    limit = limit or DEFAULT_EVAL_LIMIT
     if args.split == "test":  # a run with eval_size = limit evaluates the same problems
-        given["eval_size"] = args.limit
+        given["eval_size"] = limit
     cfg = load_config(None, given)
     model, tokenizer = load_model(resolve_model(cfg.model), dtype=args.dtype)
     cfg = auto_settings.resolve(cfg, model, tokenizer)
     task = make_task(cfg, strict_alphabet=is_character_tokenizer(tokenizer))
     check_task(task, cfg)
-    examples = task.split(args.split)[: args.limit]
+    examples = task.split(args.split)[:limit]
     evaluator = Evaluator(cfg, model, tokenizer)
     greedy = evaluator.greedy(task, examples)
     rates = greedy.metrics()
@@ -268,6 +275,32 @@ def cmd_eval(args: argparse.Namespace) -> dict:
         result["pass_at_k"] = pass_at_k(counts, args.samples)
     print(json.dumps(result, indent=2))
     return result
+
+
+def run_eval_settings(run_dir: str, trained_model: bool = True) -> tuple[dict[str, Any], int]:
+    """`fastes eval --run DIR`: the settings that the run in DIR evaluated with (its task, prompts,
+    reward and batch size) and its number of test problems; with `trained_model`, its model DIR/final
+    in place of the model it started from."""
+    from .run.rundir import saved_identity
+
+    identity = saved_identity(run_dir)
+    if identity is None:
+        raise ConfigError(
+            f"--run {run_dir!r} holds no fastes run (no run.json): give a run's out_dir, or --model with "
+            "the run's settings as flags"
+        )
+    config = identity["config"]
+    settings = {key: config[key] for key in EVAL_SETTINGS if key in config}
+    final = Path(run_dir) / "final"
+    if trained_model:
+        if not (final / "config.json").is_file():
+            raise ConfigError(
+                f"--run {run_dir!r} has no trained model in final/ yet (the run has not finished): finish "
+                f"it with `fastes train --out_dir {shlex.quote(run_dir)} --resume`, or name a model with "
+                "--model"
+            )
+        settings["model"] = str(final)
+    return settings, int(config["eval_size"])
 
 
 def few_answers_hint(format_rate: float, cfg: TrainConfig) -> str:
@@ -368,7 +401,19 @@ def build_parser() -> argparse.ArgumentParser:
             help=flag_help(key),
         )
     ev.add_argument("--split", default="test", choices=["train", "test"], help="which problems")
-    ev.add_argument("--limit", type=_positive(int), default=200, help="number of problems")
+    ev.add_argument(
+        "--run",
+        default=None,
+        metavar="DIR",
+        help="a finished run's out_dir: its final/ model, evaluated with the run's task, prompts and "
+        "reward on its eval_size test problems (flags given here override them)",
+    )
+    ev.add_argument(
+        "--limit",
+        type=_positive(int),
+        default=None,
+        help=f"number of problems (None: {DEFAULT_EVAL_LIMIT}, or the run's eval_size with --run)",
+    )
     ev.add_argument(
         "--samples", type=_positive(int), default=16, help="samples per problem for Pass@K (1: greedy only)"
     )

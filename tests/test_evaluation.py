@@ -129,6 +129,14 @@ def test_every_face_renders_an_example_the_same_way(chat_llama, tmp_path, render
         assert prompts[0] == first, face
 
 
+def _eval_result(capsys, argv: list[str]) -> dict:
+    """`fastes eval` with these arguments: its JSON result."""
+    code = cli.main(["eval", *argv])
+    out_text = capsys.readouterr().out
+    assert code == 0
+    return json.loads(out_text[out_text.index("{") :])
+
+
 def _summary_and_eval(model: Path, out: Path, capsys, settings: dict) -> tuple[dict, dict]:
     cfg = load_config(
         None,
@@ -147,10 +155,9 @@ def _summary_and_eval(model: Path, out: Path, capsys, settings: dict) -> tuple[d
     train(cfg)
     summary = json.loads((out / "summary.json").read_text())
     flags = [f"--{key}={value}" for key, value in settings.items()]
-    code = cli.main(["eval", "--model", str(out / "final"), "--limit", "12", "--samples", "1", *flags])
-    out_text = capsys.readouterr().out
-    assert code == 0
-    return summary, json.loads(out_text[out_text.index("{") :])
+    return summary, _eval_result(
+        capsys, ["--model", str(out / "final"), "--limit", "12", "--samples", "1", *flags]
+    )
 
 
 def test_eval_of_a_finished_run_reproduces_its_summary_tiny_model(tmp_path, capsys):
@@ -178,6 +185,46 @@ def test_eval_of_a_finished_run_reproduces_its_summary_chat_llama(chat_llama, tm
     assert summary["final_test_accuracy"] > 0
     assert result["greedy_accuracy"] == summary["final_test_accuracy"]
     assert result["prompt_style"] == "instruct"
+
+    # --run takes the run's trained model, task, reward, prompts and test size from its directory
+    by_run = _eval_result(capsys, ["--run", str(tmp_path / "run"), "--samples", "1"])
+    assert by_run == result
+    # a flag given beside --run wins over the run's setting
+    fewer = _eval_result(capsys, ["--run", str(tmp_path / "run"), "--samples", "1", "--limit", "3"])
+    assert fewer["examples"] == 3 and fewer["task"] == result["task"]
+    # the model the run started from, evaluated with the run's settings
+    base = _eval_result(
+        capsys, ["--run", str(tmp_path / "run"), "--samples", "1", "--model", str(chat_llama)]
+    )
+    assert base["greedy_accuracy"] == summary["base_test_accuracy"]
+
+
+def test_eval_of_a_directory_without_a_finished_run_says_so_in_one_line(tmp_path, capsys):
+    assert cli.main(["eval", "--run", str(tmp_path), "--samples", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "holds no fastes run (no run.json)" in err and "\n" not in err
+
+    out = tmp_path / "run"
+    train(
+        load_config(
+            None,
+            {
+                "out_dir": str(out),
+                "eval_size": 4,
+                "batch_size": 4,
+                "progress": False,
+                "es.iterations": 1,
+                "es.population": 2,
+            },
+        )
+    )
+    (out / "final").rename(tmp_path / "moved")  # as if the run had stopped before its end
+    assert cli.main(["eval", "--run", str(out), "--samples", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "has no trained model in final/ yet" in err and "--resume" in err and "\n" not in err
+    # with a model named, the run's settings serve without final/
+    named = _eval_result(capsys, ["--run", str(out), "--samples", "1", "--model", str(tmp_path / "moved")])
+    assert named["examples"] == 4
 
 
 def test_eval_reports_the_lenient_reading_of_an_instruct_form(capsys):
