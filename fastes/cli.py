@@ -281,6 +281,7 @@ def run_eval_settings(run_dir: str, trained_model: bool = True) -> tuple[dict[st
     """`fastes eval --run DIR`: the settings that the run in DIR evaluated with (its task, prompts,
     reward and batch size) and its number of test problems; with `trained_model`, its model DIR/final
     in place of the model it started from."""
+    from .run.config import config_from_dict
     from .run.rundir import saved_identity
 
     identity = saved_identity(run_dir)
@@ -289,8 +290,8 @@ def run_eval_settings(run_dir: str, trained_model: bool = True) -> tuple[dict[st
             f"--run {run_dir!r} holds no fastes run (no run.json): give a run's out_dir, or --model with "
             "the run's settings as flags"
         )
-    config = identity["config"]
-    settings = {key: config[key] for key in EVAL_SETTINGS if key in config}
+    config = config_from_dict(identity["config"])  # a key the run did not write has its default
+    settings = {key: getattr(config, key) for key in EVAL_SETTINGS}
     final = Path(run_dir) / "final"
     if trained_model:
         if not (final / "config.json").is_file():
@@ -300,7 +301,7 @@ def run_eval_settings(run_dir: str, trained_model: bool = True) -> tuple[dict[st
                 "--model"
             )
         settings["model"] = str(final)
-    return settings, int(config["eval_size"])
+    return settings, config.eval_size
 
 
 def few_answers_hint(format_rate: float, cfg: TrainConfig) -> str:
