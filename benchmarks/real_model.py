@@ -161,6 +161,12 @@ def _round(index: int, plain, iteration) -> dict:
     }
 
 
+def _fastest_ratio(rounds: list[dict]) -> float:
+    """The fastest ES token rate over the fastest plain generation's, among `rounds`."""
+    es = max(r["es_tokens"] / r["es_seconds"] for r in rounds)
+    return es / max(r["plain_tokens"] / r["plain_seconds"] for r in rounds)
+
+
 def interleaved(args: argparse.Namespace, mode: str) -> dict:
     """ES iterations of eval mode `mode` and plain generation of the same rows, warm, alternating.
 
@@ -169,7 +175,9 @@ def interleaved(args: argparse.Namespace, mode: str) -> dict:
     generated) per second. "rate_ratio" is the median over all rounds (the headline); "same_steps_ratio"
     the median over the rounds whose ES iteration decoded as many steps as plain generation did: a member
     whose answer runs longer keeps the whole batch decoding, work that plain generation of the
-    unperturbed model does not do (None when no round matched)."""
+    unperturbed model does not do (None when no round matched); "fastest_same_steps_ratio" the fastest
+    ES rate over the fastest plain rate in those rounds: a busy machine only ever adds time, so the
+    fastest of several runs is the closest reading of what a program itself costs (as timeit takes it)."""
     import fastes.run.es_loop as es_loop
     from fastes.models.generation import generate
     from fastes.run.es_loop import es_iteration
@@ -212,6 +220,7 @@ def interleaved(args: argparse.Namespace, mode: str) -> dict:
         "rate_ratio_range": [min(r["rate_ratio"] for r in rounds), max(r["rate_ratio"] for r in rounds)],
         "same_steps_ratio": median(same) if (same := [r["rate_ratio"] for r in equal]) else None,
         "same_steps_rounds": len(equal),
+        "fastest_same_steps_ratio": _fastest_ratio(equal) if equal else None,
         "plain_seconds": median(r["plain_seconds"] for r in rounds),
         "es_seconds": median(r["es_seconds"] for r in rounds),
         "es_parts": {k: median(r["parts"][k] for r in rounds) for k in rounds[0]["parts"]},
@@ -353,6 +362,9 @@ def run(args: argparse.Namespace) -> dict:
             targets[f"{label}: the same, rounds where ES decoded as many steps as plain"] = entry[
                 "interleaved"
             ]["same_steps_ratio"]
+            targets[f"{label}: the same, the fastest of those rounds"] = entry["interleaved"][
+                "fastest_same_steps_ratio"
+            ]
         es_variant, plain_variant = variants[f"fastes {default_mode}"], variants["plain batched inference"]
         fixed_es, fixed_plain = es_variant["fixed mmap threshold"], plain_variant["fixed mmap threshold"]
         memory = f"{label}: ES peak RSS <= {TARGET_MEMORY_RATIO}x plain batched generation's"
@@ -400,8 +412,9 @@ def markdown(report: dict) -> str:
         f"shapes are population x prompts x new tokens; {r['rounds']} interleaved rounds, warm.",
         "",
         "| shape | ES token rate / plain's: median (range) | the same, rounds with as many decode steps "
-        "| plain s | ES s | ES generation / noise / update s | cold first iteration s |",
-        "|---|---|---|---|---|---|---|",
+        "| the fastest of those rounds | plain s | ES s | ES generation / noise / update s "
+        "| cold first iteration s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for label, entry in report["shapes"].items():
         for key in ("interleaved", "member_interleaved"):
@@ -411,9 +424,10 @@ def markdown(report: dict) -> str:
             parts = e["es_parts"]
             low, high = e["rate_ratio_range"]
             same = "-" if e["same_steps_ratio"] is None else f"{e['same_steps_ratio']:.3f}"
+            fastest = "-" if e["fastest_same_steps_ratio"] is None else f"{e['fastest_same_steps_ratio']:.3f}"
             lines.append(
                 f"| {label} {e['mode']} | {e['rate_ratio']:.3f} ({low:.3f}-{high:.3f}) | "
-                f"{same} ({e['same_steps_rounds']} of {len(e['rounds'])} rounds) | "
+                f"{same} ({e['same_steps_rounds']} of {len(e['rounds'])} rounds) | {fastest} | "
                 f"{e['plain_seconds']:.2f} | {e['es_seconds']:.2f} | {parts['time/generation']:.2f} / "
                 f"{parts['time/noise']:.2f} / "
                 f"{parts['time/update']:.2f} | {e['cold_first_iteration']['seconds']:.2f} |"

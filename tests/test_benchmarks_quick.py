@@ -180,3 +180,15 @@ def test_the_memory_target_compares_median_runs_of_fresh_processes(monkeypatch):
     assert variants["fastes lowrank"]["fixed mmap threshold"]["peak_bytes"] == 3
     assert variants["naive loop"]["peak_bytes"] == 50 and len(variants["naive loop"]["runs"]) == 1
     assert "fixed mmap threshold" not in variants["naive loop"]
+
+
+def test_the_fastest_rounds_ratio_takes_each_sides_fastest_round_on_its_own():
+    """The fastest ES token rate over the fastest plain one, which may come from different rounds."""
+    from benchmarks import real_model
+
+    rounds = [
+        {"es_tokens": 100, "es_seconds": 2.0, "plain_tokens": 100, "plain_seconds": 1.0},  # ES 50, plain 100
+        {"es_tokens": 120, "es_seconds": 1.5, "plain_tokens": 100, "plain_seconds": 1.25},  # ES 80, plain 80
+    ]
+    assert real_model._fastest_ratio(rounds) == 80 / 100
+    assert real_model._fastest_ratio(rounds[1:]) == 1.0
