@@ -4,6 +4,7 @@ fastes demo                       ES on the built-in tiny model and countdown, w
 fastes demo --model smollm2-135m-instruct   the same on a real instruct model, with settings chosen for it
 fastes train --config run.toml    ES, GRPO or GRPO then ES; any key as a flag: --es.sigma 0.01
 fastes eval --model DIR           accuracy and Pass@K of a model directory on a task
+fastes eval --run DIR             the same for a finished run's final/, with the run's task and prompts
 fastes pretrain --out DIR         rebuild the tiny model by supervised training
 fastes experiment --preset tiny   ES vs GRPO vs GRPO then ES at equal budgets: plots and report.md
 """
