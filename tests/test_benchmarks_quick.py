@@ -192,3 +192,25 @@ def test_the_fastest_rounds_ratio_takes_each_sides_fastest_round_on_its_own():
     ]
     assert real_model._fastest_ratio(rounds) == 80 / 100
     assert real_model._fastest_ratio(rounds[1:]) == 1.0
+
+
+def test_the_tiny_iteration_benchmark_reports_its_medians_and_fastest_rounds():
+    """Two rounds of the materialised mode: every timed call recorded, the ratios read off them."""
+    from benchmarks.tiny_iteration import markdown, measure_mode
+
+    result = measure_mode("materialised", rounds=2)
+    seconds = result["range_s"]
+    assert result["fastest_time_ratio"] == seconds["plain"][0] / seconds["ES iteration"][0]
+    assert result["time_ratio"] == result["median_s"]["plain"] / result["median_s"]["ES iteration"]
+    assert set(result["iteration_split_s"]) >= {"time/generation", "time/noise", "time/update"}
+    report = {
+        "date": "d",
+        "time": "t",
+        "cpu": "c",
+        "threads": 1,
+        "load_average_at_start": 0.0,
+        "antithetic": False,
+        "rounds": 2,
+        "modes": {"materialised": result},
+    }
+    assert f"{result['fastest_time_ratio']:.3f}" in markdown(report)
