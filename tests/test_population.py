@@ -144,3 +144,30 @@ def test_materialised_antithetic_pairs_are_written_from_one_pass_over_their_nois
         with member:
             expected.append(model(**batch).logits)
     torch.testing.assert_close(logits, torch.cat(expected), rtol=1e-4, atol=1e-5)
+
+
+@torch.no_grad()
+def test_materialised_low_rank_pairs_make_their_noise_once(tiny, monkeypatch):
+    """With low-rank noise, an antithetic pair's weights come from one product of its factors per tensor
+    (the twin with -sigma), and the logits equal member by member evaluation's."""
+    from fastes.engine import lowrank
+
+    model, tokenizer = tiny
+    es = fastes.ES(
+        fastes.linear_weights(model), sigma=0.05, lr=0.01, population=4, seed=3, noise_type="lowrank", rank=2
+    )
+    members = list(es.members())
+    made = []
+    noise_matrix = lowrank.noise_matrix
+    monkeypatch.setattr(lowrank, "noise_matrix", lambda *args: made.append(args[:2]) or noise_matrix(*args))
+    batch = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    grouped = {k: v.repeat(len(members), 1) for k, v in batch.items()}
+    with population_batched(es, model, mode="materialised", members=members):
+        logits = model(**grouped).logits
+    tensors = len(es.param_groups[0]["params"])
+    assert len(made) == len(set(made)) == 2 * tensors  # two pairs, one product per tensor each
+    expected = []
+    for member in members:
+        with member:
+            expected.append(model(**batch).logits)
+    torch.testing.assert_close(logits, torch.cat(expected), rtol=1e-4, atol=1e-5)

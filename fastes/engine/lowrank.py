@@ -92,10 +92,15 @@ def perturb(
     rank: int,
     backend: str = "auto",
     noise_kind: str = "gaussian",
+    twin: torch.Tensor | None = None,
 ) -> None:
-    """destination = source + scale * A B^T / sqrt(r), rounded to the weight's dtype."""
+    """destination = source + scale * A B^T / sqrt(r), rounded to the weight's dtype; with `twin`, the
+    antithetic member's weights from the same noise too (the bits a call with -scale writes)."""
     eps = noise_matrix(key, tensor_id, source.shape, rank, source.device, backend, noise_kind)
-    destination.copy_((source.to(torch.float32) + scale * eps).to(source.dtype))
+    base = source.to(torch.float32)
+    destination.copy_((base + scale * eps).to(source.dtype))
+    if twin is not None:
+        twin.copy_((base + -scale * eps).to(source.dtype))
 
 
 @torch.no_grad()

@@ -361,10 +361,10 @@ class ES(torch.optim.Optimizer):
         for i, (p, tid) in enumerate(zip(group["params"], group["ids"])):
             if not self._is_lowrank(p):
                 continue
-            lowrank.perturb(p, destinations[i], tid, member.key, scale, self.rank, self.backend, self.noise)
-            if twin_destinations is not None:
-                twin = twin_destinations[i]
-                lowrank.perturb(p, twin, tid, member.key, -scale, self.rank, self.backend, self.noise)
+            twin = None if twin_destinations is None else twin_destinations[i]
+            lowrank.perturb(
+                p, destinations[i], tid, member.key, scale, self.rank, self.backend, self.noise, twin
+            )
 
     def _apply(self, member: Member) -> None:
         if self._applied is not None:
