@@ -285,7 +285,7 @@ def run_eval_settings(run_dir: str, trained_model: bool = True) -> tuple[dict[st
     from .run.config import config_from_dict
     from .run.rundir import saved_identity
 
-    identity = saved_identity(run_dir)
+    identity = saved_identity(run_dir, "evaluate its final/ with --model and the run's settings as flags")
     if identity is None:
         raise ConfigError(
             f"--run {run_dir!r} holds no fastes run (no run.json): give a run's out_dir, or --model with "
@@ -293,6 +293,8 @@ def run_eval_settings(run_dir: str, trained_model: bool = True) -> tuple[dict[st
         )
     config = config_from_dict(identity["config"])  # a key the run did not write has its default
     settings = {key: getattr(config, key) for key in EVAL_SETTINGS}
+    if "working_directory" in identity:  # older runs recorded none: their paths are taken as they are
+        settings.update(_read_from(Path(identity["working_directory"]), settings["task"], settings["reward"]))
     final = Path(run_dir) / "final"
     if trained_model:
         if not (final / "config.json").is_file():
@@ -303,6 +305,25 @@ def run_eval_settings(run_dir: str, trained_model: bool = True) -> tuple[dict[st
             )
         settings["model"] = str(final)
     return settings, config.eval_size
+
+
+def _read_from(directory: Path, task: str, reward: str) -> dict[str, str]:
+    """A run's task and reward settings with their relative file paths (a jsonl task, reward files or
+    reward models' directories) taken under `directory`, where the run read them."""
+    from .tasks.setup import reward_specs
+
+    def under(path: str) -> str:
+        return path if Path(path).is_absolute() else str(directory / path)
+
+    def reward_under(entry: str) -> str:  # FILE.py:FUNCTION, or a reward model's directory
+        file, _, function = entry.rpartition(":")
+        return f"{under(file)}:{function}" if file.endswith(".py") else under(entry)
+
+    kind, _, data = task.partition(":")
+    return {
+        "task": f"jsonl:{under(data)}" if kind == "jsonl" and data else task,
+        "reward": ",".join(reward_under(entry) for entry in reward_specs(reward)),
+    }
 
 
 def few_answers_hint(format_rate: float, cfg: TrainConfig) -> str:

@@ -199,6 +199,44 @@ def test_eval_of_a_finished_run_reproduces_its_summary_chat_llama(chat_llama, tm
     assert base["greedy_accuracy"] == summary["base_test_accuracy"]
 
 
+def test_eval_of_a_run_reads_its_relative_paths_where_the_run_read_them(
+    chat_llama, tmp_path, capsys, monkeypatch
+):
+    project = tmp_path / "project"
+    project.mkdir()
+    rows = [{"prompt": f"Say Something About {i}!"} for i in range(20)]
+    (project / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (project / "rewards.py").write_text(
+        "def variety(completions, **columns):\n    return [len(set(c)) / 10 for c in completions]\n"
+    )
+    monkeypatch.chdir(project)  # the run is started with paths relative to its directory
+    settings = {"task": "jsonl:prompts.jsonl", "reward": "rewards.py:variety", "max_new_tokens": 6}
+    summary, _ = _summary_and_eval(chat_llama, project / "run", capsys, settings)
+    assert summary["final_test_accuracy"] > 0
+
+    monkeypatch.chdir(tmp_path)  # where neither file is
+    by_run = _eval_result(capsys, ["--run", str(project / "run"), "--samples", "1"])
+    assert by_run["greedy_accuracy"] == summary["final_test_accuracy"]
+    assert by_run["task"] == f"jsonl:{project / 'prompts.jsonl'}"
+
+    # a run.json from before the working directory was recorded: its paths are read as they are, here
+    # relative to this directory, and the error names a file it did not find
+    run_json = project / "run" / "run.json"
+    identity = json.loads(run_json.read_text())
+    del identity["working_directory"]
+    run_json.write_text(json.dumps(identity))
+    assert cli.main(["eval", "--run", str(project / "run"), "--samples", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert str(tmp_path / "rewards.py") in err or str(tmp_path / "prompts.jsonl") in err
+    assert "\n" not in err
+
+    # a damaged run.json: one line, and a way to evaluate without it
+    run_json.write_text('{"run_id": "01')
+    assert cli.main(["eval", "--run", str(project / "run"), "--samples", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is damaged" in err and "--model" in err and "--overwrite" not in err and "\n" not in err
+
+
 def test_eval_of_a_directory_without_a_finished_run_says_so_in_one_line(tmp_path, capsys):
     assert cli.main(["eval", "--run", str(tmp_path), "--samples", "1"]) == 2
     err = capsys.readouterr().err.strip()

@@ -94,14 +94,20 @@ def run_identity(
         "start_model": {"path": str(model_dir), "sha256": fingerprint},
         "fastes_version": __version__,
         "config": config,
+        # where the run's relative paths (a jsonl task, reward files) were read from: `fastes eval --run`
+        # reads them there from any directory; not identity, since a run may be resumed from elsewhere
+        "working_directory": os.getcwd(),
     }
     if task_sha:
         identity["task_sha256"] = task_sha
     return identity
 
 
-def saved_identity(out_dir: str | Path) -> dict[str, Any] | None:
-    """The identity in out_dir/run.json, or None when there is no run.json."""
+def saved_identity(
+    out_dir: str | Path, remedy: str = "start a new run with --overwrite"
+) -> dict[str, Any] | None:
+    """The identity in out_dir/run.json, or None when there is no run.json; a damaged one's error
+    offers restoring it or `remedy`."""
     path = Path(out_dir) / RUN_FILE
     if not path.is_file():
         return None
@@ -111,8 +117,7 @@ def saved_identity(out_dir: str | Path) -> dict[str, Any] | None:
         return identity
     except (ValueError, KeyError, TypeError) as error:
         raise RunDirError(
-            f"{path} is damaged ({error}); the run cannot be identified. Restore it, or start a new "
-            "run with --overwrite"
+            f"{path} is damaged ({error}); the run cannot be identified. Restore it, or {remedy}"
         ) from None
 
 
