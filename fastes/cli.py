@@ -55,7 +55,18 @@ DEMO_PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 # Run settings that `fastes eval` takes as flags, with the meaning they have in a run.
-EVAL_SETTINGS = ("model", "task", "task_seed", "reward", *PROMPT_SETTINGS, "eval_batch_size")
+EVAL_SETTINGS = (
+    "model",
+    "task",
+    "task_seed",
+    "reward",
+    "dataset",
+    "eval_dataset",
+    "reward_weights",
+    "reward_timeout",
+    *PROMPT_SETTINGS,
+    "eval_batch_size",
+)
 
 
 class Parser(argparse.ArgumentParser):
@@ -235,6 +246,8 @@ def cmd_eval(args: argparse.Namespace) -> dict:
 
     # The run's own settings, checked and chosen as a run would: the same prompts, task and verifier.
     given = {key: getattr(args, key) for key in EVAL_SETTINGS if hasattr(args, key)}
+    if "dataset" in given:  # a data file replaces the task, as in `fastes train`
+        given.setdefault("task", "dataset")
     limit = args.limit
     if args.run is not None:  # a finished run's model and settings; flags given here still win
         settings, eval_size = run_eval_settings(args.run, trained_model="model" not in given)
@@ -294,7 +307,7 @@ def run_eval_settings(run_dir: str, trained_model: bool = True) -> tuple[dict[st
     config = config_from_dict(identity["config"])  # a key the run did not write has its default
     settings = {key: getattr(config, key) for key in EVAL_SETTINGS}
     if "working_directory" in identity:  # older runs recorded none: their paths are taken as they are
-        settings.update(_read_from(Path(identity["working_directory"]), settings["task"], settings["reward"]))
+        settings.update(_read_from(Path(identity["working_directory"]), settings))
     final = Path(run_dir) / "final"
     if trained_model:
         if not (final / "config.json").is_file():
@@ -307,9 +320,9 @@ def run_eval_settings(run_dir: str, trained_model: bool = True) -> tuple[dict[st
     return settings, config.eval_size
 
 
-def _read_from(directory: Path, task: str, reward: str) -> dict[str, str]:
-    """A run's task and reward settings with their relative file paths (a jsonl task, reward files or
-    reward models' directories) taken under `directory`, where the run read them."""
+def _read_from(directory: Path, settings: dict[str, Any]) -> dict[str, str]:
+    """A run's settings that name files (a jsonl task, data files, reward files or reward models'
+    directories), their relative paths taken under `directory`, where the run read them."""
     from .tasks.setup import reward_specs
 
     def under(path: str) -> str:
@@ -319,10 +332,12 @@ def _read_from(directory: Path, task: str, reward: str) -> dict[str, str]:
         file, _, function = entry.rpartition(":")
         return f"{under(file)}:{function}" if file.endswith(".py") else under(entry)
 
+    task = settings["task"]
     kind, _, data = task.partition(":")
     return {
         "task": f"jsonl:{under(data)}" if kind == "jsonl" and data else task,
-        "reward": ",".join(reward_under(entry) for entry in reward_specs(reward)),
+        "reward": ",".join(reward_under(entry) for entry in reward_specs(settings["reward"])),
+        **{key: under(settings[key]) for key in ("dataset", "eval_dataset") if settings[key]},
     }
 
 

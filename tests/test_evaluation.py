@@ -237,6 +237,54 @@ def test_eval_of_a_run_reads_its_relative_paths_where_the_run_read_them(
     assert "is damaged" in err and "--model" in err and "--overwrite" not in err and "\n" not in err
 
 
+def test_eval_of_a_dataset_run_takes_its_data_files_and_reward_weights(
+    chat_llama, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    rows = [{"prompt": f"Name A Thing Like {i}!", "size": i % 4} for i in range(30)]
+    Path("data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    Path("rewards.py").write_text(
+        "def variety(completions, size, **columns):\n"
+        "    return [len(set(c)) / 10 + s for c, s in zip(completions, size)]\n"
+    )
+    settings = {
+        "task": "dataset",
+        "dataset": "data.jsonl",
+        "reward": "rewards.py:variety",
+        "reward_weights": "0.5",
+        "max_new_tokens": 6,
+    }
+    summary, by_flags = _summary_and_eval(chat_llama, tmp_path / "run", capsys, settings)
+    assert summary["final_test_accuracy"] > 0
+    assert by_flags["greedy_accuracy"] == summary["final_test_accuracy"]
+
+    # --dataset replaces the task, as it does for `fastes train`
+    flags = ["--dataset", "data.jsonl", "--reward", "rewards.py:variety", "--reward_weights", "0.5"]
+    no_task = _eval_result(
+        capsys,
+        [
+            "--model",
+            str(tmp_path / "run" / "final"),
+            "--limit",
+            "12",
+            "--samples",
+            "1",
+            "--max_new_tokens",
+            "6",
+            *flags,
+        ],
+    )
+    assert no_task == by_flags
+
+    monkeypatch.chdir(tmp_path / "run")  # where neither file is
+    by_run = _eval_result(capsys, ["--run", str(tmp_path / "run"), "--samples", "1"])
+    assert by_run["greedy_accuracy"] == summary["final_test_accuracy"]
+    unweighted = _eval_result(
+        capsys, ["--run", str(tmp_path / "run"), "--samples", "1", "--reward_weights", "1"]
+    )
+    assert unweighted["greedy_accuracy"] == pytest.approx(2 * by_run["greedy_accuracy"])
+
+
 def test_eval_of_a_directory_without_a_finished_run_says_so_in_one_line(tmp_path, capsys):
     assert cli.main(["eval", "--run", str(tmp_path), "--samples", "1"]) == 2
     err = capsys.readouterr().err.strip()
