@@ -252,6 +252,12 @@ def cmd_eval(args: argparse.Namespace) -> dict:
     if args.run is not None:  # a finished run's model and settings; flags given here still win
         settings, eval_size = run_eval_settings(args.run, trained_model="model" not in given)
         given = {**settings, **given}
+        if given["task"] == "dataset" and not given["dataset"]:
+            raise ConfigError(
+                f"--run {args.run!r}: the run's rows were given in code (fastes.ESTrainer), not as a file, "
+                "so fastes eval cannot read them: evaluate with the trainer's evaluate(), or give the rows "
+                "as --dataset FILE beside --run"
+            )
         limit = limit or eval_size
     limit = limit or DEFAULT_EVAL_LIMIT
     if args.split == "test":  # a run with eval_size = limit evaluates the same problems

@@ -230,6 +230,21 @@ def test_eval_of_a_run_reads_its_relative_paths_where_the_run_read_them(
     assert str(tmp_path / "rewards.py") in err or str(tmp_path / "prompts.jsonl") in err
     assert "\n" not in err
 
+    # a run whose rows were given in code (ESTrainer) names no file to read them from
+    code_rows = {**identity, "config": {**identity["config"], "task": "dataset", "reward": ""}}
+    run_json.write_text(json.dumps(code_rows))
+    assert cli.main(["eval", "--run", str(project / "run"), "--samples", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "rows were given in code" in err and "--dataset FILE" in err and "\n" not in err
+    rows_given = [
+        "--dataset",
+        str(project / "prompts.jsonl"),
+        "--reward",
+        f"{project / 'rewards.py'}:variety",
+    ]
+    beside = _eval_result(capsys, ["--run", str(project / "run"), "--samples", "1", *rows_given])
+    assert beside["examples"] > 0
+
     # a damaged run.json: one line, and a way to evaluate without it
     run_json.write_text('{"run_id": "01')
     assert cli.main(["eval", "--run", str(project / "run"), "--samples", "1"]) == 2
