@@ -141,7 +141,12 @@ def _overrides(args: argparse.Namespace, defaults: dict[str, Any] | None = None)
     for name, value in vars(args).items():
         if name.startswith("cfg:") and value is not None:
             values[name[4:]] = ",".join(value) if isinstance(value, list) else value
-    if "dataset" in values:  # a data file replaces the task
+    return _dataset_replaces_task(values)
+
+
+def _dataset_replaces_task(values: dict[str, Any]) -> dict[str, Any]:
+    """Settings given on the command line: a data file (`dataset`) sets the task unless one is given."""
+    if "dataset" in values:
         values.setdefault("task", "dataset")
     return values
 
@@ -245,9 +250,7 @@ def cmd_eval(args: argparse.Namespace) -> dict:
     from .tasks.setup import make_task
 
     # The run's own settings, checked and chosen as a run would: the same prompts, task and verifier.
-    given = {key: getattr(args, key) for key in EVAL_SETTINGS if hasattr(args, key)}
-    if "dataset" in given:  # a data file replaces the task, as in `fastes train`
-        given.setdefault("task", "dataset")
+    given = _dataset_replaces_task({key: getattr(args, key) for key in EVAL_SETTINGS if hasattr(args, key)})
     limit = args.limit
     if args.run is not None:  # a finished run's model and settings; flags given here still win
         settings, eval_size = run_eval_settings(args.run, trained_model="model" not in given)
