@@ -4,7 +4,9 @@ Noise: per tensor, a fresh torch.Generator seeded with the member seed, `torch.r
 shape and dtype. (So two tensors of the same shape get the same noise: a bug of the original, kept
 because it is what its cost is made of.) Perturb adds sigma * noise in place; restore regenerates the
 noise and subtracts it, which in finite precision does not give the weights back exactly. The update is
-N passes: per seed, regenerate, scale and add. The ES loop evaluates the members one after another.
+N passes: per seed, regenerate, scale and add. The ES loop evaluates the members one after another,
+each with transformers' `generate` (`transformers_generate`: every row decodes until the batch's last
+row stops, where fastes' own loop lets finished rows leave).
 
 These are written plainly on purpose; they are the reference point, not something to optimise.
 """
@@ -15,9 +17,28 @@ import random
 from collections.abc import Sequence
 
 import torch
+from transformers import GenerationConfig
 
-from fastes.models.generation import generate
+from fastes.models.generation import Generation, eos_token_ids
 from fastes.tasks import Example, Task
+
+
+@torch.inference_mode()
+def transformers_generate(model, tokenizer, prompts: list[str], max_new_tokens: int) -> Generation:
+    """Greedy completions by transformers' `generate`, prompts tokenized as fastes tokenizes them."""
+    add_special = not getattr(tokenizer, "chat_template", None)
+    enc = tokenizer(
+        prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=add_special
+    )
+    eos = eos_token_ids(model, tokenizer)
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id
+    )
+    out = model.generate(**enc, generation_config=config)[:, enc["input_ids"].shape[1] :].tolist()
+    completions = [row[: next((i + 1 for i, t in enumerate(row) if t in eos), len(row))] for row in out]
+    prompt_ids = [ids[mask.bool()].tolist() for ids, mask in zip(enc["input_ids"], enc["attention_mask"])]
+    texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
+    return Generation(texts=texts, completion_ids=completions, prompt_ids=prompt_ids)
 
 
 def naive_noise(tensor: torch.Tensor, seed: int) -> torch.Tensor:
@@ -89,7 +110,7 @@ def naive_es_iteration(
     rewards, tokens = [], 0
     for s in seeds:
         naive_perturb(tensors, s, sigma)
-        gen = generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens)
+        gen = transformers_generate(model, tokenizer, prompts, max_new_tokens)
         tokens += gen.num_tokens
         scores = [task.score(ex, text).reward(format_weight) for ex, text in zip(examples, gen.texts)]
         rewards.append(sum(scores) / len(scores))

@@ -8,14 +8,16 @@ population x prompts x new tokens, on instruct-form arithmetic prompts, fp32, gr
 
 The headline, per shape: one ES iteration's token rate (prompt and generated tokens of every row per
 second) against plain batched generation of the same rows, both in one process, warm, interleaved for
-`--rounds` rounds (the order alternates), as the median of the rounds' ratios: a 2-core machine's speed
+`--rounds` rounds (the order rotates), as the median of the rounds' ratios: a 2-core machine's speed
 drifts by +-10% within a minute, which a ratio of neighbours cancels. The rounds run as `fastes train`
 runs its steps, with the objects made before them frozen out of full garbage collections. The first
 (cold) iteration is reported apart: it pays once for writing the weights the first time (they are mapped
-from the file) and for loading the compiled library. Beside it, the median over the rounds whose ES
-iteration decoded as many steps as plain generation did: a batch decodes until its last row stops, so a
-member whose answer runs longer than the unperturbed model's keeps all rows decoding, work that the
-headline charges to ES. Member by member, likewise against plain generation of each member's rows one
+from the file) and for loading the compiled library. Both decode with fastes' own loop, in which
+finished rows leave the batch; each round also times transformers' `generate` of the same rows (every
+row decoding until the last stops), the baseline before that loop. Beside it, the median over the
+rounds whose ES iteration decoded as many steps as plain generation did: a member whose answer runs
+longer than the unperturbed model's makes the iteration decode more steps (for its rows), work that
+the headline charges to ES. Member by member, likewise against plain generation of each member's rows one
 call at a time (first shape).
 
 Then each variant in a fresh process (so that no variant's peak memory is hidden by what an earlier one
@@ -52,7 +54,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import cpu_model, current_rss_bytes, peak_rss_bytes, reset_peak_rss
-from benchmarks.naive import naive_es_iteration
+from benchmarks.naive import naive_es_iteration, transformers_generate
 
 TARGET_RATE_RATIO = 0.95  # an ES iteration's token rate over plain batched generation's
 TARGET_MEMBER_RATIO = 0.7  # member by member over plain generation of each member's rows
@@ -136,19 +138,21 @@ def _generated(record: dict) -> int:
 
 
 def _steps(gen) -> int:
-    """The decode steps of one generate call: its longest completion (a batch decodes until its last row
-    stops; finished rows are padding)."""
+    """The decode steps of one generate call: its longest completion (the call decodes until its last row
+    stops)."""
     return max(gen.lengths)
 
 
-def _round(index: int, plain, iteration) -> dict:
-    """One round: plain generation and an ES iteration, the order alternating from one round to the next."""
-    if index % 2:
-        es_seconds, es_tokens, es_steps, parts = iteration()
-        plain_seconds, plain_tokens, plain_steps = plain()
-    else:
-        plain_seconds, plain_tokens, plain_steps = plain()
-        es_seconds, es_tokens, es_steps, parts = iteration()
+def _round(index: int, plain, iteration, reference) -> dict:
+    """One round: plain generation, an ES iteration and plain generation by transformers' `generate`, the
+    order rotating from one round to the next."""
+    measured = {}
+    for name in ["plain", "es", "transformers"][index % 3 :] + ["plain", "es", "transformers"][: index % 3]:
+        measured[name] = {"plain": plain, "es": iteration, "transformers": reference}[name]()
+    plain_seconds, plain_tokens, plain_steps = measured["plain"]
+    es_seconds, es_tokens, es_steps, parts = measured["es"]
+    reference_seconds, reference_tokens, _ = measured["transformers"]
+    es_rate = es_tokens / es_seconds
     return {
         "plain_seconds": plain_seconds,
         "plain_tokens": plain_tokens,
@@ -156,7 +160,11 @@ def _round(index: int, plain, iteration) -> dict:
         "es_seconds": es_seconds,
         "es_tokens": es_tokens,
         "es_steps": es_steps,
-        "rate_ratio": (es_tokens / es_seconds) / (plain_tokens / plain_seconds),
+        "transformers_seconds": reference_seconds,
+        "transformers_tokens": reference_tokens,
+        "rate_ratio": es_rate / (plain_tokens / plain_seconds),
+        "transformers_rate_ratio": es_rate / (reference_tokens / reference_seconds),
+        "plain_over_transformers": (plain_tokens / plain_seconds) / (reference_tokens / reference_seconds),
         "parts": parts,
     }
 
@@ -174,10 +182,15 @@ def interleaved(args: argparse.Namespace, mode: str) -> dict:
     (what member-by-member evaluation does, without perturbing). Rates are tokens processed (prompt and
     generated) per second. "rate_ratio" is the median over all rounds (the headline); "same_steps_ratio"
     the median over the rounds whose ES iteration decoded as many steps as plain generation did: a member
-    whose answer runs longer keeps the whole batch decoding, work that plain generation of the
+    whose answer runs longer keeps its rows decoding, work that plain generation of the
     unperturbed model does not do (None when no round matched); "fastest_same_steps_ratio" the fastest
     ES rate over the fastest plain rate in those rounds: a busy machine only ever adds time, so the
-    fastest of several runs is the closest reading of what a program itself costs (as timeit takes it)."""
+    fastest of several runs is the closest reading of what a program itself costs (as timeit takes it).
+
+    Both decode with fastes' loop, in which finished rows leave the batch (fastes.models.decoding). Each
+    round also generates the same rows with transformers' `generate`, which decodes every row until the
+    last stops: "transformers_rate_ratio" is the ES iteration's rate over that one's, and
+    "plain_over_transformers" plain generation's (medians over all rounds)."""
     import fastes.run.es_loop as es_loop
     from fastes.models.generation import generate
     from fastes.run.es_loop import es_iteration
@@ -202,6 +215,11 @@ def interleaved(args: argparse.Namespace, mode: str) -> dict:
         gens = [generate(run.model, run.tokenizer, rows, max_new_tokens=args.new_tokens) for rows in calls]
         return time.perf_counter() - start, *counted(gens)
 
+    def reference() -> tuple[float, int, int]:
+        start = time.perf_counter()
+        gens = [transformers_generate(run.model, run.tokenizer, rows, args.new_tokens) for rows in calls]
+        return time.perf_counter() - start, *counted(gens)
+
     def iteration() -> tuple[float, int, int, dict]:
         generated.clear()
         record = es_iteration(run, es, 0)  # the same prompts every time; the members change
@@ -211,7 +229,7 @@ def interleaved(args: argparse.Namespace, mode: str) -> dict:
     cold = iteration()
     plain()
     with long_lived_objects_frozen():  # as `fastes train` runs its steps
-        rounds = [_round(index, plain, iteration) for index in range(args.rounds)]
+        rounds = [_round(index, plain, iteration, reference) for index in range(args.rounds)]
     median = statistics.median
     equal = [r for r in rounds if r["es_steps"] == r["plain_steps"]]
     return {
@@ -221,6 +239,8 @@ def interleaved(args: argparse.Namespace, mode: str) -> dict:
         "same_steps_ratio": median(same) if (same := [r["rate_ratio"] for r in equal]) else None,
         "same_steps_rounds": len(equal),
         "fastest_same_steps_ratio": _fastest_ratio(equal) if equal else None,
+        "transformers_rate_ratio": median(r["transformers_rate_ratio"] for r in rounds),
+        "plain_over_transformers": median(r["plain_over_transformers"] for r in rounds),
         "plain_seconds": median(r["plain_seconds"] for r in rounds),
         "es_seconds": median(r["es_seconds"] for r in rounds),
         "es_parts": {k: median(r["parts"][k] for r in rounds) for k in rounds[0]["parts"]},
@@ -413,8 +433,8 @@ def markdown(report: dict) -> str:
         "",
         "| shape | ES token rate / plain's: median (range) | the same, rounds with as many decode steps "
         "| the fastest of those rounds | plain s | ES s | ES generation / noise / update s "
-        "| cold first iteration s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| cold first iteration s | ES / transformers' generate | plain / transformers' generate |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, entry in report["shapes"].items():
         for key in ("interleaved", "member_interleaved"):
@@ -430,7 +450,8 @@ def markdown(report: dict) -> str:
                 f"{same} ({e['same_steps_rounds']} of {len(e['rounds'])} rounds) | {fastest} | "
                 f"{e['plain_seconds']:.2f} | {e['es_seconds']:.2f} | {parts['time/generation']:.2f} / "
                 f"{parts['time/noise']:.2f} / "
-                f"{parts['time/update']:.2f} | {e['cold_first_iteration']['seconds']:.2f} |"
+                f"{parts['time/update']:.2f} | {e['cold_first_iteration']['seconds']:.2f} | "
+                f"{_cell(e.get('transformers_rate_ratio'))} | {_cell(e.get('plain_over_transformers'))} |"
             )
     lines += [
         "",
@@ -459,6 +480,11 @@ def markdown(report: dict) -> str:
     lines += ["", "| target | measured |", "|---|---|"]
     lines += [f"| {name} | {value:.3f} |" for name, value in report["targets"].items()]
     return "\n".join(lines) + "\n"
+
+
+def _cell(value: float | None) -> str:
+    """A ratio, or "-" in a results file from before it was measured."""
+    return "-" if value is None else f"{value:.3f}"
 
 
 def _shape(text: str) -> tuple[int, int, int]:

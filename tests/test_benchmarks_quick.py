@@ -214,3 +214,40 @@ def test_the_tiny_iteration_benchmark_reports_its_medians_and_fastest_rounds():
         "modes": {"materialised": result},
     }
     assert f"{result['fastest_time_ratio']:.3f}" in markdown(report)
+
+
+def test_each_round_rotates_its_three_measurements_and_reads_the_ratios_off_them():
+    """benchmarks.real_model's round: plain generation, the ES iteration and transformers' generate, in an
+    order that rotates, each ratio a quotient of two of their token rates."""
+    from benchmarks import real_model
+
+    calls = []
+    plain = lambda: calls.append("plain") or (2.0, 100, 5)  # noqa: E731
+    iteration = lambda: calls.append("es") or (4.0, 100, 5, {"time/generation": 3.0})  # noqa: E731
+    reference = lambda: calls.append("transformers") or (5.0, 100, 5)  # noqa: E731
+    firsts = []
+    for index in range(3):
+        calls.clear()
+        r = real_model._round(index, plain, iteration, reference)
+        firsts.append(calls[0])
+        assert sorted(calls) == ["es", "plain", "transformers"]
+    assert firsts == ["plain", "es", "transformers"]
+    assert r["rate_ratio"] == 0.5 and r["transformers_rate_ratio"] == 1.25
+    assert r["plain_over_transformers"] == 2.5
+
+
+def test_the_transformers_baseline_generates_what_fastes_generates():
+    """The benchmarks' transformers_generate (every row decoding until the last stops) completes the same
+    prompts to the same tokens as fastes' own loop, in which finished rows leave: the same work."""
+    from benchmarks.naive import transformers_generate
+    from fastes.models.generation import generate
+    from fastes.models.loading import load_model, tiny_model_path
+    from fastes.tasks import get_task
+
+    model, tokenizer = load_model(tiny_model_path())  # the shipped checkpoint: its rows stop at EOS
+    prompts = [ex.prompt for ex in get_task("countdown", seed=0).split("test")[:6]] + ["12+34=", "rev 123:"]
+    ours = generate(model, tokenizer, prompts, max_new_tokens=10)
+    theirs = transformers_generate(model, tokenizer, prompts, 10)
+    assert theirs.completion_ids == ours.completion_ids and theirs.prompt_ids == ours.prompt_ids
+    assert theirs.texts == ours.texts
+    assert len(set(ours.lengths)) > 1  # rows stopped at different steps: some left fastes' batch early

@@ -37,6 +37,16 @@ class _PopulationLayer(torch.nn.Module):
         its input to lora_A.weight's dtype)."""
         return self.base.weight
 
+    @property
+    def population_members(self) -> int:
+        """How many members' row groups the layer reads its input as."""
+        raise NotImplementedError
+
+    def keep_members(self, positions: list[int]) -> None:
+        """Go on with the members at `positions` (ascending, among the current ones) only: the others'
+        rows have left the batch (fastes.models.decoding, which finds the layers by these two names)."""
+        raise NotImplementedError
+
 
 class PopulationLinear(_PopulationLayer):
     """A projection with one weight per member; input rows are grouped by member.
@@ -68,6 +78,17 @@ class PopulationLinear(_PopulationLayer):
         if self.base.bias is not None:
             y = y + self.base.bias
         return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @property
+    def population_members(self) -> int:
+        return self.weights.shape[0]
+
+    def keep_members(self, positions: list[int]) -> None:
+        # moved down within the buffer: a copy of the kept members' weights would raise the peak memory
+        for new, old in enumerate(positions):
+            if new != old:
+                self.weights[new].copy_(self.weights[old])
+        self.weights = self.weights[: len(positions)]
 
 
 class VirtualLinear(_PopulationLayer):
@@ -118,6 +139,14 @@ class VirtualLinear(_PopulationLayer):
         if self.base.bias is not None:
             y = y + self.base.bias
         return y.reshape(*x.shape[:-1], out_features)
+
+    @property
+    def population_members(self) -> int:
+        return self.keys.shape[0]
+
+    def keep_members(self, positions: list[int]) -> None:
+        index = torch.tensor(positions, device=self.keys.device)
+        self.keys, self.scales = self.keys[index], self.scales[index]
 
 
 class LowRankLinear(_PopulationLayer):
@@ -186,6 +215,16 @@ class LowRankLinear(_PopulationLayer):
             for column, output in zip(products.split(1, dim=-1), self._output_columns):
                 grouped_y.addcmul_(column, output)
         return y.view(*x.shape[:-1], out_features)
+
+    @property
+    def population_members(self) -> int:
+        return self.outputs.shape[0]
+
+    def keep_members(self, positions: list[int]) -> None:
+        index = torch.tensor(positions, device=self.inputs.device)
+        self.inputs, self.outputs = self.inputs[index], self.outputs[index]
+        self._inputs_t = self._inputs_t[index]
+        self._output_columns = self.outputs.split(1, dim=1)
 
     def _fused(self, flat: torch.Tensor) -> torch.Tensor:
         from fastes.engine.kernels import launch_lowrank_linear

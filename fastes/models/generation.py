@@ -1,10 +1,11 @@
-"""Batched text generation through Hugging Face `model.generate`, returning completions and token counts.
+"""Batched text generation, returning completions and token counts.
 
-Sampling is fastes' own (`RowSampler`), not transformers': every token is drawn from the softmax of the
-logits at the given temperature, cut by top-k, top-p and min-p when they are set, with the semantics and
-in the order of transformers' warpers, and nothing else (nothing a checkpoint's generation_config
-suggests). A repetition penalty, when set, is transformers' own processor on the raw logits, before
-the sampler and in greedy decoding alike. The draw for row r
+Decoding is fastes' own loop (fastes.models.decoding): the inputs, positions and cache of transformers'
+greedy `generate`, with finished rows leaving the batch. Sampling is fastes' own too (`RowSampler`):
+every token is drawn from the softmax of the logits at the given temperature, cut by top-k, top-p and
+min-p when they are set, with the semantics and in the order of transformers' warpers, and nothing else
+(nothing a checkpoint's generation_config suggests). A repetition penalty, when set, is transformers'
+own processor on the raw logits, before the sampler and in greedy decoding alike. The draw for row r
 at step t is the inverse CDF at a Philox uniform of (seed, r, t), so a row's draws do not depend on
 which other rows share the batch: with the same seed, the prompts generated in one call, in chunks or
 spread over processes (`first_row`) get the same uniforms. Their completions agree as far as the
@@ -19,16 +20,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import (
-    GenerationConfig,
-    LogitsProcessor,
-    LogitsProcessorList,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-    RepetitionPenaltyLogitsProcessor,
-)
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, RepetitionPenaltyLogitsProcessor
 
 from fastes.engine import cpu_share, noise
+
+from .decoding import decode
 
 STREAM_SAMPLING = 4  # the Philox stream of sampling uniforms (0-3 are the ES noise streams)
 
@@ -81,6 +77,8 @@ def generate(
     (see fastes.models.loading.format_prompt). With `seed`, the result is deterministic. Row i of this call
     (sample i % num_return_sequences of prompt i // num_return_sequences) samples as row first_row + i:
     give each process its rows' global index and a shared seed to split one batch over processes.
+
+    Finished rows leave the batch (fastes.models.decoding), under population_batched too.
     """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -101,43 +99,40 @@ def generate(
         prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=add_special
     ).to(model.device)
 
-    # transformers fills every setting our config leaves unset from model.generation_config (a
-    # checkpoint's top_k, repetition_penalty, suppress_tokens, ...). So the model's is replaced by a bare
-    # one (its EOS ids only) for the call, decoding is greedy, and RowSampler does any sampling.
-    saved = model.generation_config
     eos = eos_token_ids(model, tokenizer)
-    config = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=eos,
-        pad_token_id=tokenizer.pad_token_id,
-        use_cache=True,
-    )
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     # Greedy decoding takes one sequence per row, so the samples of a prompt are rows of their own.
-    rows = {k: v.repeat_interleave(num_return_sequences, dim=0) for k, v in enc.items()}
-    processors = LogitsProcessorList()
-    if repetition_penalty != 1:
-        # transformers' processor, placed on the raw logits as transformers places it. The left padding
-        # is no token of the row: leaving it out keeps a row's completion independent of its batch.
-        padding = (rows["attention_mask"] == 0).sum(dim=1)
-        processors.append(
-            RepetitionPenaltyLogitsProcessor(float(repetition_penalty), prompt_ignore_length=padding)
-        )
+    input_ids = enc["input_ids"].repeat_interleave(num_return_sequences, dim=0)
+    mask = enc["attention_mask"].repeat_interleave(num_return_sequences, dim=0)
+    # The left padding is no token of the row: leaving it out of the penalty keeps a row's completion
+    # independent of its batch.
+    padding = (mask == 0).sum(dim=1)
+    sampler = None
     if sample:
         if seed is None:
             seed = int(torch.randint(0, 2**62, ()))
-        width = enc["input_ids"].shape[1]
-        processors.append(
-            RowSampler(seed, temperature, top_p, width, first_row, max_new_tokens, top_k=top_k, min_p=min_p)
+        sampler = RowSampler(
+            seed, temperature, top_p, first_row, input_ids.shape[0], max_new_tokens, top_k=top_k, min_p=min_p
         )
-    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
-    try:
-        out = model.generate(**rows, generation_config=config, logits_processor=processors)
-    finally:
-        model.generation_config = saved
 
-    completion = out[:, enc["input_ids"].shape[1] :]
-    completion_ids = [_until_eos(row, eos) for row in completion.tolist()]
+    def choose(sequences: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor, step: int) -> torch.Tensor:
+        """The next token of each row: transformers' repetition penalty on the raw logits (when set),
+        then fastes' draw, or the most likely token."""
+        if repetition_penalty != 1:
+            penalty = RepetitionPenaltyLogitsProcessor(float(repetition_penalty), padding[rows])
+            logits = penalty(sequences, logits)
+        return sampler.draw(logits, rows, step) if sampler is not None else logits.argmax(dim=-1)
+
+    out = decode(
+        model,
+        input_ids,
+        mask,
+        max_new_tokens=max_new_tokens,
+        eos_ids=eos,
+        pad_id=pad,
+        choose=choose,
+    )
+    completion_ids = [_until_eos(row, eos) for row in out.tolist()]
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
 
     prompt_ids = [
@@ -197,12 +192,12 @@ def check_cuts(top_p: float, top_k: int, min_p: float | None) -> None:
         raise ValueError(f"min_p must be in [0, 1] (0 or None: off), got {min_p}")
 
 
-class RowSampler(LogitsProcessor):
+class RowSampler:
     """Draws each row's next token from softmax(logits / temperature), cut as transformers' warpers cut it:
     top-k (0: off), then the top-p nucleus (1: off), then min-p (None or 0: off).
 
-    It returns logits that are 0 at the drawn token and -inf elsewhere, so greedy decoding picks it.
-    The uniform of row r at step t is Philox (key = seed, counter = (t, r, STREAM_SAMPLING)).
+    The uniform of row r at step t is Philox (key = seed, counter = (t, r, STREAM_SAMPLING)), r counted
+    from `first_row` over the call's `rows` rows.
     """
 
     def __init__(
@@ -210,8 +205,8 @@ class RowSampler(LogitsProcessor):
         seed: int,
         temperature: float,
         top_p: float,
-        prompt_width: int,
         first_row: int,
+        rows: int,
         steps: int,
         *,
         top_k: int = 0,
@@ -223,21 +218,21 @@ class RowSampler(LogitsProcessor):
         self.top_p = top_p
         self.top_k = top_k
         self.min_p = 0.0 if min_p is None else min_p
-        self.prompt_width = prompt_width
         self.first_row = first_row
+        self.rows = rows
         self.steps = steps
         self._uniforms: torch.Tensor | None = None
 
-    def uniforms(self, rows: int, device: torch.device) -> torch.Tensor:
+    def uniforms(self, device: torch.device) -> torch.Tensor:
         """[rows, steps] fp32 uniforms in (0, 1): row r's draws for every step."""
-        if self._uniforms is None or self._uniforms.shape[0] != rows:
+        if self._uniforms is None:
             # noise.uniform(key, first_row + r, steps) for every row r, in one call: block b of row r
             # has counter (b, 0, first_row + r).
             blocks = (self.steps + 3) // 4
-            c0 = torch.arange(blocks, dtype=torch.int64).repeat(rows)
-            row_ids = (self.first_row + torch.arange(rows, dtype=torch.int64)).repeat_interleave(blocks)
+            c0 = torch.arange(blocks, dtype=torch.int64).repeat(self.rows)
+            row_ids = (self.first_row + torch.arange(self.rows, dtype=torch.int64)).repeat_interleave(blocks)
             words = noise.uniform_from_counters(self.key, c0, torch.zeros_like(c0), row_ids, STREAM_SAMPLING)
-            self._uniforms = words.view(rows, 4 * blocks)[:, : self.steps].to(device)
+            self._uniforms = words.view(self.rows, 4 * blocks)[:, : self.steps].to(device)
         return self._uniforms
 
     def probabilities(self, scores: torch.Tensor) -> torch.Tensor:
@@ -262,12 +257,11 @@ class RowSampler(LogitsProcessor):
             probs = probs / probs.sum(dim=-1, keepdim=True)
         return probs
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        step = input_ids.shape[1] - self.prompt_width
-        u = self.uniforms(scores.shape[0], scores.device)[:, step]
+    def draw(self, scores: torch.Tensor, rows: torch.Tensor, step: int) -> torch.Tensor:
+        """The tokens drawn at `step` for the call's rows `rows` (indices among its `rows`) from `scores`."""
+        u = self.uniforms(scores.device)[rows, step]
         cdf = self.probabilities(scores).cumsum(dim=-1)
-        drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp(max=scores.shape[-1] - 1)
-        return torch.full_like(scores, float("-inf")).scatter(-1, drawn, 0.0)
+        return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp(max=scores.shape[-1] - 1).flatten()
 
 
 def _until_eos(ids: list[int], eos_ids: list[int]) -> list[int]:
