@@ -24,11 +24,19 @@ CONFIGS = {
     "phi3": lambda: transformers.Phi3Config(**SHAPE, **KV, pad_token_id=0),
     "gemma": lambda: transformers.GemmaConfig(**SHAPE, **KV, head_dim=8),
 }
+# Hybrids whose cache holds a recurrent state (a short convolution, Mamba) beside the attention's keys
+HYBRIDS = {
+    "lfm2": lambda: transformers.Lfm2Config(**SHAPE, **KV, layer_types=["conv", "full_attention"]),
+    "bamba": lambda: transformers.BambaConfig(
+        **SHAPE, **KV, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8
+    ),
+}
 
 
 def _model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0):
     torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(CONFIGS[name]()).to(dtype).eval()
+    config = {**CONFIGS, **HYBRIDS}[name]()
+    return transformers.AutoModelForCausalLM.from_config(config).to(dtype).eval()
 
 
 def _prompts(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,6 +122,24 @@ def test_finished_rows_leave_the_batch_and_the_rest_decode_as_transformers(name,
     finished_at = [int((row == eos).nonzero()[0]) if (row == eos).any() else None for row in ours]
     # after the last step at which any row finished, only rows without EOS are left
     assert sizes[-1] == sum(step is None for step in finished_at)
+
+
+@pytest.mark.parametrize("name", list(HYBRIDS))
+def test_rows_stay_where_the_cache_cannot_drop_them(name):
+    """A recurrent state that takes no row selection: every row decodes until the last stops, as in
+    transformers' generate, whose tokens these are bit for bit (float32)."""
+    model = _model(name)
+    ids, mask = _prompts(8, seed=0)
+    eos = sorted(set(_greedy(model, ids, mask, 12, eos=[])[:2, 2].tolist()))  # rows 0 and 1 end by step 2
+    sizes, handle = _batch_sizes(model)
+    try:
+        ours = _greedy(model, ids, mask, 12, eos=eos)
+    finally:
+        handle.remove()
+    assert torch.equal(ours, _transformers(model, ids, mask, 12, eos=eos))
+    lengths = [_length(row, eos) for row in ours]
+    assert min(lengths) <= 3 and max(lengths) > 6  # rows finished early, and others went on
+    assert set(sizes) == {8} and len(sizes) == max(lengths)
 
 
 @pytest.mark.parametrize("noise_type,mode", [("lowrank", "lowrank"), ("full", "materialised")])

@@ -10,7 +10,8 @@ Inside `fastes.es.population.population_batched` the batch is read as the member
 is live while any of its rows is unfinished, and column j (the j-th row of every group) while the j-th
 row of any live group is. So the kept rows are again equal groups, and plain generation drops every
 finished row. When members leave, the population layers are told which stay (`keep_members`), and go
-on with those members' weights.
+on with those members' weights. A cache with a recurrent state that takes no row selection (a hybrid
+model's convolution or Mamba layers) keeps every row, as transformers' `generate` does.
 
 Each step computes what transformers' greedy `generate` computes for the rows it keeps (the same inputs,
 positions and cache), so a row's tokens agree with it as far as the logits do: a CPU GEMM may round a row
@@ -59,6 +60,9 @@ def decode(
     # transformers' positions for a left-padded batch (the padding's positions are never attended to)
     positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
     logits = _forward(model, sequences, mask, positions, options)
+    # a recurrent layer's state (a hybrid model's convolution or Mamba state) may take no row selection:
+    # then every row decodes until the last stops, as in transformers' generate
+    droppable = all(hasattr(layer, "batch_select_indices") for layer in cache.layers)
     for step in range(max_new_tokens):
         # a finished row that stays (its group or column is live) is fed padding, as transformers feeds it
         tokens = choose(sequences, logits, live, step).masked_fill(finished, pad_id)
@@ -67,7 +71,7 @@ def decode(
         kept_groups, kept = _kept(~finished, len(live_groups))
         if kept is None or step + 1 == max_new_tokens:
             break
-        if kept.shape[0] < live.shape[0]:  # the finished rows leave the batch, and their cache
+        if droppable and kept.shape[0] < live.shape[0]:  # the finished rows leave, and their cache
             tokens, sequences, mask, positions, live, finished = (
                 t[kept] for t in (tokens, sequences, mask, positions, live, finished)
             )
