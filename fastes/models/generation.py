@@ -136,7 +136,7 @@ def generate(
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
 
     prompt_ids = [
-        ids[mask.bool()].tolist() for ids, mask in zip(enc["input_ids"], enc["attention_mask"], strict=True)
+        ids[kept.bool()].tolist() for ids, kept in zip(enc["input_ids"], enc["attention_mask"], strict=True)
     ]
     prompt_ids = [ids for ids in prompt_ids for _ in range(num_return_sequences)]
     return Generation(texts=texts, completion_ids=completion_ids, prompt_ids=prompt_ids)
