@@ -197,7 +197,12 @@ def test_the_kept_rows_are_the_live_groups_live_columns():
 @torch.no_grad()
 @pytest.mark.parametrize(
     "noise_type,mode,backend",
-    [("lowrank", "lowrank", "auto"), ("full", "materialised", "auto"), ("full", "virtual", "triton")],
+    [
+        ("lowrank", "lowrank", "auto"),
+        ("lowrank", "lowrank", "triton"),  # the fused GEMM, interpreted
+        ("full", "materialised", "auto"),
+        ("full", "virtual", "triton"),
+    ],
 )
 def test_a_population_layer_goes_on_with_the_kept_members(noise_type, mode, backend):
     """After keep_members([1, 3]) the layers take two members' rows and give members 1 and 3's logits."""
@@ -221,6 +226,8 @@ def test_a_population_layer_goes_on_with_the_kept_members(noise_type, mode, back
         for layer in layers:
             layer.keep_members([1, 3])
         assert {layer.population_members for layer in layers} == {2}
+        if mode == "lowrank":  # the fused kernel where asked for, torch ops otherwise
+            assert {layer.fused for layer in layers} == {backend == "triton"}
         logits = model(input_ids=ids.repeat(2, 1)).logits
     torch.testing.assert_close(logits, torch.cat([expected[1], expected[3]]), rtol=1e-4, atol=1e-5)
     assert (expected[1] - expected[3]).abs().max() > 1e-3
