@@ -3,7 +3,8 @@
 transformers' `generate` decodes every row until the last one stops: a finished row keeps costing a row
 of every matmul, attention and cache copy until then. In an ES generation that is most of the decode
 work: one member that answers at length keeps all members' rows decoding (on SmolLM2 at 16 members x
-16 prompts x 24 tokens, 21-41% of the row-steps were live rows: docs/real_models.md).
+16 prompts x 24 tokens, the rows still going were 21-39% of the row-steps decoded:
+docs/results/finished-rows-2026-12-06.md).
 
 Inside `fastes.es.population.population_batched` the batch is read as the members' equal groups of rows
 (one group for a plain model). After each step the rows kept are the live groups' live columns: a group
