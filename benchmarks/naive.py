@@ -19,23 +19,20 @@ from collections.abc import Sequence
 import torch
 from transformers import GenerationConfig
 
-from fastes.models.generation import Generation, eos_token_ids
+from fastes.models.generation import Generation, encode_prompts, eos_token_ids, until_eos
 from fastes.tasks import Example, Task
 
 
 @torch.inference_mode()
 def transformers_generate(model, tokenizer, prompts: list[str], max_new_tokens: int) -> Generation:
     """Greedy completions by transformers' `generate`, prompts tokenized as fastes tokenizes them."""
-    add_special = not getattr(tokenizer, "chat_template", None)
-    enc = tokenizer(
-        prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=add_special
-    )
+    enc = encode_prompts(tokenizer, prompts)
     eos = eos_token_ids(model, tokenizer)
     config = GenerationConfig(
         max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id
     )
     out = model.generate(**enc, generation_config=config)[:, enc["input_ids"].shape[1] :].tolist()
-    completions = [row[: next((i + 1 for i, t in enumerate(row) if t in eos), len(row))] for row in out]
+    completions = [until_eos(row, eos) for row in out]
     prompt_ids = [ids[mask.bool()].tolist() for ids, mask in zip(enc["input_ids"], enc["attention_mask"])]
     texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
     return Generation(texts=texts, completion_ids=completions, prompt_ids=prompt_ids)

@@ -146,9 +146,9 @@ def _steps(gen) -> int:
 def _round(index: int, plain, iteration, reference) -> dict:
     """One round: plain generation, an ES iteration and plain generation by transformers' `generate`, the
     order rotating from one round to the next."""
-    measured = {}
-    for name in ["plain", "es", "transformers"][index % 3 :] + ["plain", "es", "transformers"][: index % 3]:
-        measured[name] = {"plain": plain, "es": iteration, "transformers": reference}[name]()
+    calls = {"plain": plain, "es": iteration, "transformers": reference}
+    names = list(calls)
+    measured = {name: calls[name]() for name in names[index % 3 :] + names[: index % 3]}
     plain_seconds, plain_tokens, plain_steps = measured["plain"]
     es_seconds, es_tokens, es_steps, parts = measured["es"]
     reference_seconds, reference_tokens, _ = measured["transformers"]

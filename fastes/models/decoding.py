@@ -54,7 +54,6 @@ def decode(
     eos = torch.tensor(list(eos_ids), dtype=torch.long, device=input_ids.device)
     live = torch.arange(rows, device=input_ids.device)  # the batch's rows, as indices into the whole batch
     finished = torch.zeros(rows, dtype=torch.bool, device=input_ids.device)
-    live_groups = list(range(groups))
     sequences, mask = input_ids, attention_mask
     cache = DynamicCache(config=model.config.get_text_config(decoder=True))
     options = _forward_options(model, cache)
@@ -69,7 +68,7 @@ def decode(
         tokens = choose(sequences, logits, live, step).masked_fill(finished, pad_id)
         out[live, step] = tokens
         finished = finished | torch.isin(tokens, eos)
-        kept_groups, kept = _kept(~finished, len(live_groups))
+        kept_groups, kept = _kept(~finished, groups)
         if kept is None or step + 1 == max_new_tokens:
             break
         if droppable and kept.shape[0] < live.shape[0]:  # the finished rows leave, and their cache
@@ -77,8 +76,8 @@ def decode(
                 t[kept] for t in (tokens, sequences, mask, positions, live, finished)
             )
             cache.batch_select_indices(kept)
-            if len(kept_groups) < len(live_groups):
-                live_groups = [live_groups[g] for g in kept_groups]
+            if len(kept_groups) < groups:
+                groups = len(kept_groups)
                 for layer in layers:
                     layer.keep_members(kept_groups)
         sequences = torch.cat([sequences, tokens[:, None]], dim=-1)

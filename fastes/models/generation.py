@@ -20,7 +20,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, RepetitionPenaltyLogitsProcessor
+from transformers import (
+    BatchEncoding,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    RepetitionPenaltyLogitsProcessor,
+)
 
 from fastes.engine import cpu_share, noise
 
@@ -93,11 +98,7 @@ def generate(
         return Generation(texts=[], completion_ids=[], prompt_ids=[])
     cpu_share.share_cores()  # a registered fastes command takes its share of the cores (at most 1/s)
 
-    # A chat template already writes the special tokens it wants (e.g. <bos>), so don't add them twice.
-    add_special = not getattr(tokenizer, "chat_template", None)
-    enc = tokenizer(
-        prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=add_special
-    ).to(model.device)
+    enc = encode_prompts(tokenizer, prompts).to(model.device)
 
     eos = eos_token_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
@@ -132,7 +133,7 @@ def generate(
         pad_id=pad,
         choose=choose,
     )
-    completion_ids = [_until_eos(row, eos) for row in out.tolist()]
+    completion_ids = [until_eos(row, eos) for row in out.tolist()]
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
 
     prompt_ids = [
@@ -140,6 +141,15 @@ def generate(
     ]
     prompt_ids = [ids for ids in prompt_ids for _ in range(num_return_sequences)]
     return Generation(texts=texts, completion_ids=completion_ids, prompt_ids=prompt_ids)
+
+
+def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> BatchEncoding:
+    """The prompts' token ids and attention mask, left-padded, as fastes generates from them."""
+    # A chat template already writes the special tokens it wants (e.g. <bos>), so don't add them twice.
+    add_special = not getattr(tokenizer, "chat_template", None)
+    return tokenizer(
+        prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=add_special
+    )
 
 
 def generate_in_chunks(
@@ -264,7 +274,7 @@ class RowSampler:
         return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp(max=scores.shape[-1] - 1).flatten()
 
 
-def _until_eos(ids: list[int], eos_ids: list[int]) -> list[int]:
+def until_eos(ids: list[int], eos_ids: list[int]) -> list[int]:
     """Cut a generated row after its first EOS (what follows is padding)."""
     for i, tok in enumerate(ids):
         if tok in eos_ids:
