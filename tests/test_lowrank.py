@@ -305,3 +305,22 @@ def test_low_rank_es_improves_a_toy_objective_and_replays_exactly():
     layer.load_state_dict(base)
     fastes.replay(fastes.linear_weights(layer, include_biases=True), es.state_dict())
     assert all(torch.equal(v, trained[k]) for k, v in layer.state_dict().items())
+
+
+@pytest.mark.parametrize("rank", [1, 3])
+def test_low_rank_layer_hands_its_input_factors_to_bmm_as_a_transposed_operand(rank):
+    """The batched matmul's operand [members, in, r] is the transposed view of row-major [members, r, in]
+    factors, before and after members leave: at rank 1 the strides of the size-1 dimension are free, and
+    MKL's batched GEMM ran the other choice several times slower."""
+    members, in_features = 5, 37
+    factors = [(torch.randn(11, rank), torch.randn(in_features, rank)) for _ in range(members)]
+    layer = LowRankLinear(torch.nn.Linear(in_features, 11), factors, [1.0] * members)
+    expected = torch.stack([b for _, b in factors])  # [members, in, r]
+
+    def check(kept: list[int]) -> None:
+        assert layer._inputs_t.stride() == (rank * in_features, 1, in_features)
+        torch.testing.assert_close(layer._inputs_t, expected[kept], rtol=0, atol=0)
+
+    check(list(range(members)))
+    layer.keep_members([0, 2, 4])
+    check([0, 2, 4])

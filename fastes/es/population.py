@@ -184,10 +184,9 @@ class LowRankLinear(_PopulationLayer):
         b = torch.stack([b for _, b in factors])  # [members, columns of the weight, r]
         out_side, in_side = (b, a) if transposed else (a, b)
         scale = torch.tensor(scales, dtype=torch.float32, device=a.device) / rank**0.5
-        self.inputs = in_side.transpose(1, 2).to(weight.dtype).contiguous()  # [members, r, in]
+        self._keep_inputs(in_side.transpose(1, 2).to(weight.dtype))  # [members, r, in]
         scaled = out_side.transpose(1, 2) * scale[:, None, None]
         self.outputs = scaled.to(weight.dtype).contiguous()  # [members, r, out], scale_m / sqrt(r) folded in
-        self._inputs_t = self.inputs.transpose(1, 2).contiguous()  # [members, in, r]: bmm's fast layout
         self._output_columns = self.outputs.split(1, dim=1)
         resolved = ops.resolve_backend([weight], backend)
         self.transposed = transposed
@@ -222,9 +221,21 @@ class LowRankLinear(_PopulationLayer):
 
     def keep_members(self, positions: list[int]) -> None:
         index = torch.tensor(positions, device=self.inputs.device)
-        self.inputs, self.outputs = self.inputs[index], self.outputs[index]
-        self._inputs_t = self._inputs_t[index]
+        self._keep_inputs(self.inputs[index])
+        self.outputs = self.outputs[index]
         self._output_columns = self.outputs.split(1, dim=1)
+
+    def _keep_inputs(self, inputs: torch.Tensor) -> None:
+        """Hold the input factors [members, r, in] in row-major strides, and `_inputs_t`, the batched
+        matmul's [members, in, r] operand, as their transposed view.
+
+        The strides of a size-1 dimension are free (`contiguous()` keeps whatever they are), and at rank
+        1 they decide the speed: MKL's batched GEMM read a [members, in, 1] operand with strides
+        (in, 1, 1) 7-8x slower than the same values as this transposed view, (in, 1, in), on an AMD EPYC
+        (docs/real_models.md).
+        """
+        self.inputs = inputs.clone(memory_format=torch.contiguous_format)
+        self._inputs_t = self.inputs.transpose(1, 2)
 
     def _fused(self, flat: torch.Tensor) -> torch.Tensor:
         from fastes.engine.kernels import launch_lowrank_linear
