@@ -231,8 +231,8 @@ class LowRankLinear(_PopulationLayer):
 
         The strides of a size-1 dimension are free (`contiguous()` keeps whatever they are), and at rank
         1 they decide the speed: MKL's batched GEMM read a [members, in, 1] operand with strides
-        (in, 1, 1) 7-8x slower than the same values as this transposed view, (in, 1, in), on an AMD EPYC
-        (docs/real_models.md).
+        (in, 1, 1) 6-11x slower than the same values as this transposed view, (in, 1, in), on an AMD EPYC
+        (docs/results/lowrank-layout-2026-12-06.md).
         """
         self.inputs = inputs.clone(memory_format=torch.contiguous_format)
         self._inputs_t = self.inputs.transpose(1, 2)
