@@ -184,7 +184,7 @@ class LowRankLinear(_PopulationLayer):
         b = torch.stack([b for _, b in factors])  # [members, columns of the weight, r]
         out_side, in_side = (b, a) if transposed else (a, b)
         scale = torch.tensor(scales, dtype=torch.float32, device=a.device) / rank**0.5
-        self._keep_inputs(in_side.transpose(1, 2).to(weight.dtype))  # [members, r, in]
+        self._set_inputs(in_side.transpose(1, 2).to(weight.dtype))  # [members, r, in]
         scaled = out_side.transpose(1, 2) * scale[:, None, None]
         self.outputs = scaled.to(weight.dtype).contiguous()  # [members, r, out], scale_m / sqrt(r) folded in
         self._output_columns = self.outputs.split(1, dim=1)
@@ -221,11 +221,11 @@ class LowRankLinear(_PopulationLayer):
 
     def keep_members(self, positions: list[int]) -> None:
         index = torch.tensor(positions, device=self.inputs.device)
-        self._keep_inputs(self.inputs[index])
+        self._set_inputs(self.inputs[index])
         self.outputs = self.outputs[index]
         self._output_columns = self.outputs.split(1, dim=1)
 
-    def _keep_inputs(self, inputs: torch.Tensor) -> None:
+    def _set_inputs(self, inputs: torch.Tensor) -> None:
         """Hold the input factors [members, r, in] in row-major strides, and `_inputs_t`, the batched
         matmul's [members, in, r] operand, as their transposed view.
 
