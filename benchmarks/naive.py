@@ -19,7 +19,13 @@ from collections.abc import Sequence
 import torch
 from transformers import GenerationConfig
 
-from fastes.models.generation import Generation, encode_prompts, eos_token_ids, until_eos
+from fastes.models.generation import (
+    Generation,
+    encode_prompts,
+    eos_token_ids,
+    prompt_token_ids,
+    until_eos,
+)
 from fastes.tasks import Example, Task
 
 
@@ -33,7 +39,7 @@ def transformers_generate(model, tokenizer, prompts: list[str], max_new_tokens: 
     )
     out = model.generate(**enc, generation_config=config)[:, enc["input_ids"].shape[1] :].tolist()
     completions = [until_eos(row, eos) for row in out]
-    prompt_ids = [ids[mask.bool()].tolist() for ids, mask in zip(enc["input_ids"], enc["attention_mask"])]
+    prompt_ids = prompt_token_ids(enc)
     texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
     return Generation(texts=texts, completion_ids=completions, prompt_ids=prompt_ids)
 

@@ -136,10 +136,7 @@ def generate(
     completion_ids = [until_eos(row, eos) for row in out.tolist()]
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
 
-    prompt_ids = [
-        ids[kept.bool()].tolist() for ids, kept in zip(enc["input_ids"], enc["attention_mask"], strict=True)
-    ]
-    prompt_ids = [ids for ids in prompt_ids for _ in range(num_return_sequences)]
+    prompt_ids = [ids for ids in prompt_token_ids(enc) for _ in range(num_return_sequences)]
     return Generation(texts=texts, completion_ids=completion_ids, prompt_ids=prompt_ids)
 
 
@@ -150,6 +147,12 @@ def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> Ba
     return tokenizer(
         prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=add_special
     )
+
+
+def prompt_token_ids(enc: BatchEncoding) -> list[list[int]]:
+    """Each prompt's token ids from `encode_prompts`, without its left padding."""
+    pairs = zip(enc["input_ids"], enc["attention_mask"], strict=True)
+    return [ids[is_token.bool()].tolist() for ids, is_token in pairs]
 
 
 def generate_in_chunks(
