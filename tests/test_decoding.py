@@ -142,14 +142,26 @@ def test_rows_stay_where_the_cache_cannot_drop_them(name):
     assert set(sizes) == {8} and len(sizes) == max(lengths)
 
 
-@pytest.mark.parametrize("noise_type,mode", [("lowrank", "lowrank"), ("full", "materialised")])
-def test_members_whose_rows_all_finished_leave_the_population_layers(noise_type, mode):
-    """Under population_batched the batch shrinks to the live members' live columns, the population
-    layers go on with those members, and every member's tokens are its own generation's. (ES evolves
-    float32 weights; at these sizes no logit lies within float32 rounding of a greedy choice.)"""
+@pytest.mark.parametrize(
+    "noise_type,mode,backend",
+    [("lowrank", "lowrank", "auto"), ("full", "materialised", "torch"), ("full", "materialised", "auto")],
+)
+def test_members_whose_rows_all_finished_leave_the_population_layers(noise_type, mode, backend):
+    """Under population_batched the batch shrinks to the live members' live columns, and the population
+    layers go on with those members; with the materialised layer's compiled matmul (backend "auto" on
+    the CPU), which takes groups of any size, to the rows still going. Every member's tokens are its own
+    generation's. (ES evolves float32 weights; at these sizes no logit lies within float32 rounding of a
+    greedy choice.)"""
     model = _model("llama", torch.float32, seed=3)
     es = fastes.ES(
-        fastes.linear_weights(model), sigma=0.3, lr=0.01, population=4, seed=5, noise_type=noise_type, rank=2
+        fastes.linear_weights(model),
+        sigma=0.3,
+        lr=0.01,
+        population=4,
+        seed=5,
+        noise_type=noise_type,
+        rank=2,
+        backend=backend,
     )
     ids, mask = _prompts(3, seed=4)
     alone = []
@@ -172,11 +184,21 @@ def test_members_whose_rows_all_finished_leave_the_population_layers(noise_type,
     lengths = torch.tensor([[_length(row, eos) for row in member] for member in expected])
     assert lengths[1].max() <= 3 and lengths.max() == 12  # member 1 left, others ran to the end
     assert sizes[0] == 12
-    # each step's batch is the members with a row still going times the columns still going in one
+    unequal = {layer.takes_unequal_groups for layer in _population_layers_of(model, es, mode)}
+    assert unequal == {mode == "materialised" and backend == "auto"}
     for step, size in enumerate(sizes[1:]):
         going = lengths > step + 1
-        assert size == int(going.any(dim=1).sum()) * int(going.any(dim=0).sum())
+        if unequal == {True}:  # the rows still going
+            assert size == int(going.sum())
+        else:  # the members with a row still going times the columns still going in one
+            assert size == int(going.any(dim=1).sum()) * int(going.any(dim=0).sum())
+    assert sizes[1:] != [12] * (len(sizes) - 1)  # rows left
     assert not torch.equal(expected[0], expected[1])  # the members differ
+
+
+def _population_layers_of(model, es, mode: str) -> list[torch.nn.Module]:
+    with population_batched(es, model, mode=mode):
+        return [m for m in model.modules() if hasattr(m, "keep_members")]
 
 
 def _length(row: torch.Tensor, eos: list[int]) -> int:

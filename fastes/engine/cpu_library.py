@@ -62,8 +62,12 @@ def _int32(value: int) -> int:
 # The compiled library: built once per machine, cached on disk, called through ctypes
 # ---------------------------------------------------------------------------------------------------
 
-# The noise contract, and the low-rank ES update (fastes.engine.lowrank.update)
-SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("noise_cpu.c", "lowrank_cpu.c"))
+# The noise contract, the low-rank ES update (fastes.engine.lowrank.update) and the materialised
+# population's matmul (fastes.es.population.PopulationLinear)
+SOURCES = tuple(
+    Path(__file__).with_name("csrc") / name
+    for name in ("noise_cpu.c", "lowrank_cpu.c", "member_matmul_cpu.c")
+)
 # No -ffast-math: the uniforms, the log's exponent split and the angle reduction rely on exact IEEE
 # arithmetic; -ffp-contract=off leaves the source's explicit fmaf calls as the only fused multiply-adds,
 # so the normals are the same bits on every CPU.
@@ -82,6 +86,8 @@ _SIGNATURES = {
     + [_FLOAT, _FLOAT],
     # (w, a, b transposed, columns, a's columns, decay, first row, end row): lowrank_cpu.c
     "fastes_lowrank_update_f32": [_POINTER] * 3 + [_I64, _I64, _FLOAT, _I64, _I64],
+    # (x, w, bias or NULL, y, row offsets, k, n, first member, end member): member_matmul_cpu.c
+    "fastes_member_matmul_f32": [_POINTER] * 5 + [_I64] * 4,
 }
 
 _RESULTS = {"fastes_lowrank_update_f32": _FLOAT}  # the others return nothing
@@ -581,3 +587,42 @@ def lowrank_update_all(
     return [
         math.nan if any(math.isnan(m) for m in values) else max(values, default=0.0) for values in largest
     ]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The materialised population's matmul
+# ---------------------------------------------------------------------------------------------------
+
+_MATMUL_MIN_FLOPS_PER_THREAD = 1 << 21  # below this, a thread costs more than it saves
+
+
+def member_matmul(
+    x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x[i] @ w[m] (+ bias) for the rows offsets[m] <= i < offsets[m + 1] of x [rows, k]: torch.bmm over
+    the members' row groups, which may differ in size. w [members, k, n] (contiguous), offsets int64
+    [members + 1] from 0 to rows, bias [n]; fp32 on the CPU. The members are split over the threads.
+    See csrc/member_matmul_cpu.c for why it is faster than torch's batched matmul at these sizes."""
+    members, k, n = w.shape
+    rows = x.shape[0]
+    if x.dim() != 2 or x.shape[1] != k or offsets.shape != (members + 1,):
+        raise ValueError(
+            f"member_matmul: x {tuple(x.shape)}, w {tuple(w.shape)} and offsets {tuple(offsets.shape)} "
+            "do not match"
+        )
+    tensors = [x, w] if bias is None else [x, w, bias]
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors) or not w.is_contiguous():
+        raise ValueError("member_matmul takes fp32 CPU tensors and contiguous weights")
+    if offsets.dtype != torch.int64 or not offsets.is_contiguous():
+        raise ValueError("member_matmul takes the row offsets as a contiguous int64 tensor")
+    library = _load()
+    x, bias = x.contiguous(), None if bias is None else bias.contiguous()
+    y = torch.empty(rows, n, dtype=torch.float32)
+    args = (x.data_ptr(), w.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr())
+    # the tensors above stay referenced until _parallel returns: the library reads them by address
+    _parallel(
+        lambda lo, hi: library.fastes_member_matmul_f32(*args, offsets.data_ptr(), k, n, lo, hi),
+        members,
+        max(1, int(_MATMUL_MIN_FLOPS_PER_THREAD * members / max(2 * rows * k * n, 1))),
+    )
+    return y

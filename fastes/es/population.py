@@ -15,12 +15,13 @@ On exit the original modules are put back; the base weights are never written, s
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 
-from fastes.engine import ops
+from fastes.engine import cpu_library, ops
 
 from .optimizer import ES, Member
 from .params import Projection, projections
@@ -47,41 +48,91 @@ class _PopulationLayer(torch.nn.Module):
         rows have left the batch (fastes.models.decoding, which finds the layers by these two names)."""
         raise NotImplementedError
 
+    @property
+    def takes_unequal_groups(self) -> bool:
+        """Whether the members' row groups may differ in size (PopulationLinear.set_member_rows): then
+        decoding lets every finished row leave, as plain generation does, not only whole groups and
+        columns."""
+        return False
+
 
 class PopulationLinear(_PopulationLayer):
     """A projection with one weight per member; input rows are grouped by member.
 
     The members' weights are held [members, in, out] whatever the projection's own layout: torch's CPU
     batched matmul takes a contiguous right-hand side 1.3-1.55x faster than a transposed view at decode
-    sizes (32 rows a member), with the same result bit for bit (docs/benchmarks.md). `_materialised`
-    writes them so; weights given in another layout are copied into it.
+    sizes (32 rows a member), with the same result bit for bit (docs/benchmarks.md), and the compiled
+    CPU backend's matmul reads that layout as it lies. `_materialised` writes them so; weights given in
+    another layout are copied into it.
+
+    With the compiled CPU backend (fp32 on the CPU) the product is `cpu_library.member_matmul`, which
+    skips the packing of each member's weights that makes torch's batched matmul slower than the plain
+    model's GEMM while decoding (fastes/engine/csrc/member_matmul_cpu.c); otherwise torch.bmm.
     """
 
-    def __init__(self, base: torch.nn.Module, weights: torch.Tensor, transposed: bool = False) -> None:
+    def __init__(
+        self, base: torch.nn.Module, weights: torch.Tensor, transposed: bool = False, backend: str = "auto"
+    ) -> None:
         super().__init__()
         self.base = base
         # `weights` has the projection's own shape: [members, out, in] for nn.Linear (a transposed view
         # of contiguous [members, in, out] memory costs no copy here), [members, in, out] for a Conv1D
         self.weights = (weights if transposed else weights.transpose(1, 2)).contiguous()
         self.transposed = transposed
+        compiled = ops.resolve_backend([self.weights], backend) == "cpu"
+        self.compiled = compiled and self.weights.dtype == torch.float32  # the library's matmul is fp32
+        self._member_rows: list[int] | None = None  # set_member_rows; None: equal groups
+        self._offsets, self._offsets_for = torch.zeros(1, dtype=torch.int64), -1  # _row_offsets' last answer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         members = self.weights.shape[0]
         batch = x.shape[0]
-        if batch % members:
+        if self._member_rows is None and batch % members:
             raise ValueError(
                 f"population-batched input must have a multiple of {members} rows (rows grouped "
                 f"by member), got {batch}"
             )
+        if self._member_rows is not None and batch != sum(self._member_rows):
+            raise ValueError(f"the batch has {batch} rows, but set_member_rows gave {sum(self._member_rows)}")
+        if self.compiled:
+            flat = x.reshape(-1, x.shape[-1])
+            y = cpu_library.member_matmul(
+                flat, self.weights, self._row_offsets(flat.shape[0]), self.base.bias
+            )
+            return y.view(*x.shape[:-1], y.shape[-1])
         grouped = x.reshape(members, -1, x.shape[-1])  # [members, rows * positions, in]
         y = torch.bmm(grouped, self.weights)
         if self.base.bias is not None:
             y = y + self.base.bias
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
+    def _row_offsets(self, rows: int) -> torch.Tensor:
+        """Where each member's rows of the flattened input [rows, in] start, and the end. Every layer asks
+        at every decode step, so the answer is kept while the rows stay the same."""
+        if self._offsets_for != rows:
+            counts = self._member_rows or [1] * self.weights.shape[0]
+            per_count = rows // sum(counts)  # an equal group's rows, or a batch row's positions
+            self._offsets = torch.tensor([0, *itertools.accumulate(c * per_count for c in counts)])
+            self._offsets_for = rows
+        return self._offsets
+
     @property
     def population_members(self) -> int:
         return self.weights.shape[0]
+
+    @property
+    def takes_unequal_groups(self) -> bool:
+        return self.compiled  # the compiled matmul takes each member's rows where they start
+
+    def set_member_rows(self, counts: list[int] | None) -> None:
+        """Read the batch as counts[m] rows of member m, in member order (members with none included), or
+        as equal groups again (None). Decoding sets it as finished rows leave (fastes.models.decoding)."""
+        if counts is not None and (not self.compiled or len(counts) != self.weights.shape[0]):
+            raise ValueError(
+                "set_member_rows needs the compiled matmul and one count per member "
+                f"({self.weights.shape[0]}), got {None if counts is None else len(counts)}"
+            )
+        self._member_rows, self._offsets_for = counts, -1
 
     def keep_members(self, positions: list[int]) -> None:
         # moved down within the buffer: a copy of the kept members' weights would raise the peak memory
@@ -89,6 +140,7 @@ class PopulationLinear(_PopulationLayer):
             if new != old:
                 self.weights[new].copy_(self.weights[old])
         self.weights = self.weights[: len(positions)]
+        self._offsets_for = -1
 
 
 class VirtualLinear(_PopulationLayer):
@@ -290,7 +342,7 @@ def _population_layers(
             for i, linear in enumerate(linears)
         ]
     return [
-        PopulationLinear(linear.module, weights, linear.transposed)
+        PopulationLinear(linear.module, weights, linear.transposed, es.backend)
         for linear, weights in zip(linears, _materialised(es, group, members, linears))
     ]
 

@@ -7,12 +7,15 @@ work: one member that answers at length keeps all members' rows decoding (on Smo
 docs/results/finished-rows-2026-12-06.md).
 
 Inside `fastes.es.population.population_batched` the batch is read as the members' equal groups of rows
-(one group for a plain model). After each step the rows kept are the live groups' live columns: a group
-is live while any of its rows is unfinished, and column j (the j-th row of every group) while the j-th
-row of any live group is. So the kept rows are again equal groups, and plain generation drops every
-finished row. When members leave, the population layers are told which stay (`keep_members`), and go
-on with those members' weights. A cache with a recurrent state that takes no row selection (a hybrid
-model's convolution or Mamba layers) keeps every row, as transformers' `generate` does.
+(one group for a plain model). Population layers that take groups of any size (the materialised
+layer's compiled CPU matmul: `takes_unequal_groups`) are told each member's count of rows still going
+(`set_member_rows`), and every finished row leaves, as in plain generation. Otherwise the rows kept
+after each step are the live groups' live columns: a group is live while any of its rows is
+unfinished, and column j (the j-th row of every group) while the j-th row of any live group is. So the
+kept rows are again equal groups. When members leave, the population layers are told which stay
+(`keep_members`), and go on with those members' weights. A cache with a recurrent state that takes no
+row selection (a hybrid model's convolution or Mamba layers) keeps every row, as transformers'
+`generate` does.
 
 Each step computes what transformers' greedy `generate` computes for the rows it keeps (the same inputs,
 positions and cache), so a row's tokens agree with it as far as the logits do: a CPU GEMM may round a row
@@ -49,7 +52,11 @@ def decode(
     """
     rows = input_ids.shape[0]
     layers = _population_layers(model)
-    groups = layers[0].population_members if layers else 1
+    members = layers[0].population_members if layers else 1
+    # layers that take the members' rows in groups of any size let every finished row leave, as in a
+    # plain model (one group); the others keep the live groups' live columns
+    unequal = bool(layers) and all(layer.takes_unequal_groups for layer in layers)
+    groups = 1 if unequal else members
     out = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=input_ids.device)
     eos = torch.tensor(list(eos_ids), dtype=torch.long, device=input_ids.device)
     live = torch.arange(rows, device=input_ids.device)  # the batch's rows, as indices into the whole batch
@@ -63,27 +70,36 @@ def decode(
     # a recurrent layer's state (a hybrid model's convolution or Mamba state) may take no row selection:
     # then every row decodes until the last stops, as in transformers' generate
     droppable = all(hasattr(layer, "batch_select_indices") for layer in cache.layers)
-    for step in range(max_new_tokens):
-        # a finished row that stays (its group or column is live) is fed padding, as transformers feeds it
-        tokens = choose(sequences, logits, live, step).masked_fill(finished, pad_id)
-        out[live, step] = tokens
-        finished = finished | torch.isin(tokens, eos)
-        kept_groups, kept = _kept(~finished, groups)
-        if kept is None or step + 1 == max_new_tokens:
-            break
-        if droppable and kept.shape[0] < live.shape[0]:  # the finished rows leave, and their cache
-            tokens, sequences, mask, positions, live, finished = (
-                t[kept] for t in (tokens, sequences, mask, positions, live, finished)
-            )
-            cache.batch_select_indices(kept)
-            if len(kept_groups) < groups:
-                groups = len(kept_groups)
-                for layer in layers:
-                    layer.keep_members(kept_groups)
-        sequences = torch.cat([sequences, tokens[:, None]], dim=-1)
-        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
-        positions = positions[:, -1:] + 1
-        logits = _forward(model, tokens[:, None], mask, positions, options)
+    try:
+        for step in range(max_new_tokens):
+            # a finished row that stays (its group or column is live) is fed padding, as transformers does
+            tokens = choose(sequences, logits, live, step).masked_fill(finished, pad_id)
+            out[live, step] = tokens
+            finished = finished | torch.isin(tokens, eos)
+            kept_groups, kept = _kept(~finished, groups)
+            if kept is None or step + 1 == max_new_tokens:
+                break
+            if droppable and kept.shape[0] < live.shape[0]:  # the finished rows leave, and their cache
+                tokens, sequences, mask, positions, live, finished = (
+                    t[kept] for t in (tokens, sequences, mask, positions, live, finished)
+                )
+                cache.batch_select_indices(kept)
+                if unequal:  # row i of the whole batch is member i // (rows / members)'s
+                    counts = torch.bincount(live // (rows // members), minlength=members).tolist()
+                    for layer in layers:
+                        layer.set_member_rows(counts)
+                elif len(kept_groups) < groups:
+                    groups = len(kept_groups)
+                    for layer in layers:
+                        layer.keep_members(kept_groups)
+            sequences = torch.cat([sequences, tokens[:, None]], dim=-1)
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
+            positions = positions[:, -1:] + 1
+            logits = _forward(model, tokens[:, None], mask, positions, options)
+    finally:
+        if unequal:  # the layers read equal groups again, as population_batched made them
+            for layer in layers:
+                layer.set_member_rows(None)
     return out
 
 

@@ -1,0 +1,111 @@
+/* The materialised population's matmul: for each member m in [lo, hi),
+
+       y[i] = x[i] @ w[m] (+ bias)        for the rows offsets[m] <= i < offsets[m + 1]
+
+   x [rows, k], w [members, k, n], y [rows, n], all row-major and contiguous, fp32. Members may have
+   different numbers of rows (none, once all of a member's rows have finished decoding). torch's batched matmul hands each member's small GEMM to BLAS,
+   which packs the member's weight panel before using it for only a few rows (32 a member while
+   decoding): in the tiny model's generation that made the materialised population's matmuls 1.3-1.6x
+   slower than the plain model's one GEMM over all rows. Here the weights are read where they lie:
+   a panel of 16 * COLUMN_VECTORS columns of w[m] (a few KB, in L1) serves every block of ROW_BLOCK rows,
+   whose sums stay in registers across the whole k loop. Each output is summed over k in order, so a
+   row's result does not depend on how many rows run beside it.
+
+   Multiply-adds are fused (the library's other files are built with -ffp-contract=off for the noise's
+   sake; this file opts back in), so results agree with torch's GEMM to float tolerance, not bit for
+   bit. Built into the same library as noise_cpu.c by fastes/engine/cpu_library.py; callers split the
+   members [lo, hi) across threads. */
+
+#if defined(__clang__)
+#pragma clang fp contract(fast)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=fast")
+#endif
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef float vec16 __attribute__((vector_size(64)));
+
+/* Sums in registers: ROW_BLOCK x COLUMN_VECTORS 16-float vectors. 12 x 2 fills 24 of AVX-512's 32
+   registers; with 16 AVX2 registers (a vec16 is two of them) 6 x 1 leaves room for the operands. */
+#if defined(__AVX512F__)
+#define ROW_BLOCK 12
+#define COLUMN_VECTORS 2
+#else
+#define ROW_BLOCK 6
+#define COLUMN_VECTORS 1
+#endif
+
+/* y[r, 0:16 * vectors] = x[r, :] @ w[:, 0:16 * vectors] (+ bias) for r < rows (rows <= ROW_BLOCK);
+   y and w are rows of length n, x rows of length k. Constant arguments after inlining, so the loops
+   over rows and vectors unroll and the sums live in registers. */
+static inline __attribute__((always_inline)) void row_block(const int rows, const int vectors,
+                                                            const float *x, const float *w,
+                                                            const float *bias, float *y, int64_t k,
+                                                            int64_t n) {
+    vec16 sum[ROW_BLOCK][COLUMN_VECTORS];
+    _Pragma("GCC unroll 16") for (int v = 0; v < vectors; v++) {
+        vec16 start = {0};
+        if (bias) memcpy(&start, bias + 16 * v, sizeof start);
+        _Pragma("GCC unroll 16") for (int r = 0; r < rows; r++) sum[r][v] = start;
+    }
+    for (int64_t p = 0; p < k; p++) {
+        vec16 w_p[COLUMN_VECTORS];
+        _Pragma("GCC unroll 16") for (int v = 0; v < vectors; v++) memcpy(&w_p[v], w + p * n + 16 * v, 64);
+        _Pragma("GCC unroll 16") for (int r = 0; r < rows; r++) {
+            const float x_rp = x[r * k + p];
+            _Pragma("GCC unroll 16") for (int v = 0; v < vectors; v++) sum[r][v] += x_rp * w_p[v];
+        }
+    }
+    _Pragma("GCC unroll 16") for (int r = 0; r < rows; r++)
+        _Pragma("GCC unroll 16") for (int v = 0; v < vectors; v++) memcpy(y + r * n + 16 * v, &sum[r][v], 64);
+}
+
+/* One panel of columns for all rows of a member: full row blocks, then the rows left over. */
+static inline __attribute__((always_inline)) void panel(const int vectors, const float *x, const float *w,
+                                                        const float *bias, float *y, int64_t rows,
+                                                        int64_t k, int64_t n) {
+    int64_t r = 0;
+    for (; r + ROW_BLOCK <= rows; r += ROW_BLOCK) row_block(ROW_BLOCK, vectors, x + r * k, w, bias, y + r * n, k, n);
+    x += r * k;
+    y += r * n;
+    switch (rows - r) { /* a constant row count in each case, as in the full blocks */
+        case 1: row_block(1, vectors, x, w, bias, y, k, n); break;
+        case 2: row_block(2, vectors, x, w, bias, y, k, n); break;
+        case 3: row_block(3, vectors, x, w, bias, y, k, n); break;
+        case 4: row_block(4, vectors, x, w, bias, y, k, n); break;
+        case 5: row_block(5, vectors, x, w, bias, y, k, n); break;
+#if ROW_BLOCK > 6
+        case 6: row_block(6, vectors, x, w, bias, y, k, n); break;
+        case 7: row_block(7, vectors, x, w, bias, y, k, n); break;
+        case 8: row_block(8, vectors, x, w, bias, y, k, n); break;
+        case 9: row_block(9, vectors, x, w, bias, y, k, n); break;
+        case 10: row_block(10, vectors, x, w, bias, y, k, n); break;
+        case 11: row_block(11, vectors, x, w, bias, y, k, n); break;
+#endif
+        default: break;
+    }
+}
+
+void fastes_member_matmul_f32(const float *x, const float *w, const float *bias, float *y,
+                              const int64_t *offsets, int64_t k, int64_t n, int64_t lo, int64_t hi) {
+    for (int64_t m = lo; m < hi; m++) {
+        const int64_t rows = offsets[m + 1] - offsets[m];
+        const float *x_m = x + offsets[m] * k, *w_m = w + m * k * n;
+        float *y_m = y + offsets[m] * n;
+        int64_t c = 0;
+        for (; c + 16 * COLUMN_VECTORS <= n; c += 16 * COLUMN_VECTORS)
+            panel(COLUMN_VECTORS, x_m, w_m + c, bias ? bias + c : NULL, y_m + c, rows, k, n);
+#if COLUMN_VECTORS > 1
+        for (; c + 16 <= n; c += 16) panel(1, x_m, w_m + c, bias ? bias + c : NULL, y_m + c, rows, k, n);
+#endif
+        for (; c < n; c++) /* the last columns, fewer than a vector's 16, one by one */
+            for (int64_t r = 0; r < rows; r++) {
+                float sum = bias ? bias[c] : 0.0f;
+                for (int64_t p = 0; p < k; p++) sum += x_m[r * k + p] * w_m[p * n + c];
+                y_m[r * n + c] = sum;
+            }
+    }
+}

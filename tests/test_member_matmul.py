@@ -1,0 +1,119 @@
+"""The materialised population's compiled matmul (cpu_library.member_matmul, csrc/member_matmul_cpu.c)
+against the plain-torch reference: each member's rows times its own weights, in float64.
+
+Odd sizes on every axis (rows around the row blocks of 6 and 12, columns around the 16- and 32-wide
+panels, a member with no rows), with and without a bias, several seeds; the thread count and the rows
+beside a row never change its bits; and the population layer that uses it reads unequal row groups.
+"""
+
+import pytest
+import torch
+
+from fastes.engine import cpu_library
+from fastes.es.population import PopulationLinear
+
+SEEDS = [0, 1, 31337]
+COLUMNS = [1, 15, 16, 17, 31, 32, 33, 47, 64, 100]
+ROW_GROUPS = [[1], [5, 0, 7], [6, 12, 13], [25, 32, 11, 1]]
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, counts: list[int], bias: torch.Tensor | None) -> torch.Tensor:
+    """Member m's rows (the m-th of the consecutive groups of counts[m] rows) times w[m], in float64."""
+    parts = [rows.double() @ w_m.double() for rows, w_m in zip(x.split(counts), w)]
+    y = torch.cat(parts)
+    return y if bias is None else y + bias.double()
+
+
+def offsets_of(counts: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int64)
+
+
+def problem(counts: list[int], k: int, n: int, seed: int, with_bias: bool):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(counts), k, generator=generator)
+    w = torch.randn(len(counts), k, n, generator=generator)
+    bias = torch.randn(n, generator=generator) if with_bias else None
+    return x, w, bias
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("counts", ROW_GROUPS, ids=str)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_member_matmul_matches_the_reference(seed, counts, with_bias):
+    for k in (1, 17, 64):
+        for n in COLUMNS:
+            x, w, bias = problem(counts, k, n, seed, with_bias)
+            got = cpu_library.member_matmul(x, w, offsets_of(counts), bias)
+            assert got.dtype == torch.float32 and got.shape == (sum(counts), n)
+            # fp32 products summed over k: the error grows with sqrt(k) times the terms' size
+            torch.testing.assert_close(got.double(), reference(x, w, counts, bias), rtol=1e-5, atol=2e-6 * k)
+
+
+def test_a_rows_result_depends_on_neither_the_threads_nor_the_rows_beside_it():
+    counts = [13, 7, 30, 2]
+    x, w, bias = problem(counts, 96, 80, seed=5, with_bias=True)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = cpu_library.member_matmul(x, w, offsets_of(counts), bias)
+        torch.set_num_threads(2)
+        split = cpu_library.member_matmul(x, w, offsets_of(counts), bias)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, split)
+    # member 2's row 20 by itself, as the only row of the only member
+    row = sum(counts[:2]) + 20
+    single = cpu_library.member_matmul(x[row : row + 1], w[2:3].contiguous(), offsets_of([1]), bias)
+    assert torch.equal(single[0], alone[row])
+
+
+def test_member_matmul_refuses_what_it_cannot_compute():
+    x, w, _ = problem([3, 4], 8, 16, seed=0, with_bias=False)
+    with pytest.raises(ValueError, match="fp32"):
+        cpu_library.member_matmul(x.double(), w.double(), offsets_of([3, 4]))
+    with pytest.raises(ValueError, match="do not match"):
+        cpu_library.member_matmul(x, w, offsets_of([7]))
+    with pytest.raises(ValueError, match="do not match"):
+        cpu_library.member_matmul(x[:, :5], w, offsets_of([3, 4]))
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_library.member_matmul(x, w.transpose(1, 2).contiguous().transpose(1, 2), offsets_of([3, 4]))
+    with pytest.raises(ValueError, match="int64"):
+        cpu_library.member_matmul(x, w, offsets_of([3, 4]).int())
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_population_layer_reads_unequal_row_groups(bias):
+    """set_member_rows([2, 0, 3]): member 0's two rows, none of member 1's, member 2's three, each
+    through its own weights; None reads equal groups again."""
+    torch.manual_seed(0)
+    base = torch.nn.Linear(24, 40, bias=bias)
+    weights = torch.randn(3, 40, 24)  # [members, out, in], the projection's own layout
+    layer = PopulationLinear(base, weights)
+    assert layer.compiled and layer.takes_unequal_groups
+    x = torch.randn(5, 4, 24)  # 5 batch rows of 4 positions
+    layer.set_member_rows([2, 0, 3])
+    got = layer(x)
+    expected = torch.cat(
+        [
+            torch.nn.functional.linear(x[:2], weights[0], base.bias),
+            torch.nn.functional.linear(x[2:], weights[2], base.bias),
+        ]
+    )
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="set_member_rows gave 5"):
+        layer(torch.randn(6, 1, 24))
+    layer.set_member_rows(None)
+    equal = layer(x[:3])
+    expected = torch.cat([torch.nn.functional.linear(x[i : i + 1], weights[i], base.bias) for i in range(3)])
+    torch.testing.assert_close(equal, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_without_the_compiled_matmul_the_layer_keeps_equal_groups():
+    base = torch.nn.Linear(8, 8)
+    layer = PopulationLinear(base, torch.randn(2, 8, 8), backend="torch")  # torch.bmm
+    assert not layer.compiled and not layer.takes_unequal_groups
+    with pytest.raises(ValueError, match="compiled matmul"):
+        layer.set_member_rows([1, 1])
+    float64 = PopulationLinear(base.double(), torch.randn(2, 8, 8, dtype=torch.float64))
+    assert not float64.takes_unequal_groups  # the library's matmul is fp32
