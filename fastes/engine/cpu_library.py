@@ -593,16 +593,18 @@ def lowrank_update_all(
 # The materialised population's matmul
 # ---------------------------------------------------------------------------------------------------
 
-_MATMUL_MIN_FLOPS_PER_THREAD = 1 << 21  # below this, a thread costs more than it saves
-
 
 def member_matmul(
     x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x[i] @ w[m] (+ bias) for the rows offsets[m] <= i < offsets[m + 1] of x [rows, k]: torch.bmm over
     the members' row groups, which may differ in size. w [members, k, n] (contiguous), offsets int64
-    [members + 1] from 0 to rows, bias [n]; fp32 on the CPU. The members are split over the threads.
-    See csrc/member_matmul_cpu.c for why it is faster than torch's batched matmul at these sizes."""
+    [members + 1] from 0 to rows, bias [n]; fp32 on the CPU. See csrc/member_matmul_cpu.c for why it is
+    faster than torch's batched matmul at these sizes.
+
+    It runs on the calling thread only: the population layer calls it where torch runs one thread. In
+    threads of our own beside torch's pool, SmolLM2's materialised generation ran at 0.62x of plain
+    generation, against 0.96x with torch.bmm in the pool (docs/benchmarks.md)."""
     members, k, n = w.shape
     rows = x.shape[0]
     if x.dim() != 2 or x.shape[1] != k or offsets.shape != (members + 1,):
@@ -615,14 +617,10 @@ def member_matmul(
         raise ValueError("member_matmul takes fp32 CPU tensors and contiguous weights")
     if offsets.dtype != torch.int64 or not offsets.is_contiguous():
         raise ValueError("member_matmul takes the row offsets as a contiguous int64 tensor")
-    library = _load()
     x, bias = x.contiguous(), None if bias is None else bias.contiguous()
     y = torch.empty(rows, n, dtype=torch.float32)
-    args = (x.data_ptr(), w.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr())
-    # the tensors above stay referenced until _parallel returns: the library reads them by address
-    _parallel(
-        lambda lo, hi: library.fastes_member_matmul_f32(*args, offsets.data_ptr(), k, n, lo, hi),
-        members,
-        max(1, int(_MATMUL_MIN_FLOPS_PER_THREAD * members / max(2 * rows * k * n, 1))),
+    bias_address = None if bias is None else bias.data_ptr()
+    _load().fastes_member_matmul_f32(
+        x.data_ptr(), w.data_ptr(), bias_address, y.data_ptr(), offsets.data_ptr(), k, n, 0, members
     )
     return y
