@@ -2,9 +2,8 @@
 against the plain-torch reference: each member's rows times its own weights, in float64.
 
 Odd sizes on every axis (rows around the row blocks of 6 and 12, columns around the 16- and 32-wide
-panels, a member with no rows), with and without a bias, several seeds; the rows beside a row never
-change its bits; and the population layer uses it, with unequal row groups, where torch runs one
-thread, and torch.bmm in equal groups where it runs more.
+panels, a member with no rows), with and without a bias, several seeds; the thread count and the rows
+beside a row never change its bits; and the population layer reads unequal row groups with it.
 """
 
 import pytest
@@ -40,24 +39,39 @@ def problem(counts: list[int], k: int, n: int, seed: int, with_bias: bool):
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("counts", ROW_GROUPS, ids=str)
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_member_matmul_matches_the_reference(seed, counts, with_bias):
-    for k in (1, 17, 64):
-        for n in COLUMNS:
-            x, w, bias = problem(counts, k, n, seed, with_bias)
-            got = cpu_library.member_matmul(x, w, offsets_of(counts), bias)
-            assert got.dtype == torch.float32 and got.shape == (sum(counts), n)
-            # fp32 products summed over k: the error grows with sqrt(k) times the terms' size
-            torch.testing.assert_close(got.double(), reference(x, w, counts, bias), rtol=1e-5, atol=2e-6 * k)
+@pytest.mark.parametrize("threads", [1, 2])  # the larger problems are shared by torch's threads
+def test_member_matmul_matches_the_reference(seed, counts, with_bias, threads):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for k in (1, 17, 64):
+            for n in COLUMNS:
+                x, w, bias = problem(counts, k, n, seed, with_bias)
+                got = cpu_library.member_matmul(x, w, offsets_of(counts), bias)
+                assert got.dtype == torch.float32 and got.shape == (sum(counts), n)
+                # fp32 products summed over k: the error grows with sqrt(k) times the terms' size
+                expected = reference(x, w, counts, bias)
+                torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=2e-6 * k)
+    finally:
+        torch.set_num_threads(previous)
 
 
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
-    counts = [13, 7, 30, 2]
+def test_a_rows_result_depends_on_neither_the_threads_nor_the_rows_beside_it():
+    counts = [13, 7, 30, 2]  # enough work for torch's threads to share it
     x, w, bias = problem(counts, 96, 80, seed=5, with_bias=True)
-    together = cpu_library.member_matmul(x, w, offsets_of(counts), bias)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = cpu_library.member_matmul(x, w, offsets_of(counts), bias)
+        torch.set_num_threads(2)
+        split = cpu_library.member_matmul(x, w, offsets_of(counts), bias)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, split)
     # member 2's row 20 by itself, as the only row of the only member
     row = sum(counts[:2]) + 20
     single = cpu_library.member_matmul(x[row : row + 1], w[2:3].contiguous(), offsets_of([1]), bias)
-    assert torch.equal(single[0], together[row])
+    assert torch.equal(single[0], alone[row])
 
 
 def test_member_matmul_refuses_what_it_cannot_compute():
@@ -110,24 +124,3 @@ def test_without_the_compiled_matmul_the_layer_keeps_equal_groups():
         layer.set_member_rows([1, 1])
     float64 = PopulationLinear(base.double(), torch.randn(2, 8, 8, dtype=torch.float64))
     assert not float64.takes_unequal_groups  # the library's matmul is fp32
-
-
-@torch.no_grad()
-def test_with_more_torch_threads_the_layer_runs_torch_bmm_on_equal_groups():
-    torch.manual_seed(1)
-    base = torch.nn.Linear(24, 40)
-    weights = torch.randn(3, 40, 24)
-    layer = PopulationLinear(base, weights)
-    x = torch.randn(6, 2, 24)
-    grouped = torch.bmm(x.reshape(3, -1, 24), layer.weights) + base.bias
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        assert layer.compiled and not layer.takes_unequal_groups  # decoding keeps equal groups
-        assert torch.equal(layer(x), grouped.reshape(6, 2, 40))  # torch.bmm's bits
-        layer.set_member_rows([1, 2, 3])  # set anyway: the compiled matmul reads them, on this thread
-        unequal = layer(x)
-        torch.set_num_threads(1)
-        assert torch.equal(layer(x), unequal)
-    finally:
-        torch.set_num_threads(threads)

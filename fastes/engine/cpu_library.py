@@ -73,6 +73,9 @@ SOURCES = tuple(
 # so the normals are the same bits on every CPU.
 _FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=off"]
 _ARCH_FLAGS = {"x86_64": ["-march=native"], "AMD64": ["-march=native"], "aarch64": ["-mcpu=native"]}
+# The member matmul's threads: OpenMP's, in the runtime torch loaded (member_matmul). A compiler without
+# OpenMP builds the library without it, and the matmul runs on the calling thread.
+_OPENMP = ["-fopenmp"]
 _POINTER, _I64, _U32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32
 _FLOAT = ctypes.c_float
 # Every function starts (part table, [part addresses,] parts, first lane block, end lane block, stream
@@ -86,7 +89,7 @@ _SIGNATURES = {
     + [_FLOAT, _FLOAT],
     # (w, a, b transposed, columns, a's columns, decay, first row, end row): lowrank_cpu.c
     "fastes_lowrank_update_f32": [_POINTER] * 3 + [_I64, _I64, _FLOAT, _I64, _I64],
-    # (x, w, bias or NULL, y, row offsets, k, n, first member, end member): member_matmul_cpu.c
+    # (x, w, bias or NULL, y, row offsets, k, n, members, threads): member_matmul_cpu.c
     "fastes_member_matmul_f32": [_POINTER] * 5 + [_I64] * 4,
 }
 
@@ -131,13 +134,14 @@ def _cpu_identity() -> str:
 def _build(compiler: str) -> Path:
     """Compile SOURCES for this machine (or reuse the cached build): the path of the shared library.
 
-    Falls back to portable flags when the native ones are refused. The file is written under a
-    temporary name and renamed, so processes building at the same time never load a partial file.
+    Falls back to no OpenMP, then to portable flags, when the compiler refuses them. The file is written
+    under a temporary name and renamed, so processes building at the same time never load a partial file.
     """
     source = b"".join(path.read_bytes() for path in SOURCES)
     arch = _ARCH_FLAGS.get(platform.machine(), [])
     errors = []
-    for flags in ([*_FLAGS, *arch], _FLAGS) if arch else (_FLAGS,):
+    tried = [[*_FLAGS, *arch, *_OPENMP], [*_FLAGS, *arch], [*_FLAGS, *_OPENMP], _FLAGS]
+    for flags in [f for i, f in enumerate(tried) if f not in tried[:i]]:
         identity = "\0".join([compiler, *flags, _cpu_identity(), sys.platform]).encode()
         digest = hashlib.sha256(source + identity).hexdigest()[:16]
         path = cache_dir() / f"noise_cpu-{digest}.so"
@@ -594,6 +598,9 @@ def lowrank_update_all(
 # ---------------------------------------------------------------------------------------------------
 
 
+_MATMUL_MIN_FLOPS_PARALLEL = 1 << 19  # below this, waking torch's threads costs more than it saves
+
+
 def member_matmul(
     x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -602,9 +609,10 @@ def member_matmul(
     [members + 1] from 0 to rows, bias [n]; fp32 on the CPU. See csrc/member_matmul_cpu.c for why it is
     faster than torch's batched matmul at these sizes.
 
-    It runs on the calling thread only: the population layer calls it where torch runs one thread. In
-    threads of our own beside torch's pool, SmolLM2's materialised generation ran at 0.62x of plain
-    generation, against 0.96x with torch.bmm in the pool (docs/benchmarks.md)."""
+    It runs in torch's own OpenMP threads (torch.get_num_threads() of them): the library is built with
+    -fopenmp and so links libgomp.so.1, which the loader finds already loaded with torch. Threads of our
+    own beside torch's pool contended with its spinning threads (SmolLM2's materialised generation at
+    0.62x of plain generation, against 0.96x with torch.bmm: docs/benchmarks.md)."""
     members, k, n = w.shape
     rows = x.shape[0]
     if x.dim() != 2 or x.shape[1] != k or offsets.shape != (members + 1,):
@@ -620,7 +628,8 @@ def member_matmul(
     x, bias = x.contiguous(), None if bias is None else bias.contiguous()
     y = torch.empty(rows, n, dtype=torch.float32)
     bias_address = None if bias is None else bias.data_ptr()
+    threads = torch.get_num_threads() if 2 * rows * k * n >= _MATMUL_MIN_FLOPS_PARALLEL else 1
     _load().fastes_member_matmul_f32(
-        x.data_ptr(), w.data_ptr(), bias_address, y.data_ptr(), offsets.data_ptr(), k, n, 0, members
+        x.data_ptr(), w.data_ptr(), bias_address, y.data_ptr(), offsets.data_ptr(), k, n, members, threads
     )
     return y

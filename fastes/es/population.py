@@ -65,11 +65,10 @@ class PopulationLinear(_PopulationLayer):
     CPU backend's matmul reads that layout as it lies. `_materialised` writes them so; weights given in
     another layout are copied into it.
 
-    With the compiled CPU backend (fp32 on the CPU) and one torch thread (the tiny model's runs; each
-    torchrun process), the product is `cpu_library.member_matmul`: it skips the packing of each member's
-    weights that makes torch's batched matmul slower than the plain model's GEMM while decoding
-    (fastes/engine/csrc/member_matmul_cpu.c), and it takes the members' rows in groups of any size
-    (`set_member_rows`). Otherwise torch.bmm, in torch's thread pool.
+    With the compiled CPU backend (fp32 on the CPU) the product is `cpu_library.member_matmul`: it skips
+    the packing of each member's weights that makes torch's batched matmul slower than the plain model's
+    GEMM while decoding (fastes/engine/csrc/member_matmul_cpu.c), and it takes the members' rows in
+    groups of any size (`set_member_rows`). Otherwise torch.bmm.
     """
 
     def __init__(
@@ -96,7 +95,7 @@ class PopulationLinear(_PopulationLayer):
             )
         if self._member_rows is not None and batch != sum(self._member_rows):
             raise ValueError(f"the batch has {batch} rows, but set_member_rows gave {sum(self._member_rows)}")
-        if self._member_rows is not None or self.takes_unequal_groups:
+        if self.compiled:
             flat = x.reshape(-1, x.shape[-1])
             y = cpu_library.member_matmul(
                 flat, self.weights, self._row_offsets(flat.shape[0]), self.base.bias
@@ -124,8 +123,7 @@ class PopulationLinear(_PopulationLayer):
 
     @property
     def takes_unequal_groups(self) -> bool:
-        # the compiled matmul takes each member's rows where they start; it runs on one thread
-        return self.compiled and torch.get_num_threads() == 1
+        return self.compiled  # the compiled matmul takes each member's rows where they start
 
     def set_member_rows(self, counts: list[int] | None) -> None:
         """Read the batch as counts[m] rows of member m, in member order (members with none included), or

@@ -89,23 +89,34 @@ static inline __attribute__((always_inline)) void panel(const int vectors, const
     }
 }
 
-void fastes_member_matmul_f32(const float *x, const float *w, const float *bias, float *y,
-                              const int64_t *offsets, int64_t k, int64_t n, int64_t lo, int64_t hi) {
-    for (int64_t m = lo; m < hi; m++) {
-        const int64_t rows = offsets[m + 1] - offsets[m];
-        const float *x_m = x + offsets[m] * k, *w_m = w + m * k * n;
-        float *y_m = y + offsets[m] * n;
-        int64_t c = 0;
-        for (; c + 16 * COLUMN_VECTORS <= n; c += 16 * COLUMN_VECTORS)
-            panel(COLUMN_VECTORS, x_m, w_m + c, bias ? bias + c : NULL, y_m + c, rows, k, n);
+/* Columns [c, end) of member m's rows: 16 * COLUMN_VECTORS-wide panels, then 16-wide ones, then the last
+   columns, fewer than a vector's 16, one by one. */
+static void columns(const float *x, const float *w, const float *bias, float *y, const int64_t *offsets,
+                    int64_t m, int64_t c, int64_t end, int64_t k, int64_t n) {
+    const int64_t rows = offsets[m + 1] - offsets[m];
+    const float *x_m = x + offsets[m] * k, *w_m = w + m * k * n;
+    float *y_m = y + offsets[m] * n;
+    for (; c + 16 * COLUMN_VECTORS <= end; c += 16 * COLUMN_VECTORS)
+        panel(COLUMN_VECTORS, x_m, w_m + c, bias ? bias + c : NULL, y_m + c, rows, k, n);
 #if COLUMN_VECTORS > 1
-        for (; c + 16 <= n; c += 16) panel(1, x_m, w_m + c, bias ? bias + c : NULL, y_m + c, rows, k, n);
+    for (; c + 16 <= end; c += 16) panel(1, x_m, w_m + c, bias ? bias + c : NULL, y_m + c, rows, k, n);
 #endif
-        for (; c < n; c++) /* the last columns, fewer than a vector's 16, one by one */
-            for (int64_t r = 0; r < rows; r++) {
-                float sum = bias ? bias[c] : 0.0f;
-                for (int64_t p = 0; p < k; p++) sum += x_m[r * k + p] * w_m[p * n + c];
-                y_m[r * n + c] = sum;
-            }
+    for (; c < end; c++)
+        for (int64_t r = 0; r < rows; r++) {
+            float sum = bias ? bias[c] : 0.0f;
+            for (int64_t p = 0; p < k; p++) sum += x_m[r * k + p] * w_m[p * n + c];
+            y_m[r * n + c] = sum;
+        }
+}
+
+/* The work is split into (member, panel of columns) pieces over `threads` OpenMP threads: torch's own
+   pool, where the library shares torch's OpenMP runtime (cpu_library.py). */
+void fastes_member_matmul_f32(const float *x, const float *w, const float *bias, float *y,
+                              const int64_t *offsets, int64_t k, int64_t n, int64_t members, int64_t threads) {
+    const int64_t width = 16 * COLUMN_VECTORS, panels = (n + width - 1) / width;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t piece = 0; piece < members * panels; piece++) {
+        const int64_t m = piece / panels, c = (piece % panels) * width;
+        columns(x, w, bias, y, offsets, m, c, c + width < n ? c + width : n, k, n);
     }
 }
