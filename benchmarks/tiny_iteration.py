@@ -9,12 +9,13 @@ batched generation of the same 512 rows; the same generate call inside `populati
 perturbed weights or factors in place, built once outside the timing); entering and leaving
 `population_batched` alone; and a whole `es_iteration`, whose own split (generation, noise, scoring,
 update) it records. The headline is the iteration's time over plain generation's for the same rows and
-steps (every row runs the same number of decode steps, so the time ratio compares the same work; the
-generated-token rate is also reported, and is lower for ES whenever perturbed members stop earlier at
-EOS). Medians over rounds (and, beside them, the fastest round of each), run as `fastes train` runs its
-steps: with the objects made before them frozen out of full garbage collections. Measured, never
-asserted. Writes <out>/tiny-iteration-<date>.json and
-.md (the tiny model runs on one thread, as `fastes train` runs it: see fastes.run.train).
+max_new_tokens (in both, a row leaves the batch when it finishes; the generated-token rate is also
+reported, and is lower for ES whenever perturbed members stop earlier at EOS). Medians over rounds
+(and, beside them, the fastest round of each), run as `fastes train` runs its steps: with the objects
+made before them frozen out of full garbage collections. Measured, never asserted. Writes
+<out>/tiny-iteration-<date>.json and .md. One thread by default, the count `fastes.run.auto_settings`
+gives a tiny model; a lone `fastes` command then generates with its share of the cores, every core
+(fastes.engine.cpu_share): `--threads 2` measures that on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ def markdown(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tiny_iteration", description=__doc__)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--modes", default="materialised,lowrank")
     parser.add_argument("--antithetic", action="store_true", help="antithetic pairs, as a run's default")
