@@ -612,7 +612,7 @@ def member_matmul(
     It runs in torch's own OpenMP threads (torch.get_num_threads() of them): the library is built with
     -fopenmp and so links libgomp.so.1, which the loader finds already loaded with torch. Threads of our
     own beside torch's pool contended with its spinning threads (SmolLM2's materialised generation at
-    0.62x of plain generation, against 0.96x with torch.bmm: docs/benchmarks.md)."""
+    0.62x of plain generation, against 0.96x with torch.bmm: docs/results/member-matmul-2026-12-06.md)."""
     members, k, n = w.shape
     rows = x.shape[0]
     if x.dim() != 2 or x.shape[1] != k or offsets.shape != (members + 1,):

@@ -1,20 +1,21 @@
-/* The materialised population's matmul: for each member m in [lo, hi),
+/* The materialised population's matmul: for every member m,
 
        y[i] = x[i] @ w[m] (+ bias)        for the rows offsets[m] <= i < offsets[m + 1]
 
    x [rows, k], w [members, k, n], y [rows, n], all row-major and contiguous, fp32. Members may have
-   different numbers of rows (none, once all of a member's rows have finished decoding). torch's batched matmul hands each member's small GEMM to BLAS,
-   which packs the member's weight panel before using it for only a few rows (32 a member while
-   decoding): in the tiny model's generation that made the materialised population's matmuls 1.3-1.6x
-   slower than the plain model's one GEMM over all rows. Here the weights are read where they lie:
-   a panel of 16 * COLUMN_VECTORS columns of w[m] (a few KB, in L1) serves every block of ROW_BLOCK rows,
-   whose sums stay in registers across the whole k loop. Each output is summed over k in order, so a
-   row's result does not depend on how many rows run beside it.
+   different numbers of rows (none, once all of a member's rows have finished decoding).
+
+   torch's batched matmul hands each member's small GEMM to BLAS, which packs the member's weight panel
+   before using it for only a few rows (32 a member while the tiny model decodes), so the population's
+   matmuls ran behind the plain model's one GEMM over all rows (docs/results/member-matmul-2026-12-06.md).
+   Here the weights are read where they lie: a panel of 16 * COLUMN_VECTORS columns of w[m] (a few KB,
+   in L1) serves every block of ROW_BLOCK rows, whose sums stay in registers across the whole k loop.
+   Each output is summed over k in order, so a row's result depends neither on the rows beside it nor
+   on the threads.
 
    Multiply-adds are fused (the library's other files are built with -ffp-contract=off for the noise's
    sake; this file opts back in), so results agree with torch's GEMM to float tolerance, not bit for
-   bit. Built into the same library as noise_cpu.c by fastes/engine/cpu_library.py; callers split the
-   members [lo, hi) across threads. */
+   bit. Built into the same library as noise_cpu.c by fastes/engine/cpu_library.py. */
 
 #if defined(__clang__)
 #pragma clang fp contract(fast)
@@ -53,14 +54,16 @@ static inline __attribute__((always_inline)) void row_block(const int rows, cons
     }
     for (int64_t p = 0; p < k; p++) {
         vec16 w_p[COLUMN_VECTORS];
-        _Pragma("GCC unroll 16") for (int v = 0; v < vectors; v++) memcpy(&w_p[v], w + p * n + 16 * v, 64);
+        _Pragma("GCC unroll 16") for (int v = 0; v < vectors; v++)
+            memcpy(&w_p[v], w + p * n + 16 * v, sizeof w_p[v]);
         _Pragma("GCC unroll 16") for (int r = 0; r < rows; r++) {
             const float x_rp = x[r * k + p];
             _Pragma("GCC unroll 16") for (int v = 0; v < vectors; v++) sum[r][v] += x_rp * w_p[v];
         }
     }
     _Pragma("GCC unroll 16") for (int r = 0; r < rows; r++)
-        _Pragma("GCC unroll 16") for (int v = 0; v < vectors; v++) memcpy(y + r * n + 16 * v, &sum[r][v], 64);
+        _Pragma("GCC unroll 16") for (int v = 0; v < vectors; v++)
+            memcpy(y + r * n + 16 * v, &sum[r][v], sizeof sum[r][v]);
 }
 
 /* One panel of columns for all rows of a member: full row blocks, then the rows left over. */
@@ -68,7 +71,8 @@ static inline __attribute__((always_inline)) void panel(const int vectors, const
                                                         const float *bias, float *y, int64_t rows,
                                                         int64_t k, int64_t n) {
     int64_t r = 0;
-    for (; r + ROW_BLOCK <= rows; r += ROW_BLOCK) row_block(ROW_BLOCK, vectors, x + r * k, w, bias, y + r * n, k, n);
+    for (; r + ROW_BLOCK <= rows; r += ROW_BLOCK)
+        row_block(ROW_BLOCK, vectors, x + r * k, w, bias, y + r * n, k, n);
     x += r * k;
     y += r * n;
     switch (rows - r) { /* a constant row count in each case, as in the full blocks */
@@ -112,7 +116,8 @@ static void columns(const float *x, const float *w, const float *bias, float *y,
 /* The work is split into (member, panel of columns) pieces over `threads` OpenMP threads: torch's own
    pool, where the library shares torch's OpenMP runtime (cpu_library.py). */
 void fastes_member_matmul_f32(const float *x, const float *w, const float *bias, float *y,
-                              const int64_t *offsets, int64_t k, int64_t n, int64_t members, int64_t threads) {
+                              const int64_t *offsets, int64_t k, int64_t n, int64_t members,
+                              int64_t threads) {
     const int64_t width = 16 * COLUMN_VECTORS, panels = (n + width - 1) / width;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t piece = 0; piece < members * panels; piece++) {
