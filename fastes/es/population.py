@@ -5,7 +5,8 @@ its [in, out] weight) whose weight ES evolves is swapped for a population layer,
 as `members` equal groups of rows: row r belongs to member r // (batch / members). `generate` with its
 KV cache works unchanged. Three modes:
 - "materialised": `PopulationLinear` holds all members' perturbed weights in one [members, in, out]
-  buffer (built by the perturb kernel) and applies them with a batched matmul. Any device.
+  buffer (built by the perturb kernel) and applies them with a batched matmul (on the CPU in fp32, the
+  compiled backend's, which also takes the members' rows in groups of any size). Any device.
 - "virtual": `VirtualLinear` runs the Triton kernel that regenerates each member's noise tile in
   registers inside the matmul: no per-member weights exist, memory stays that of plain inference.
 - "lowrank" (for ES(noise_type="lowrank")): `LowRankLinear` adds sigma (x B_m) A_m^T / sqrt(r) to
@@ -83,7 +84,7 @@ class PopulationLinear(_PopulationLayer):
         compiled = ops.resolve_backend([self.weights], backend) == "cpu"
         self.compiled = compiled and self.weights.dtype == torch.float32  # the library's matmul is fp32
         self._member_rows: list[int] | None = None  # set_member_rows; None: equal groups
-        self._offsets, self._offsets_for = torch.zeros(1, dtype=torch.int64), -1  # _row_offsets' last answer
+        self._offsets, self._offsets_for = None, -1  # _row_offsets' last answer, and its row count
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         members = self.weights.shape[0]

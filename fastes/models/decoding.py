@@ -105,7 +105,8 @@ def decode(
 
 def _population_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's population layers (fastes.es.population): modules that read their rows as the
-    members' equal groups (`population_members`) and can go on with some of them (`keep_members`)."""
+    members' groups (`population_members`) and can go on with some of them (`keep_members`), or with
+    groups of any size (`takes_unequal_groups`, `set_member_rows`)."""
     return [m for m in model.modules() if hasattr(m, "keep_members")]
 
 
