@@ -92,6 +92,11 @@ def test_countdown_instruct_refuses_wrong_numbers() -> None:
     target = example.meta["target"]
     assert task.score(example, f"Answer: {target}").answer == 0.0  # the target alone is no expression
     assert task.score(example, f"Answer: {target}+0").answer == 0.0  # numbers that were not given
+    # a ';' inside the stated answer: the plain verifier's end of answer, which would cut it short
+    expression = example.solution.partition(";")[0]
+    assert task.score(example, f"Answer: {expression}").answer == 1.0
+    assert task.score(example, f"Answer: {expression};0") == task.score(example, "Answer: 0 0")
+    assert task.score(example, f"Answer: {expression};").answer == 1.0  # one at its end ends it
 
 
 def test_instruction_replaces_the_request() -> None:

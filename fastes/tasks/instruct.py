@@ -114,7 +114,10 @@ class InstructTask(Task):
         stated = stated_answer(self.answer_prefix + completion)
         if stated is None:
             return Score(format=0.0, answer=0.0)
-        return self.task.score(example, normalise(stated, self.task.answer_kind) + ANSWER_END)
+        answer = normalise(stated, self.task.answer_kind).removesuffix(ANSWER_END)
+        if ANSWER_END in answer:  # the plain verifier would read only the part before it, not the answer
+            return Score(format=0.0, answer=0.0)
+        return self.task.score(example, answer + ANSWER_END)
 
     def lenient_score(self, example: Example, completion: str) -> Score:
         """The answer read leniently: as `score` when one is stated, else (numbers and digits) the last
