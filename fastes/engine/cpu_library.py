@@ -62,19 +62,21 @@ def _int32(value: int) -> int:
 # The compiled library: built once per machine, cached on disk, called through ctypes
 # ---------------------------------------------------------------------------------------------------
 
-# The noise contract, the low-rank ES update (fastes.engine.lowrank.update) and the materialised
-# population's matmul (fastes.es.population.PopulationLinear)
+# The noise contract, the low-rank ES update (fastes.engine.lowrank.update), the materialised
+# population's matmul (fastes.es.population.PopulationLinear) and the few-rows linear of late decoding
+# steps (fastes.models.decoding_linears)
 SOURCES = tuple(
     Path(__file__).with_name("csrc") / name
-    for name in ("noise_cpu.c", "lowrank_cpu.c", "member_matmul_cpu.c")
+    for name in ("noise_cpu.c", "lowrank_cpu.c", "member_matmul_cpu.c", "few_rows_linear_cpu.c")
 )
 # No -ffast-math: the uniforms, the log's exponent split and the angle reduction rely on exact IEEE
 # arithmetic; -ffp-contract=off leaves the source's explicit fmaf calls as the only fused multiply-adds,
 # so the normals are the same bits on every CPU.
 _FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=off"]
 _ARCH_FLAGS = {"x86_64": ["-march=native"], "AMD64": ["-march=native"], "aarch64": ["-mcpu=native"]}
-# The member matmul's threads: OpenMP's, in the runtime torch loaded (member_matmul). A compiler without
-# OpenMP builds the library without it, and the matmul runs on the calling thread.
+# The member matmul's and the few-rows linear's threads: OpenMP's, in the runtime torch loaded
+# (member_matmul). A compiler without OpenMP builds the library without it, and they run on the calling
+# thread.
 _OPENMP = ["-fopenmp"]
 _POINTER, _I64, _U32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32
 _FLOAT = ctypes.c_float
@@ -91,9 +93,12 @@ _SIGNATURES = {
     "fastes_lowrank_update_f32": [_POINTER] * 3 + [_I64, _I64, _FLOAT, _I64, _I64],
     # (x, w, bias or NULL, y, row offsets, k, n, members, threads): member_matmul_cpu.c
     "fastes_member_matmul_f32": [_POINTER] * 5 + [_I64] * 4,
+    # (x, w, bias or NULL, y, rows, k, n, threads): few_rows_linear_cpu.c
+    "fastes_few_rows_linear_f32": [_POINTER] * 4 + [_I64] * 4,
 }
 
-_RESULTS = {"fastes_lowrank_update_f32": _FLOAT}  # the others return nothing
+# the others return nothing
+_RESULTS = {"fastes_lowrank_update_f32": _FLOAT, "fastes_few_rows_linear_f32": _I64}
 
 _library: ctypes.CDLL | None = None
 _unavailable: str | None = None  # why the library cannot be built here, once known
@@ -631,5 +636,37 @@ def member_matmul(
     threads = torch.get_num_threads() if 2 * rows * k * n >= _MATMUL_MIN_FLOPS_PARALLEL else 1
     _load().fastes_member_matmul_f32(
         x.data_ptr(), w.data_ptr(), bias_address, y.data_ptr(), offsets.data_ptr(), k, n, members, threads
+    )
+    return y
+
+
+# ---------------------------------------------------------------------------------------------------
+# The few rows of a late decoding step
+# ---------------------------------------------------------------------------------------------------
+
+FEW_ROWS = 8  # the most rows few_rows_linear takes (FEW_ROWS in csrc/few_rows_linear_cpu.c)
+
+
+def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x weight^T (+ bias), as torch's `linear`, for x [rows, k] of 1 to FEW_ROWS rows and an nn.Linear
+    weight [n, k] (contiguous); fp32 on the CPU. Each weight row is read once for all the rows, where
+    BLAS reads the weight once per row at these sizes (csrc/few_rows_linear_cpu.c). It runs in torch's
+    own OpenMP threads, as member_matmul does."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    if x.dim() != 2 or weight.shape != (n, k) or not 1 <= rows <= FEW_ROWS:
+        raise ValueError(
+            f"few_rows_linear takes 1 to {FEW_ROWS} rows of the weight's width; got x {tuple(x.shape)} "
+            f"and weight {tuple(weight.shape)}"
+        )
+    tensors = [x, weight] if bias is None else [x, weight, bias]
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors) or not weight.is_contiguous():
+        raise ValueError("few_rows_linear takes fp32 CPU tensors and a contiguous weight")
+    x, bias = x.contiguous(), None if bias is None else bias.contiguous()
+    y = torch.empty(rows, n, dtype=torch.float32)
+    bias_address = None if bias is None else bias.data_ptr()
+    threads = torch.get_num_threads() if 2 * rows * k * n >= _MATMUL_MIN_FLOPS_PARALLEL else 1
+    _load().fastes_few_rows_linear_f32(
+        x.data_ptr(), weight.data_ptr(), bias_address, y.data_ptr(), rows, k, n, threads
     )
     return y

@@ -20,7 +20,9 @@ row selection (a hybrid model's convolution or Mamba layers) keeps every row, as
 Each step computes what transformers' greedy `generate` computes for the rows it keeps (the same inputs,
 positions and cache), so a row's tokens agree with it as far as the logits do: a CPU GEMM may round a row
 differently at another batch size (tests/test_decoding.py compares both, bit for bit while no row
-leaves and in float64 while rows leave).
+leaves and in float64 while rows leave). On the CPU a model's larger linear layers run as
+`fastes.models.decoding_linears` computes them for the duration: torch's `linear` reads a weight once
+per row at a few rows, and a step late in a generation does little more than read the weights.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+
+from .decoding_linears import decoding_linears
 
 # (sequences so far, the step's logits, the rows' indices in the whole batch, step) -> next tokens
 ChooseTokens = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
@@ -50,6 +54,19 @@ def decode(
 
     `choose` picks each step's tokens from the float32 logits of the last position (greedy: argmax).
     """
+    with decoding_linears(model):  # torch's CPU linear is slow at few rows (decoding_linears)
+        return _decode(model, input_ids, attention_mask, max_new_tokens, eos_ids, pad_id, choose)
+
+
+def _decode(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    max_new_tokens: int,
+    eos_ids: Sequence[int],
+    pad_id: int,
+    choose: ChooseTokens,
+) -> torch.Tensor:
     rows = input_ids.shape[0]
     layers = _population_layers(model)
     members = layers[0].population_members if layers else 1

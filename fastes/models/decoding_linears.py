@@ -1,0 +1,93 @@
+"""The linear layers of a decoding step on the CPU, at the speed of streaming their weights.
+
+Late in a batched generation few rows are still going, and a step does little more than read every
+weight from memory (SmolLM2-135M: 540 MB a step). torch's CPU `linear` is slow there, on two counts
+(docs/results/decoding-linears-2026-12-06.md, a 2-core AMD EPYC):
+- BLAS reads the weight once per row: 2 and 3 rows took 2x and 3x one row's time, and one row ran as a
+  matrix-vector product at ~10 GB/s. `cpu_library.few_rows_linear` reads each weight row once for up to
+  FEW_ROWS rows: 4.5x faster at one row and 5.8x at two, weights streamed from memory.
+- The vocabulary projection (SmolLM2: 49152 x 576) with the rows as the GEMM's short side: the same
+  product as (W x^T)^T, the vocabulary as M, took 37 ms against 45 at 64 rows, 114 against 153 at 256.
+  From 12 rows up the two give the same bits.
+
+`decoding_linears(model)` swaps each nn.Linear of `model` that this applies to (`applies`: fp32 on the
+CPU, a weight of at least MIN_WEIGHT_BYTES, no hooks) for `DecodingLinear` while it is held, and puts
+the originals back after. fastes' decoding loop holds it for every generation, plain and population
+alike (a population layer's `base` projection is swapped as any other), so ES and plain generation run
+the same products. A tiny model's weights stay below the threshold and keep torch's `linear`.
+
+Results agree with torch's to float tolerance (~1e-6 relative), not bit for bit: a row's tokens agree
+with transformers' `generate` as far as the logits do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from fastes.engine import cpu_library
+
+MIN_WEIGHT_BYTES = 256 * 1024  # smaller weights stay in the caches, where torch's linear is not slow
+VOCABULARY_ROWS = 8192  # an output at least this wide is a vocabulary's (measured from 4096 x 256 up)
+
+
+class DecodingLinear(torch.nn.Module):
+    """`base` (an nn.Linear) computed the fastest way we measured for its rows: the few-rows pass, the
+    weight-major product for a vocabulary-wide output, or torch's own `linear`."""
+
+    def __init__(self, base: torch.nn.Linear) -> None:
+        super().__init__()
+        self.base = base
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.base.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weight, bias = self.base.weight, self.base.bias
+        if flat.shape[0] <= cpu_library.FEW_ROWS:
+            y = cpu_library.few_rows_linear(flat, weight, bias)
+        elif weight.shape[0] >= VOCABULARY_ROWS:
+            y = torch.mm(weight, flat.T).T  # a transposed view: the caller's copy of the logits reads it
+            if bias is not None:
+                y = y + bias
+        else:
+            return self.base(x)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def applies(module: torch.nn.Module) -> bool:
+    """Whether `module` is an nn.Linear that `DecodingLinear` computes (faster)."""
+    return (
+        type(module) is torch.nn.Linear
+        and module.weight.device.type == "cpu"
+        and module.weight.dtype == torch.float32
+        and module.weight.is_contiguous()
+        and module.weight.numel() * 4 >= MIN_WEIGHT_BYTES
+        and not (module._forward_hooks or module._forward_pre_hooks)
+    )
+
+
+@contextmanager
+def decoding_linears(model: torch.nn.Module) -> Iterator[None]:
+    """Run `model`'s linear layers as `DecodingLinear` while held (where `applies`); put them back after."""
+    swapped = []
+    if cpu_library.available():
+        for parent in list(model.modules()):
+            for name, child in parent.named_children():
+                if applies(child):
+                    swapped.append((parent, name, child))
+    try:
+        for parent, name, child in swapped:
+            setattr(parent, name, DecodingLinear(child))
+        yield
+    finally:
+        for parent, name, child in swapped:
+            setattr(parent, name, child)

@@ -1,0 +1,116 @@
+"""The linear layers of a decoding step (fastes.models.decoding_linears): `DecodingLinear` against the
+nn.Linear it stands for at every row count and both of its own paths; which layers `decoding_linears`
+swaps, and that it puts them back; and decoding through it gives transformers' greedy tokens."""
+
+import pytest
+import torch
+import transformers
+
+from fastes.engine import cpu_library
+from fastes.models.decoding import decode
+from fastes.models.decoding_linears import (
+    MIN_WEIGHT_BYTES,
+    VOCABULARY_ROWS,
+    DecodingLinear,
+    applies,
+    decoding_linears,
+)
+
+
+def _linear(out_features: int, in_features: int, bias: bool, seed: int) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(in_features, out_features, bias=bias)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("out_features", [300, VOCABULARY_ROWS + 1])  # a projection, a vocabulary
+def test_decoding_linear_gives_the_linear_layers_result_at_every_row_count(seed, bias, out_features):
+    base = _linear(out_features, 257, bias, seed)
+    layer = DecodingLinear(base)
+    with torch.inference_mode():
+        for rows in (1, 2, cpu_library.FEW_ROWS, cpu_library.FEW_ROWS + 1, 23):
+            x = torch.randn(rows, 3, 257)[:, -1:]  # the last position of each row, as a model slices it
+            got, expected = layer(x), base(x)
+            assert got.shape == expected.shape == (rows, 1, out_features)
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+            if rows > cpu_library.FEW_ROWS and out_features < VOCABULARY_ROWS:
+                assert torch.equal(got, expected)  # torch's own linear
+    assert layer.weight is base.weight and layer.bias is base.bias
+
+
+def test_only_large_fp32_cpu_linear_layers_without_hooks_apply():
+    side = int((MIN_WEIGHT_BYTES / 4) ** 0.5)
+    assert applies(torch.nn.Linear(side, side))
+    assert not applies(torch.nn.Linear(side, side - 1))  # below the threshold: stays in the caches
+    assert not applies(torch.nn.Linear(side, side).double())
+    assert not applies(torch.nn.Conv1d(side, side, 1))
+    hooked = torch.nn.Linear(side, side)
+    hooked.register_forward_hook(lambda *args: None)
+    assert not applies(hooked)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.large = torch.nn.Linear(256, 256)
+        self.small = torch.nn.Linear(16, 16)
+        self.inner = torch.nn.Sequential(torch.nn.Linear(256, 512))
+
+
+def test_decoding_linears_swaps_the_layers_that_apply_and_puts_them_back():
+    block = _Block()
+    originals = dict(block.named_modules())
+    with decoding_linears(block):
+        assert isinstance(block.large, DecodingLinear) and block.large.base is originals["large"]
+        assert isinstance(block.inner[0], DecodingLinear)
+        assert block.small is originals["small"]
+    assert dict(block.named_modules()) == originals
+    with pytest.raises(RuntimeError, match="inside"), decoding_linears(block):
+        raise RuntimeError("inside")
+    assert dict(block.named_modules()) == originals  # put back after an error too
+
+
+def _model(seed: int) -> transformers.PreTrainedModel:
+    """A Llama whose projections (256 x 256 and up) and vocabulary (8192) take both paths."""
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCABULARY_ROWS,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+    )
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_decoding_through_them_gives_transformers_greedy_tokens(seed, monkeypatch):
+    model = _model(seed)
+    calls = []
+    few_rows_linear = cpu_library.few_rows_linear
+    monkeypatch.setattr(cpu_library, "few_rows_linear", lambda *a: calls.append(1) or few_rows_linear(*a))
+    assert sum(applies(m) for m in model.modules()) == 2 * 7 + 1  # every projection and the vocabulary
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCABULARY_ROWS, (cpu_library.FEW_ROWS + 4, 6), generator=g)
+    mask = torch.ones_like(ids)
+    for rows in (1, 3, ids.shape[0]):  # few rows, and more than the few-rows pass takes
+        ours = decode(
+            model,
+            ids[:rows],
+            mask[:rows],
+            max_new_tokens=8,
+            eos_ids=[],
+            pad_id=0,
+            choose=lambda sequences, logits, live, step: logits.argmax(dim=-1),
+        )
+        config = transformers.GenerationConfig(max_new_tokens=8, do_sample=False, pad_token_id=0)
+        with torch.no_grad():
+            theirs = model.generate(
+                input_ids=ids[:rows], attention_mask=mask[:rows], generation_config=config
+            )
+        assert torch.equal(ours, theirs[:, ids.shape[1] :])
+    assert calls  # the few-rows pass ran
+    assert not any(isinstance(m, DecodingLinear) for m in model.modules())
