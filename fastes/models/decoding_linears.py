@@ -2,13 +2,14 @@
 
 Late in a batched generation few rows are still going, and a step does little more than read every
 weight from memory (SmolLM2-135M: 540 MB a step). torch's CPU `linear` is slow there, on two counts
-(docs/results/decoding-linears-2026-12-06.md, a 2-core AMD EPYC):
-- BLAS reads the weight once per row: 2 and 3 rows took 2x and 3x one row's time, and one row ran as a
-  matrix-vector product at ~10 GB/s. `cpu_library.few_rows_linear` reads each weight row once for up to
-  FEW_ROWS rows: 4.5x faster at one row and 5.8x at two, weights streamed from memory.
-- The vocabulary projection (SmolLM2: 49152 x 576) with the rows as the GEMM's short side: the same
-  product as (W x^T)^T, the vocabulary as M, took 37 ms against 45 at 64 rows, 114 against 153 at 256.
-  From 12 rows up the two give the same bits.
+(docs/results/decoding-linears-2026-12-06.md, a 2-core AMD EPYC, weights streamed from memory):
+- BLAS reads the weight again for each row: SmolLM2's vocabulary projection (49152 x 576) took 10, 23
+  and 34 ms at 1, 2 and 3 rows. `cpu_library.few_rows_linear` reads each weight row once for up to
+  FEW_ROWS rows: 3.9, 3.1 and 7.3 ms; a 576 x 576 projection 142 -> 70 us at one row, 175 -> 36 at two.
+- Above that, a vocabulary-wide output (at least VOCABULARY_ROWS) is computed as (W x^T)^T, the
+  vocabulary as the GEMM's long side: torch's bits from 12 rows up, and faster at the usual batches (SmolLM2's
+  vocabulary 140 -> 111 ms at 256 rows; other vocabularies 1.2-1.6x at 32 and 64 rows).
+A decoding step of SmolLM2 at 1 to 8 rows ran 1.7-3.1x faster, at 64 rows 1.08x.
 
 `decoding_linears(model)` swaps each nn.Linear of `model` that this applies to (`applies`: fp32 on the
 CPU, a weight of at least MIN_WEIGHT_BYTES, no hooks) for `DecodingLinear` while it is held, and puts
@@ -16,8 +17,8 @@ the originals back after. fastes' decoding loop holds it for every generation, p
 alike (a population layer's `base` projection is swapped as any other), so ES and plain generation run
 the same products. A tiny model's weights stay below the threshold and keep torch's `linear`.
 
-Results agree with torch's to float tolerance (~1e-6 relative), not bit for bit: a row's tokens agree
-with transformers' `generate` as far as the logits do.
+The few-rows pass agrees with torch's `linear` to float tolerance, not bit for bit (it sums in another
+order): a row's tokens agree with transformers' `generate` as far as the logits do.
 """
 
 from __future__ import annotations
