@@ -114,3 +114,29 @@ def test_decoding_through_them_gives_transformers_greedy_tokens(seed, monkeypatc
         assert torch.equal(ours, theirs[:, ids.shape[1] :])
     assert calls  # the few-rows pass ran
     assert not any(isinstance(m, DecodingLinear) for m in model.modules())
+
+
+def test_a_lora_wrapped_model_decodes_through_them_as_transformers_does():
+    """peft's LoRA layer calls its base layer, which is swapped like any other projection."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(_model(3), peft.LoraConfig(target_modules=["q_proj", "v_proj"], r=4))
+    for name, parameter in model.named_parameters():  # lora_B starts at zero: give the adapter an effect
+        if "lora_B" in name:
+            torch.nn.init.normal_(parameter, std=0.05)
+    model.eval()
+    ids = torch.randint(1, VOCABULARY_ROWS, (3, 5), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    ours = decode(
+        model,
+        ids,
+        mask,
+        max_new_tokens=6,
+        eos_ids=[],
+        pad_id=0,
+        choose=lambda sequences, logits, live, step: logits.argmax(dim=-1),
+    )
+    config = transformers.GenerationConfig(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        theirs = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    assert torch.equal(ours, theirs[:, ids.shape[1] :])
+    assert not any(isinstance(m, DecodingLinear) for m in model.modules())
