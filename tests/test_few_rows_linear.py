@@ -84,6 +84,7 @@ def test_few_rows_linear_reads_a_strided_input():
         (torch.zeros(cpu_library.FEW_ROWS + 1, 4), torch.zeros(3, 4), "1 to 8 rows"),
         (torch.zeros(0, 4), torch.zeros(3, 4), "1 to 8 rows"),
         (torch.zeros(2, 4), torch.zeros(3, 5), "1 to 8 rows"),
+        (torch.zeros(1, 2, 4), torch.zeros(3, 4), "1 to 8 rows"),
         (torch.zeros(2, 4, dtype=torch.float64), torch.zeros(3, 4, dtype=torch.float64), "fp32"),
         (torch.zeros(2, 4), torch.zeros(4, 3).T, "contiguous weight"),
     ],

@@ -75,8 +75,8 @@ SOURCES = tuple(
 _FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=off"]
 _ARCH_FLAGS = {"x86_64": ["-march=native"], "AMD64": ["-march=native"], "aarch64": ["-mcpu=native"]}
 # The member matmul's and the few-rows linear's threads: OpenMP's, in the runtime torch loaded
-# (member_matmul). A compiler without OpenMP builds the library without it, and they run on the calling
-# thread.
+# (member_matmul, few_rows_linear). A compiler without OpenMP builds the library without it, and they
+# run on the calling thread.
 _OPENMP = ["-fopenmp"]
 _POINTER, _I64, _U32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32
 _FLOAT = ctypes.c_float
@@ -97,7 +97,7 @@ _SIGNATURES = {
     "fastes_few_rows_linear_f32": [_POINTER] * 4 + [_I64] * 4,
 }
 
-# the others return nothing
+# the functions that return a value (the others return nothing)
 _RESULTS = {"fastes_lowrank_update_f32": _FLOAT, "fastes_few_rows_linear_f32": _I64}
 
 _library: ctypes.CDLL | None = None
@@ -652,9 +652,9 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     weight [n, k] (contiguous); fp32 on the CPU. Each weight row is read once for all the rows, where
     BLAS reads the weight once per row at these sizes (csrc/few_rows_linear_cpu.c). It runs in torch's
     own OpenMP threads, as member_matmul does."""
-    rows, k = x.shape
+    rows, k = x.shape if x.dim() == 2 else (0, -1)
     n = weight.shape[0]
-    if x.dim() != 2 or weight.shape != (n, k) or not 1 <= rows <= FEW_ROWS:
+    if weight.shape != (n, k) or not 1 <= rows <= FEW_ROWS:
         raise ValueError(
             f"few_rows_linear takes 1 to {FEW_ROWS} rows of the weight's width; got x {tuple(x.shape)} "
             f"and weight {tuple(weight.shape)}"
@@ -666,7 +666,9 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     y = torch.empty(rows, n, dtype=torch.float32)
     bias_address = None if bias is None else bias.data_ptr()
     threads = torch.get_num_threads() if 2 * rows * k * n >= _MATMUL_MIN_FLOPS_PARALLEL else 1
-    _load().fastes_few_rows_linear_f32(
+    refused = _load().fastes_few_rows_linear_f32(
         x.data_ptr(), weight.data_ptr(), bias_address, y.data_ptr(), rows, k, n, threads
     )
+    if refused:  # the C file's own FEW_ROWS disagrees with this module's
+        raise RuntimeError(f"the compiled few-rows linear refused {rows} rows: rebuild the library")
     return y

@@ -53,7 +53,7 @@ class DecodingLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         weight, bias = self.base.weight, self.base.bias
-        if flat.shape[0] <= cpu_library.FEW_ROWS:
+        if 1 <= flat.shape[0] <= cpu_library.FEW_ROWS:
             y = cpu_library.few_rows_linear(flat, weight, bias)
         elif weight.shape[0] >= VOCABULARY_ROWS:
             y = torch.mm(weight, flat.T).T  # a transposed view: the caller's copy of the logits reads it
