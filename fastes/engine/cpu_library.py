@@ -606,6 +606,22 @@ def lowrank_update_all(
 _MATMUL_MIN_FLOPS_PARALLEL = 1 << 19  # below this, waking torch's threads costs more than it saves
 
 
+def _matmul_threads(rows: int, k: int, n: int) -> int:
+    """The OpenMP threads for a product of [rows, k] and [k, n]: torch's count, or one when it is small."""
+    return torch.get_num_threads() if 2 * rows * k * n >= _MATMUL_MIN_FLOPS_PARALLEL else 1
+
+
+def _matmul_operands(
+    name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x and the bias, contiguous, for the library's products, which take fp32 CPU tensors and a weight
+    read where it lies (contiguous). The caller holds them while the library reads them."""
+    tensors = [x, weight] if bias is None else [x, weight, bias]
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors) or not weight.is_contiguous():
+        raise ValueError(f"{name} takes fp32 CPU tensors and a contiguous weight")
+    return x.contiguous(), None if bias is None else bias.contiguous()
+
+
 def member_matmul(
     x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -625,15 +641,11 @@ def member_matmul(
             f"member_matmul: x {tuple(x.shape)}, w {tuple(w.shape)} and offsets {tuple(offsets.shape)} "
             "do not match"
         )
-    tensors = [x, w] if bias is None else [x, w, bias]
-    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors) or not w.is_contiguous():
-        raise ValueError("member_matmul takes fp32 CPU tensors and contiguous weights")
+    x, bias = _matmul_operands("member_matmul", x, w, bias)
     if offsets.dtype != torch.int64 or not offsets.is_contiguous():
         raise ValueError("member_matmul takes the row offsets as a contiguous int64 tensor")
-    x, bias = x.contiguous(), None if bias is None else bias.contiguous()
     y = torch.empty(rows, n, dtype=torch.float32)
-    bias_address = None if bias is None else bias.data_ptr()
-    threads = torch.get_num_threads() if 2 * rows * k * n >= _MATMUL_MIN_FLOPS_PARALLEL else 1
+    bias_address, threads = None if bias is None else bias.data_ptr(), _matmul_threads(rows, k, n)
     _load().fastes_member_matmul_f32(
         x.data_ptr(), w.data_ptr(), bias_address, y.data_ptr(), offsets.data_ptr(), k, n, members, threads
     )
@@ -659,13 +671,9 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
             f"few_rows_linear takes 1 to {FEW_ROWS} rows of the weight's width; got x {tuple(x.shape)} "
             f"and weight {tuple(weight.shape)}"
         )
-    tensors = [x, weight] if bias is None else [x, weight, bias]
-    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors) or not weight.is_contiguous():
-        raise ValueError("few_rows_linear takes fp32 CPU tensors and a contiguous weight")
-    x, bias = x.contiguous(), None if bias is None else bias.contiguous()
+    x, bias = _matmul_operands("few_rows_linear", x, weight, bias)
     y = torch.empty(rows, n, dtype=torch.float32)
-    bias_address = None if bias is None else bias.data_ptr()
-    threads = torch.get_num_threads() if 2 * rows * k * n >= _MATMUL_MIN_FLOPS_PARALLEL else 1
+    bias_address, threads = None if bias is None else bias.data_ptr(), _matmul_threads(rows, k, n)
     refused = _load().fastes_few_rows_linear_f32(
         x.data_ptr(), weight.data_ptr(), bias_address, y.data_ptr(), rows, k, n, threads
     )
