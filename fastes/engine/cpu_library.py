@@ -69,6 +69,7 @@ SOURCES = tuple(
     Path(__file__).with_name("csrc") / name
     for name in ("noise_cpu.c", "lowrank_cpu.c", "member_matmul_cpu.c", "few_rows_linear_cpu.c")
 )
+HEADERS = (Path(__file__).with_name("csrc") / "products.h",)  # included by sources: part of a build's hash
 # No -ffast-math: the uniforms, the log's exponent split and the angle reduction rely on exact IEEE
 # arithmetic; -ffp-contract=off leaves the source's explicit fmaf calls as the only fused multiply-adds,
 # so the normals are the same bits on every CPU.
@@ -142,7 +143,7 @@ def _build(compiler: str) -> Path:
     Falls back to no OpenMP, then to portable flags, when the compiler refuses them. The file is written
     under a temporary name and renamed, so processes building at the same time never load a partial file.
     """
-    source = b"".join(path.read_bytes() for path in SOURCES)
+    source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     arch = _ARCH_FLAGS.get(platform.machine(), [])
     errors = []
     tried = [[*_FLAGS, *arch, *_OPENMP], [*_FLAGS, *arch], [*_FLAGS, *_OPENMP], _FLAGS]

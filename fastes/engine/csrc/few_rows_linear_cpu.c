@@ -12,20 +12,13 @@
    row, and are added across their 16 lanes at its end. Each output is summed in one fixed order, so a
    row's result depends neither on the rows beside it nor on the threads.
 
-   Multiply-adds are fused (the library's other files are built with -ffp-contract=off for the noise's
-   sake; this file opts back in), so results agree with torch's GEMM to float tolerance, not bit for
-   bit. Built into the same library as noise_cpu.c by fastes/engine/cpu_library.py. */
+   Multiply-adds are fused (products.h), so results agree with torch's GEMM to float tolerance, not bit
+   for bit. Built into the same library as noise_cpu.c by fastes/engine/cpu_library.py. */
 
-#if defined(__clang__)
-#pragma clang fp contract(fast)
-#elif defined(__GNUC__)
-#pragma GCC optimize("fp-contract=fast")
-#endif
+#include "products.h" /* first: its pragma covers the functions below */
 
 #include <stdint.h>
 #include <string.h>
-
-typedef float vec16 __attribute__((vector_size(64)));
 
 #define FEW_ROWS 8 /* the most rows one pass serves: 8 sums in registers, with room for the operands */
 

@@ -13,21 +13,14 @@
    Each output is summed over k in order, so a row's result depends neither on the rows beside it nor
    on the threads.
 
-   Multiply-adds are fused (the library's other files are built with -ffp-contract=off for the noise's
-   sake; this file opts back in), so results agree with torch's GEMM to float tolerance, not bit for
-   bit. Built into the same library as noise_cpu.c by fastes/engine/cpu_library.py. */
+   Multiply-adds are fused (products.h), so results agree with torch's GEMM to float tolerance, not bit
+   for bit. Built into the same library as noise_cpu.c by fastes/engine/cpu_library.py. */
 
-#if defined(__clang__)
-#pragma clang fp contract(fast)
-#elif defined(__GNUC__)
-#pragma GCC optimize("fp-contract=fast")
-#endif
+#include "products.h" /* first: its pragma covers the functions below */
 
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
-
-typedef float vec16 __attribute__((vector_size(64)));
 
 /* Sums in registers: ROW_BLOCK x COLUMN_VECTORS 16-float vectors. 12 x 2 fills 24 of AVX-512's 32
    registers; with 16 AVX2 registers (a vec16 is two of them) 6 x 1 leaves room for the operands. */
