@@ -86,6 +86,24 @@ def _model(seed: int) -> transformers.PreTrainedModel:
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
+def _greedy_both_ways(model, ids: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fastes' greedy tokens, transformers' greedy `generate` tokens) for unpadded prompts `ids`."""
+    mask = torch.ones_like(ids)
+    ours = decode(
+        model,
+        ids,
+        mask,
+        max_new_tokens=new_tokens,
+        eos_ids=[],
+        pad_id=0,
+        choose=lambda sequences, logits, live, step: logits.argmax(dim=-1),
+    )
+    config = transformers.GenerationConfig(max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        theirs = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    return ours, theirs[:, ids.shape[1] :]
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_decoding_through_them_gives_transformers_greedy_tokens(seed, monkeypatch):
     model = _model(seed)
@@ -95,23 +113,9 @@ def test_decoding_through_them_gives_transformers_greedy_tokens(seed, monkeypatc
     assert sum(applies(m) for m in model.modules()) == 2 * 7 + 1  # every projection and the vocabulary
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, VOCABULARY_ROWS, (cpu_library.FEW_ROWS + 4, 6), generator=g)
-    mask = torch.ones_like(ids)
     for rows in (1, 3, ids.shape[0]):  # few rows, and more than the few-rows pass takes
-        ours = decode(
-            model,
-            ids[:rows],
-            mask[:rows],
-            max_new_tokens=8,
-            eos_ids=[],
-            pad_id=0,
-            choose=lambda sequences, logits, live, step: logits.argmax(dim=-1),
-        )
-        config = transformers.GenerationConfig(max_new_tokens=8, do_sample=False, pad_token_id=0)
-        with torch.no_grad():
-            theirs = model.generate(
-                input_ids=ids[:rows], attention_mask=mask[:rows], generation_config=config
-            )
-        assert torch.equal(ours, theirs[:, ids.shape[1] :])
+        ours, theirs = _greedy_both_ways(model, ids[:rows], new_tokens=8)
+        assert torch.equal(ours, theirs)
     assert calls  # the few-rows pass ran
     assert not any(isinstance(m, DecodingLinear) for m in model.modules())
 
@@ -125,18 +129,6 @@ def test_a_lora_wrapped_model_decodes_through_them_as_transformers_does():
             torch.nn.init.normal_(parameter, std=0.05)
     model.eval()
     ids = torch.randint(1, VOCABULARY_ROWS, (3, 5), generator=torch.Generator().manual_seed(3))
-    mask = torch.ones_like(ids)
-    ours = decode(
-        model,
-        ids,
-        mask,
-        max_new_tokens=6,
-        eos_ids=[],
-        pad_id=0,
-        choose=lambda sequences, logits, live, step: logits.argmax(dim=-1),
-    )
-    config = transformers.GenerationConfig(max_new_tokens=6, do_sample=False, pad_token_id=0)
-    with torch.no_grad():
-        theirs = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
-    assert torch.equal(ours, theirs[:, ids.shape[1] :])
+    ours, theirs = _greedy_both_ways(model, ids, new_tokens=6)
+    assert torch.equal(ours, theirs)
     assert not any(isinstance(m, DecodingLinear) for m in model.modules())
