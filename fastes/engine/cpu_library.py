@@ -44,6 +44,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -67,7 +68,13 @@ def _int32(value: int) -> int:
 # steps (fastes.models.decoding_linears)
 SOURCES = tuple(
     Path(__file__).with_name("csrc") / name
-    for name in ("noise_cpu.c", "lowrank_cpu.c", "member_matmul_cpu.c", "few_rows_linear_cpu.c")
+    for name in (
+        "noise_cpu.c",
+        "lowrank_cpu.c",
+        "member_matmul_cpu.c",
+        "few_rows_linear_cpu.c",
+        "packed_linear_cpu.c",
+    )
 )
 HEADERS = (Path(__file__).with_name("csrc") / "products.h",)  # included by sources: part of a build's hash
 # No -ffast-math: the uniforms, the log's exponent split and the angle reduction rely on exact IEEE
@@ -75,8 +82,8 @@ HEADERS = (Path(__file__).with_name("csrc") / "products.h",)  # included by sour
 # so the normals are the same bits on every CPU.
 _FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=off"]
 _ARCH_FLAGS = {"x86_64": ["-march=native"], "AMD64": ["-march=native"], "aarch64": ["-mcpu=native"]}
-# The member matmul's and the few-rows linear's threads: OpenMP's, in the runtime torch loaded
-# (member_matmul, few_rows_linear). A compiler without OpenMP builds the library without it, and they
+# The products' threads (member_matmul, few_rows_linear, packed_linear): OpenMP's, in the runtime torch
+# loaded. A compiler without OpenMP builds the library without it, and they
 # run on the calling thread.
 _OPENMP = ["-fopenmp"]
 _POINTER, _I64, _U32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32
@@ -96,10 +103,18 @@ _SIGNATURES = {
     "fastes_member_matmul_f32": [_POINTER] * 5 + [_I64] * 4,
     # (x, w, bias or NULL, y, rows, k, n, threads): few_rows_linear_cpu.c
     "fastes_few_rows_linear_f32": [_POINTER] * 4 + [_I64] * 4,
+    # (x, w, bias or NULL, y, rows, k, n, products, outputs or NULL, offsets, rank, members, threads) and
+    # (x, inputs, products, offsets, k, rank, members, threads): packed_linear_cpu.c
+    "fastes_packed_linear_f32": [_POINTER] * 4 + [_I64] * 3 + [_POINTER] * 3 + [_I64] * 3,
+    "fastes_lowrank_products_f32": [_POINTER] * 4 + [_I64] * 4,
 }
 
 # the functions that return a value (the others return nothing)
-_RESULTS = {"fastes_lowrank_update_f32": _FLOAT, "fastes_few_rows_linear_f32": _I64}
+_RESULTS = {
+    "fastes_lowrank_update_f32": _FLOAT,
+    "fastes_few_rows_linear_f32": _I64,
+    "fastes_packed_linear_f32": _I64,
+}
 
 _library: ctypes.CDLL | None = None
 _unavailable: str | None = None  # why the library cannot be built here, once known
@@ -680,4 +695,98 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     )
     if refused:  # the C file's own FEW_ROWS disagrees with this module's
         raise RuntimeError(f"the compiled few-rows linear refused {rows} rows: rebuild the library")
+    return y
+
+
+# ---------------------------------------------------------------------------------------------------
+# A linear layer with the low-rank population's term in its stores
+# ---------------------------------------------------------------------------------------------------
+
+
+# Where a model's linear layers take packed_linear (fastes.models.decoding_linears for plain layers, the
+# low-rank population layer for its own): weights of at least MIN_WEIGHT_BYTES (smaller ones stay in the
+# caches, where torch's linear is not slow), at least PACKED_MIN_ROWS rows (below, torch's was as fast or
+# faster: docs/results/packed-linear-2026-12-06.md) and whole 32-column panels (the last columns of
+# another width are summed one by one, correct but slow).
+MIN_WEIGHT_BYTES = 256 * 1024
+PACKED_MIN_ROWS = 256
+
+
+def packs(rows: int, weight: torch.Tensor) -> bool:
+    """Whether `rows` rows of a layer with this nn.Linear weight [n, k] take packed_linear in a model."""
+    return rows >= PACKED_MIN_ROWS and weight.shape[0] % 32 == 0 and weight.numel() * 4 >= MIN_WEIGHT_BYTES
+
+
+class LowRankTerm(NamedTuple):
+    """The members' rank-r term of a low-rank population layer: row i of member m (offsets[m] <= i <
+    offsets[m + 1]) gets (x[i] . inputs[m, j]) outputs[m, j] for each j < r. inputs [members, r, in],
+    outputs [members, r, out] (the members' scales folded in), offsets int64 [members + 1] from 0 to
+    the rows; all contiguous, on the CPU."""
+
+    inputs: torch.Tensor
+    outputs: torch.Tensor
+    offsets: torch.Tensor
+
+
+def packed_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, term: LowRankTerm | None = None
+) -> torch.Tensor:
+    """x weight^T (+ bias), as torch's `linear`, for x [rows, k] and an nn.Linear weight [n, k]
+    (contiguous); with `term`, each row's low-rank term added as its outputs are stored, where adding it
+    after torch's GEMM is one more pass over an output that lies in memory; fp32 on the CPU. Faster than
+    torch's `linear` at SmolLM2's sizes (csrc/packed_linear_cpu.c). In torch's own OpenMP threads, as
+    member_matmul."""
+    rows, k = x.shape if x.dim() == 2 else (0, -1)
+    n = weight.shape[0]
+    if weight.shape != (n, k) or rows < 1:
+        raise ValueError(
+            f"packed_linear takes rows of the weight's width; got x {tuple(x.shape)} and weight "
+            f"{tuple(weight.shape)}"
+        )
+    x, bias = _matmul_operands("packed_linear", x, weight, bias)
+    threads = _matmul_threads(rows, k, n)
+    library = _load()
+    products = outputs = offsets = None
+    rank = members = 0
+    if term is not None:
+        members, rank = term.inputs.shape[:2]
+        factors = (term.inputs, term.outputs)
+        if (
+            term.inputs.shape[2] != k
+            or term.outputs.shape != (members, rank, n)
+            or term.offsets.shape != (members + 1,)
+        ):
+            raise ValueError(
+                f"packed_linear: the term's inputs {tuple(term.inputs.shape)}, outputs "
+                f"{tuple(term.outputs.shape)} and offsets {tuple(term.offsets.shape)} do not match x "
+                f"{tuple(x.shape)} and weight {tuple(weight.shape)}"
+            )
+        # every projection calls this at every decoding step: the cheapest checks (is_cpu, not .device)
+        if not all(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() for t in factors):
+            raise ValueError("packed_linear takes the term's factors as contiguous fp32 CPU tensors")
+        if term.offsets.dtype != torch.int64 or not term.offsets.is_contiguous():
+            raise ValueError("packed_linear takes the term's row offsets as a contiguous int64 tensor")
+        products = torch.empty(rows, rank, dtype=torch.float32)
+        offsets, outputs = term.offsets.data_ptr(), term.outputs.data_ptr()
+        library.fastes_lowrank_products_f32(
+            x.data_ptr(), term.inputs.data_ptr(), products.data_ptr(), offsets, k, rank, members, threads
+        )
+    y = torch.empty(rows, n, dtype=torch.float32)
+    failed = library.fastes_packed_linear_f32(
+        x.data_ptr(),
+        weight.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        rows,
+        k,
+        n,
+        None if products is None else products.data_ptr(),
+        outputs,
+        offsets,
+        rank,
+        members,
+        threads,
+    )
+    if failed:
+        raise MemoryError(f"packed_linear could not allocate its panel buffer ({k} x 32 floats)")
     return y

@@ -209,14 +209,16 @@ class LowRankLinear(_PopulationLayer):
     With the Triton backend (CUDA tensors) one GEMM (fastes/engine/kernels/lowrank_linear.py) adds each
     row's r products with its member's input factors times the output factors in its epilogue and writes
     y once; the products are summed in its K loop, or, for wide outputs, first by a launch that reads x
-    once (`products_first`). Otherwise (CPU, or backend "torch") the base projection runs once on all rows
-    (the plain model's own GEMM), a batched matmul gives each row's r products with its member's input
-    factors, and one broadcast multiply-add per rank adds products x output factors into the output in
-    place. All torch ops, so they run in torch's own thread pool: a compiled pass in threads of our own
-    was slower in the model than alone, contending with the pool's threads as they spin between ops
-    (docs/real_models.md). Layers that read the same input (q, k and v) could share one product: tried
-    on 2026-12-05, one batched matmul for them was 3x faster alone and no faster in the model.
-    The output side is stored pre-scaled.
+    once (`products_first`). On the CPU with the compiled backend, at a prefill's many rows
+    (`cpu_library.packs`, the rule plain layers follow too: fastes.models.decoding_linears) and a plain
+    nn.Linear base, `cpu_library.packed_linear` computes the base product and adds the term to each output
+    before it is stored: added after the GEMM, the term was one more pass over an output that lies in
+    memory, ~5% of a SmolLM2 prefill (docs/results/packed-linear-2026-12-06.md). Otherwise (fewer rows,
+    another base, backend "torch") the base projection runs once on all rows (the plain model's own
+    product), a batched matmul gives each row's r products with its member's input factors, and one
+    broadcast multiply-add per rank adds products x output factors into the output in place. Layers that
+    read the same input (q, k and v) could share one product: tried on 2026-12-05, one batched matmul for
+    them was 3x faster alone and no faster in the model. The output side is stored pre-scaled.
 
     The factors follow the weight's own layout (eps = A B^T has the weight's shape): for a Conv1D weight
     [in, out], A is the input side and B the output side, so the roles swap.
@@ -239,12 +241,16 @@ class LowRankLinear(_PopulationLayer):
         out_side, in_side = (b, a) if transposed else (a, b)
         scale = torch.tensor(scales, dtype=torch.float32, device=a.device) / rank**0.5
         self._set_inputs(in_side.transpose(1, 2).to(weight.dtype))  # [members, r, in]
+        self._offsets, self._offsets_for = None, -1  # _packed's row groups, and their row count
         scaled = out_side.transpose(1, 2) * scale[:, None, None]
         self.outputs = scaled.to(weight.dtype).contiguous()  # [members, r, out], scale_m / sqrt(r) folded in
         self._output_columns = self.outputs.split(1, dim=1)
         resolved = ops.resolve_backend([weight], backend)
         self.transposed = transposed
         self.fused = resolved == "triton"  # one Triton GEMM with the term in its epilogue
+        # the packed linear stands in for the base only where the base is x W^T + b and nothing more
+        plain = type(base) is torch.nn.Linear and not (base._forward_hooks or base._forward_pre_hooks)
+        self.packed = resolved == "cpu" and plain and weight.dtype == torch.float32 and weight.is_contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         members, _, out_features = self.outputs.shape
@@ -256,6 +262,8 @@ class LowRankLinear(_PopulationLayer):
         flat = x.reshape(-1, x.shape[-1])  # member m's rows are the m-th of `members` equal blocks
         if self.fused:
             return self._fused(flat).view(*x.shape[:-1], out_features)
+        if self.packed and cpu_library.packs(flat.shape[0], self.base.weight):
+            return self._packed(flat).view(*x.shape[:-1], out_features)
         y = self.base(flat)
         grouped = flat.reshape(members, -1, flat.shape[-1])
         if grouped.dtype != y.dtype:
@@ -278,6 +286,7 @@ class LowRankLinear(_PopulationLayer):
         self._set_inputs(self.inputs[index])
         self.outputs = self.outputs[index]
         self._output_columns = self.outputs.split(1, dim=1)
+        self._offsets_for = -1
 
     def _set_inputs(self, inputs: torch.Tensor) -> None:
         """Hold the input factors [members, r, in] in row-major strides, and `_inputs_t`, the batched
@@ -290,6 +299,14 @@ class LowRankLinear(_PopulationLayer):
         """
         self.inputs = inputs.clone(memory_format=torch.contiguous_format)
         self._inputs_t = self.inputs.transpose(1, 2)
+
+    def _packed(self, flat: torch.Tensor) -> torch.Tensor:
+        rows, members = flat.shape[0], self.outputs.shape[0]
+        if self._offsets_for != rows:  # the members' equal row groups, kept while the rows stay the same
+            self._offsets = torch.arange(0, rows + 1, rows // members)
+            self._offsets_for = rows
+        term = cpu_library.LowRankTerm(self.inputs, self.outputs, self._offsets)
+        return cpu_library.packed_linear(flat.to(torch.float32), self.base.weight, self.base.bias, term)
 
     def _fused(self, flat: torch.Tensor) -> torch.Tensor:
         from fastes.engine.kernels import launch_lowrank_linear

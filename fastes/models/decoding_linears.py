@@ -10,6 +10,10 @@ weight from memory (SmolLM2-135M: 540 MB a step). torch's CPU `linear` is slow t
   vocabulary as the GEMM's long side: torch's bits from 12 rows up, and faster at the usual batches (SmolLM2's
   vocabulary 140 -> 111 ms at 256 rows; other vocabularies 1.2-1.6x at 32 and 64 rows).
 A decoding step of SmolLM2 at 1 to 8 rows ran 1.7-3.1x faster, at 64 rows 1.08x.
+- At a prefill's many rows (at least PACKED_MIN_ROWS) `cpu_library.packed_linear`, a register-blocked
+  product on panels of the weight, ran SmolLM2's projections 1.10-1.15x faster than torch's `linear` at
+  2304 rows (docs/results/packed-linear-2026-12-06.md). The low-rank population layer adds its members'
+  term in the same pass, so plain generation takes it too: both sides run the same products.
 
 `decoding_linears(model)` swaps each nn.Linear of `model` that this applies to (`applies`: fp32 on the
 CPU, a weight of at least MIN_WEIGHT_BYTES, no hooks) for `DecodingLinear` while it is held, and puts
@@ -29,14 +33,15 @@ from contextlib import contextmanager
 import torch
 
 from fastes.engine import cpu_library
+from fastes.engine.cpu_library import MIN_WEIGHT_BYTES
 
-MIN_WEIGHT_BYTES = 256 * 1024  # smaller weights stay in the caches, where torch's linear is not slow
 VOCABULARY_ROWS = 8192  # an output at least this wide is a vocabulary's (measured from 4096 x 256 up)
 
 
 class DecodingLinear(torch.nn.Module):
     """`base` (an nn.Linear) computed the fastest way we measured for its rows: the few-rows pass, the
-    weight-major product for a vocabulary-wide output, or torch's own `linear`."""
+    weight-major product for a vocabulary-wide output, the packed linear at a prefill's many rows, or
+    torch's own `linear`."""
 
     def __init__(self, base: torch.nn.Linear) -> None:
         super().__init__()
@@ -59,6 +64,8 @@ class DecodingLinear(torch.nn.Module):
             y = torch.mm(weight, flat.T).T  # a transposed view: the caller's copy of the logits reads it
             if bias is not None:
                 y = y + bias
+        elif cpu_library.packs(flat.shape[0], weight):
+            y = cpu_library.packed_linear(flat, weight, bias)
         else:
             return self.base(x)
         return y.reshape(*x.shape[:-1], y.shape[-1])

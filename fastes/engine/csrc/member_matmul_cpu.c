@@ -20,44 +20,6 @@
 
 #include <stddef.h>
 #include <stdint.h>
-#include <string.h>
-
-/* Sums in registers: ROW_BLOCK x COLUMN_VECTORS 16-float vectors. 12 x 2 fills 24 of AVX-512's 32
-   registers; with 16 AVX2 registers (a vec16 is two of them) 6 x 1 leaves room for the operands. */
-#if defined(__AVX512F__)
-#define ROW_BLOCK 12
-#define COLUMN_VECTORS 2
-#else
-#define ROW_BLOCK 6
-#define COLUMN_VECTORS 1
-#endif
-
-/* y[r, 0:16 * vectors] = x[r, :] @ w[:, 0:16 * vectors] (+ bias) for r < rows (rows <= ROW_BLOCK);
-   y and w are rows of length n, x rows of length k. Constant arguments after inlining, so the loops
-   over rows and vectors unroll and the sums live in registers. */
-static inline __attribute__((always_inline)) void row_block(const int rows, const int vectors,
-                                                            const float *x, const float *w,
-                                                            const float *bias, float *y, int64_t k,
-                                                            int64_t n) {
-    vec16 sum[ROW_BLOCK][COLUMN_VECTORS];
-    _Pragma("GCC unroll 16") for (int v = 0; v < vectors; v++) {
-        vec16 start = {0};
-        if (bias) memcpy(&start, bias + 16 * v, sizeof start);
-        _Pragma("GCC unroll 16") for (int r = 0; r < rows; r++) sum[r][v] = start;
-    }
-    for (int64_t p = 0; p < k; p++) {
-        vec16 w_p[COLUMN_VECTORS];
-        _Pragma("GCC unroll 16") for (int v = 0; v < vectors; v++)
-            memcpy(&w_p[v], w + p * n + 16 * v, sizeof w_p[v]);
-        _Pragma("GCC unroll 16") for (int r = 0; r < rows; r++) {
-            const float x_rp = x[r * k + p];
-            _Pragma("GCC unroll 16") for (int v = 0; v < vectors; v++) sum[r][v] += x_rp * w_p[v];
-        }
-    }
-    _Pragma("GCC unroll 16") for (int r = 0; r < rows; r++)
-        _Pragma("GCC unroll 16") for (int v = 0; v < vectors; v++)
-            memcpy(y + r * n + 16 * v, &sum[r][v], sizeof sum[r][v]);
-}
 
 /* One panel of columns for all rows of a member: full row blocks, then the rows left over. */
 static inline __attribute__((always_inline)) void panel(const int vectors, const float *x, const float *w,
@@ -65,22 +27,22 @@ static inline __attribute__((always_inline)) void panel(const int vectors, const
                                                         int64_t k, int64_t n) {
     int64_t r = 0;
     for (; r + ROW_BLOCK <= rows; r += ROW_BLOCK)
-        row_block(ROW_BLOCK, vectors, x + r * k, w, bias, y + r * n, k, n);
+        row_block(ROW_BLOCK, vectors, x + r * k, w, n, bias, y + r * n, k, n, NULL, 0, 0, 0);
     x += r * k;
     y += r * n;
     switch (rows - r) { /* a constant row count in each case, as in the full blocks */
-        case 1: row_block(1, vectors, x, w, bias, y, k, n); break;
-        case 2: row_block(2, vectors, x, w, bias, y, k, n); break;
-        case 3: row_block(3, vectors, x, w, bias, y, k, n); break;
-        case 4: row_block(4, vectors, x, w, bias, y, k, n); break;
-        case 5: row_block(5, vectors, x, w, bias, y, k, n); break;
+        case 1: row_block(1, vectors, x, w, n, bias, y, k, n, NULL, 0, 0, 0); break;
+        case 2: row_block(2, vectors, x, w, n, bias, y, k, n, NULL, 0, 0, 0); break;
+        case 3: row_block(3, vectors, x, w, n, bias, y, k, n, NULL, 0, 0, 0); break;
+        case 4: row_block(4, vectors, x, w, n, bias, y, k, n, NULL, 0, 0, 0); break;
+        case 5: row_block(5, vectors, x, w, n, bias, y, k, n, NULL, 0, 0, 0); break;
 #if ROW_BLOCK > 6
-        case 6: row_block(6, vectors, x, w, bias, y, k, n); break;
-        case 7: row_block(7, vectors, x, w, bias, y, k, n); break;
-        case 8: row_block(8, vectors, x, w, bias, y, k, n); break;
-        case 9: row_block(9, vectors, x, w, bias, y, k, n); break;
-        case 10: row_block(10, vectors, x, w, bias, y, k, n); break;
-        case 11: row_block(11, vectors, x, w, bias, y, k, n); break;
+        case 6: row_block(6, vectors, x, w, n, bias, y, k, n, NULL, 0, 0, 0); break;
+        case 7: row_block(7, vectors, x, w, n, bias, y, k, n, NULL, 0, 0, 0); break;
+        case 8: row_block(8, vectors, x, w, n, bias, y, k, n, NULL, 0, 0, 0); break;
+        case 9: row_block(9, vectors, x, w, n, bias, y, k, n, NULL, 0, 0, 0); break;
+        case 10: row_block(10, vectors, x, w, n, bias, y, k, n, NULL, 0, 0, 0); break;
+        case 11: row_block(11, vectors, x, w, n, bias, y, k, n, NULL, 0, 0, 0); break;
 #endif
         default: break;
     }

@@ -1,5 +1,5 @@
-/* What the library's products share (member_matmul_cpu.c, few_rows_linear_cpu.c): fused multiply-adds,
-   and the 16-float vector they compute in.
+/* What the library's products share (member_matmul_cpu.c, few_rows_linear_cpu.c, packed_linear_cpu.c):
+   fused multiply-adds, the 16-float vector they compute in, and the register block of the matmuls.
 
    The library is built with -ffp-contract=off for the noise's sake (noise_cpu.c: the normals must be
    the same bits on every CPU); a file that includes this header first opts back in for its own
@@ -14,6 +14,99 @@
 #pragma GCC optimize("fp-contract=fast")
 #endif
 
+#include <stdint.h>
+#include <string.h>
+
 typedef float vec16 __attribute__((vector_size(64)));
+
+/* Sums in registers: ROW_BLOCK x COLUMN_VECTORS 16-float vectors. 12 x 2 fills 24 of AVX-512's 32
+   registers; with 16 AVX2 registers (a vec16 is two of them) 6 x 1 leaves room for the operands. */
+#if defined(__AVX512F__)
+#define ROW_BLOCK 12
+#define COLUMN_VECTORS 2
+#else
+#define ROW_BLOCK 6
+#define COLUMN_VECTORS 1
+#endif
+
+/* The low-rank population's term, added to a block's sums before they are stored: row i of member m
+   gets sum_j products[i * rank + j] * outputs[(m * rank + j) * n + column] (packed_linear_cpu.c). */
+typedef struct {
+    const float *products; /* [rows, rank] */
+    const float *outputs;  /* [members, rank, n], scaled; NULL: no term */
+    const int64_t *offsets; /* [members + 1]: where each member's rows start */
+    int64_t rank, members;
+} term_t;
+
+/* y[r, 0:16 * vectors] = x[r, :] @ w[:, 0:16 * vectors] (+ bias) (+ the term) for r < rows <= ROW_BLOCK;
+   x rows of length k, w rows `w_stride` apart, y rows n apart; the block's rows are rows first_row...
+   of member m, its columns start at column c of the layer (for the term's outputs). Constant arguments
+   after inlining (rows, vectors, and term where NULL), so the loops over rows and vectors unroll and
+   the sums live in registers. Each sum runs over k in order. */
+static inline __attribute__((always_inline)) void row_block(const int rows, const int vectors,
+                                                            const float *x, const float *w,
+                                                            int64_t w_stride, const float *bias, float *y,
+                                                            int64_t k, int64_t n, const term_t *term,
+                                                            int64_t m, int64_t first_row, int64_t c) {
+    vec16 sum[ROW_BLOCK][COLUMN_VECTORS];
+    _Pragma("GCC unroll 16") for (int v = 0; v < vectors; v++) {
+        vec16 start = {0};
+        if (bias) memcpy(&start, bias + 16 * v, sizeof start);
+        _Pragma("GCC unroll 16") for (int r = 0; r < rows; r++) sum[r][v] = start;
+    }
+    for (int64_t p = 0; p < k; p++) {
+        vec16 w_p[COLUMN_VECTORS];
+        _Pragma("GCC unroll 16") for (int v = 0; v < vectors; v++)
+            memcpy(&w_p[v], w + p * w_stride + 16 * v, sizeof w_p[v]);
+        _Pragma("GCC unroll 16") for (int r = 0; r < rows; r++) {
+            const float x_rp = x[r * k + p];
+            _Pragma("GCC unroll 16") for (int v = 0; v < vectors; v++) sum[r][v] += x_rp * w_p[v];
+        }
+    }
+    if (term && term->outputs)
+        for (int64_t j = 0; j < term->rank; j++) {
+            const float *a = term->outputs + (m * term->rank + j) * n + c;
+            _Pragma("GCC unroll 16") for (int v = 0; v < vectors; v++) {
+                vec16 a_v;
+                memcpy(&a_v, a + 16 * v, sizeof a_v);
+                _Pragma("GCC unroll 16") for (int r = 0; r < rows; r++)
+                    sum[r][v] += term->products[(first_row + r) * term->rank + j] * a_v;
+            }
+        }
+    _Pragma("GCC unroll 16") for (int r = 0; r < rows; r++)
+        _Pragma("GCC unroll 16") for (int v = 0; v < vectors; v++)
+            memcpy(y + r * n + 16 * v, &sum[r][v], sizeof sum[r][v]);
+}
+
+/* The 16 lanes of a sum added as a tree, in one fixed order */
+static inline float lanes_added(vec16 sum) {
+    float half[8];
+    for (int lane = 0; lane < 8; lane++) half[lane] = sum[lane] + sum[lane + 8];
+    for (int lane = 0; lane < 4; lane++) half[lane] += half[lane + 4];
+    return (half[0] + half[2]) + (half[1] + half[3]);
+}
+
+/* x[0:k] . v[0:k]: four independent 16-float sums (so the multiply-adds overlap instead of waiting on
+   each other), added as (0 + 1) + (2 + 3), then across their lanes, then the last k % 16 one by one. */
+static inline float dot(const float *x, const float *v, int64_t k) {
+    vec16 sum[4] = {{0}, {0}, {0}, {0}};
+    int64_t p = 0;
+    for (; p + 64 <= k; p += 64)
+        for (int s = 0; s < 4; s++) {
+            vec16 x_p, v_p;
+            memcpy(&x_p, x + p + 16 * s, sizeof x_p);
+            memcpy(&v_p, v + p + 16 * s, sizeof v_p);
+            sum[s] += x_p * v_p;
+        }
+    for (; p + 16 <= k; p += 16) {
+        vec16 x_p, v_p;
+        memcpy(&x_p, x + p, sizeof x_p);
+        memcpy(&v_p, v + p, sizeof v_p);
+        sum[0] += x_p * v_p;
+    }
+    float total = lanes_added((sum[0] + sum[1]) + (sum[2] + sum[3]));
+    for (; p < k; p++) total += x[p] * v[p];
+    return total;
+}
 
 #endif

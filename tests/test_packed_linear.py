@@ -1,0 +1,189 @@
+"""The packed linear of a prefill's many rows and its low-rank term (cpu_library.packed_linear,
+csrc/packed_linear_cpu.c) against the plain-torch reference in float64: x W^T (+ bias), plus each row's
+member's sum_j (x . inputs[m, j]) outputs[m, j].
+
+Row counts around the register block (ROW_BLOCK: 12 with AVX-512, 6 without), widths around the 16-float
+vectors, outputs in whole panels and with the last columns one by one, members with unequal and empty row
+groups, ranks 1 to 3, with and without a bias, several seeds; a row's bits depend neither on the threads
+nor on the rows beside it; the layers that use it (DecodingLinear, LowRankLinear) give their torch
+results; it refuses what it cannot take.
+"""
+
+import pytest
+import torch
+
+from fastes.engine import cpu_library
+from fastes.engine.cpu_library import LowRankTerm
+from fastes.es.population import LowRankLinear
+from fastes.models.decoding_linears import DecodingLinear
+
+SEEDS = [0, 1, 31337]
+ROWS = [1, 5, 6, 7, 12, 13, 25]  # one, around AVX2's block of 6 and AVX-512's of 12, and several blocks
+WIDTHS = [1, 17, 64, 65, 130]  # k: below, around and at the four 16-float sums of the products' dot
+OUTPUTS = [32, 64, 50, 96 + 7]  # n: whole 32-column panels, and panels with the last columns one by one
+
+
+def reference(x, w, bias, term=None) -> torch.Tensor:
+    y = x.double() @ w.double().T
+    if bias is not None:
+        y = y + bias.double()
+    if term is not None:
+        for m in range(term.inputs.shape[0]):
+            rows = slice(int(term.offsets[m]), int(term.offsets[m + 1]))
+            y[rows] += (x[rows].double() @ term.inputs[m].double().T) @ term.outputs[m].double()
+    return y
+
+
+def problem(rows, k, n, seed, with_bias, members=0, rank=1):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=generator)
+    w = torch.randn(n, k, generator=generator)
+    bias = torch.randn(n, generator=generator) if with_bias else None
+    if not members:
+        return x, w, bias, None
+    # cut points drawn with repeats allowed: some members get no rows at all
+    cuts = torch.randint(0, rows + 1, (members - 1,), generator=generator).sort().values
+    offsets = torch.cat([torch.tensor([0]), cuts, torch.tensor([rows])])
+    inputs = torch.randn(members, rank, k, generator=generator)
+    outputs = torch.randn(members, rank, n, generator=generator)
+    return x, w, bias, LowRankTerm(inputs, outputs, offsets)
+
+
+def tolerance(k: int, rank: int = 0) -> dict:
+    # fp32 products summed over k (and the term's r products, each itself a sum over k)
+    return dict(rtol=1e-5, atol=2e-6 * k * (1 + rank * k**0.5))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_linear_matches_the_reference(seed, rows, with_bias):
+    for k in WIDTHS:
+        for n in OUTPUTS:
+            x, w, bias, _ = problem(rows, k, n, seed, with_bias)
+            got = cpu_library.packed_linear(x, w, bias)
+            assert got.dtype == torch.float32 and got.shape == (rows, n)
+            torch.testing.assert_close(got.double(), reference(x, w, bias), **tolerance(k))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("members,rank", [(1, 1), (3, 1), (4, 2), (5, 3)])
+def test_the_low_rank_term_is_added_to_each_members_rows(seed, rows, members, rank):
+    for k in (17, 65):
+        for n in (32, 50):
+            x, w, bias, term = problem(rows, k, n, seed, True, members, rank)
+            got = cpu_library.packed_linear(x, w, bias, term)
+            torch.testing.assert_close(got.double(), reference(x, w, bias, term), **tolerance(k, rank))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_smollm2_sized_layer_over_the_threads_matches_the_reference(threads):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x, w, bias, term = problem(300, 576, 192, seed=threads, with_bias=True, members=8)
+        got = cpu_library.packed_linear(x, w, bias, term)
+        torch.testing.assert_close(got.double(), reference(x, w, bias, term), **tolerance(576, 1))
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_a_rows_result_depends_on_neither_the_threads_nor_the_rows_beside_it():
+    x, w, bias, term = problem(300, 200, 96 + 7, seed=5, with_bias=True, members=3, rank=2)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        together = cpu_library.packed_linear(x, w, bias, term)
+        torch.set_num_threads(1)
+        assert torch.equal(cpu_library.packed_linear(x, w, bias, term), together)
+        for row in (0, 13, 299):  # alone: a one-row group of its own member
+            member = int(torch.searchsorted(term.offsets, row, right=True)) - 1
+            alone_term = LowRankTerm(
+                term.inputs[member : member + 1], term.outputs[member : member + 1], torch.tensor([0, 1])
+            )
+            alone = cpu_library.packed_linear(x[row : row + 1], w, bias, alone_term)
+            assert torch.equal(alone[0], together[row])
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_decoding_linear_takes_it_at_a_prefills_rows():
+    base = torch.nn.Linear(576, 192)  # SmolLM2's k projection: a weight of 432 KiB
+    layer = DecodingLinear(base)
+    for rows in (cpu_library.PACKED_MIN_ROWS - 1, cpu_library.PACKED_MIN_ROWS):
+        x = torch.randn(rows, 576)
+        got, expected = layer(x), base(x)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+        # below the rows, torch's own linear (the same bits); from them, the packed linear
+        assert torch.equal(got, expected) == (rows < cpu_library.PACKED_MIN_ROWS)
+        assert cpu_library.packs(rows, base.weight) == (rows >= cpu_library.PACKED_MIN_ROWS)
+    assert not cpu_library.packs(1000, torch.nn.Linear(576, 200).weight)  # the last columns one by one
+    assert not cpu_library.packs(1000, torch.nn.Linear(64, 256).weight)  # the tiny model's: in the caches
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows_per_member", [1, 40])  # below and above PACKED_MIN_ROWS in all
+def test_the_low_rank_layer_gives_its_torch_result(bias, rows_per_member):
+    torch.manual_seed(0)
+    base = torch.nn.Linear(576, 192, bias=bias)
+    members = 8
+    factors = [(torch.randn(192, 2), torch.randn(576, 2)) for _ in range(members)]
+    scales = [0.1 * (m + 1) for m in range(members)]
+    packed = LowRankLinear(base, factors, scales)
+    reference_layer = LowRankLinear(base, factors, scales, backend="torch")
+    assert packed.packed and not reference_layer.packed
+    x = torch.randn(members * rows_per_member, 1, 576)
+    torch.testing.assert_close(packed(x), reference_layer(x), rtol=1e-5, atol=1e-4)
+    packed.keep_members([1, 4, 6])
+    reference_layer.keep_members([1, 4, 6])
+    x = torch.randn(3 * 100, 576)  # three members' 100 rows each: the packed path, new row groups
+    torch.testing.assert_close(packed(x), reference_layer(x), rtol=1e-5, atol=1e-4)
+
+
+def test_the_low_rank_layer_keeps_its_base_when_it_is_more_than_a_linear():
+    base = torch.nn.Linear(576, 192)
+    base.register_forward_hook(lambda module, args, out: out * 2)
+    layer = LowRankLinear(base, [(torch.randn(192, 1), torch.randn(576, 1))], [0.0])
+    assert not layer.packed
+    x = torch.randn(300, 576)
+    torch.testing.assert_close(layer(x), base(x))  # the hook ran: the term is zero
+
+
+@pytest.mark.parametrize(
+    "x, w, term, message",
+    [
+        (torch.zeros(0, 4), torch.zeros(3, 4), None, "rows of the weight's width"),
+        (torch.zeros(2, 4), torch.zeros(3, 5), None, "rows of the weight's width"),
+        (torch.zeros(1, 2, 4), torch.zeros(3, 4), None, "rows of the weight's width"),
+        (torch.zeros(2, 4, dtype=torch.float64), torch.zeros(3, 4, dtype=torch.float64), None, "fp32"),
+        (torch.zeros(2, 4), torch.zeros(4, 3).T, None, "contiguous weight"),
+        (
+            torch.zeros(2, 4),
+            torch.zeros(3, 4),
+            LowRankTerm(torch.zeros(1, 1, 5), torch.zeros(1, 1, 3), torch.tensor([0, 2])),
+            "do not match",
+        ),
+        (
+            torch.zeros(2, 4),
+            torch.zeros(3, 4),
+            LowRankTerm(torch.zeros(1, 1, 4), torch.zeros(1, 1, 3), torch.tensor([0, 1, 2])),
+            "do not match",
+        ),
+        (
+            torch.zeros(2, 4),
+            torch.zeros(3, 4),
+            LowRankTerm(torch.zeros(1, 1, 4).double(), torch.zeros(1, 1, 3), torch.tensor([0, 2])),
+            "fp32",
+        ),
+        (
+            torch.zeros(2, 4),
+            torch.zeros(3, 4),
+            LowRankTerm(torch.zeros(1, 1, 4), torch.zeros(1, 1, 3), torch.tensor([0.0, 2.0])),
+            "int64",
+        ),
+    ],
+)
+def test_packed_linear_refuses_what_it_cannot_take(x, w, term, message):
+    with pytest.raises(ValueError, match=message):
+        cpu_library.packed_linear(x, w, None, term)
