@@ -120,6 +120,18 @@ def test_decoding_through_them_gives_transformers_greedy_tokens(seed, monkeypatc
     assert not any(isinstance(m, DecodingLinear) for m in model.modules())
 
 
+def test_a_prefill_of_many_rows_takes_the_packed_linear_and_gives_transformers_greedy_tokens(monkeypatch):
+    model = _model(2)
+    calls = []
+    packed_linear = cpu_library.packed_linear
+    monkeypatch.setattr(cpu_library, "packed_linear", lambda *a: calls.append(1) or packed_linear(*a))
+    ids = torch.randint(1, VOCABULARY_ROWS, (8, 40), generator=torch.Generator().manual_seed(2))
+    assert ids.numel() >= cpu_library.PACKED_MIN_ROWS
+    ours, theirs = _greedy_both_ways(model, ids, new_tokens=4)
+    assert torch.equal(ours, theirs)
+    assert len(calls) == 2 * 7  # every projection of the prefill; the vocabulary sees the last positions
+
+
 def test_a_lora_wrapped_model_decodes_through_them_as_transformers_does():
     """peft's LoRA layer calls its base layer, which is swapped like any other projection."""
     peft = pytest.importorskip("peft")

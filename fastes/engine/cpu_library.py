@@ -22,6 +22,10 @@ How it stays fast:
 - Threads: each call is split into block ranges over torch.get_num_threads() Python threads (ctypes
   releases the GIL), so torch.set_num_threads applies at once.
 
+The same library holds the products the CPU's generation runs (sections at the end, each in torch's
+own OpenMP threads): the materialised population's member matmul, the few-rows linear of late decoding
+steps, and the packed linear of a prefill's many rows with the low-rank population's term.
+
 Where no C compiler is found, or building fails, `available()` turns False after one warning and
 `fastes.engine.ops` falls back to the eager reference.
 """
