@@ -213,7 +213,7 @@ class LowRankLinear(_PopulationLayer):
     (`cpu_library.packs`, the rule plain layers follow too: fastes.models.decoding_linears) and a plain
     nn.Linear base, `cpu_library.packed_linear` computes the base product and adds the term to each output
     before it is stored: added after the GEMM, the term was one more pass over an output that lies in
-    memory, ~5% of a SmolLM2 prefill (docs/results/packed-linear-2026-12-06.md). Otherwise (fewer rows,
+    memory, ~3% of a SmolLM2 generation (docs/results/packed-linear-2026-12-06.md). Otherwise (fewer rows,
     another base, backend "torch") the base projection runs once on all rows (the plain model's own
     product), a batched matmul gives each row's r products with its member's input factors, and one
     broadcast multiply-add per rank adds products x output factors into the output in place. Layers that

@@ -8,7 +8,7 @@
    numbers of rows.
 
    Why: the low-rank term added after BLAS's GEMM is one more pass over every projection's output, and
-   at a prefill's thousands of rows that output lies in memory, not in the caches: ~5% of a SmolLM2
+   at a prefill's thousands of rows that output lies in memory, not in the caches: ~3% of a SmolLM2
    generation at 8 members x 8 prompts (docs/results/packed-linear-2026-12-06.md). Here the term is
    added to the sums still in registers. The product itself is the member matmul's register block
    (products.h: ROW_BLOCK rows x 16 * COLUMN_VECTORS columns, summed over k in order) on a panel of W's
