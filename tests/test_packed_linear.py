@@ -158,6 +158,7 @@ def test_the_low_rank_layer_keeps_its_base_when_it_is_more_than_a_linear():
         (torch.zeros(0, 4), torch.zeros(3, 4), None, "rows of the weight's width"),
         (torch.zeros(2, 4), torch.zeros(3, 5), None, "rows of the weight's width"),
         (torch.zeros(1, 2, 4), torch.zeros(3, 4), None, "rows of the weight's width"),
+        (torch.zeros(2, 0), torch.zeros(3, 0), None, "rows of the weight's width"),
         (torch.zeros(2, 4, dtype=torch.float64), torch.zeros(3, 4, dtype=torch.float64), None, "fp32"),
         (torch.zeros(2, 4), torch.zeros(4, 3).T, None, "contiguous weight"),
         (

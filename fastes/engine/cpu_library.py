@@ -742,7 +742,7 @@ def packed_linear(
     member_matmul."""
     rows, k = x.shape if x.dim() == 2 else (0, -1)
     n = weight.shape[0]
-    if weight.shape != (n, k) or rows < 1:
+    if weight.shape != (n, k) or rows < 1 or k < 1:
         raise ValueError(
             f"packed_linear takes rows of the weight's width; got x {tuple(x.shape)} and weight "
             f"{tuple(weight.shape)}"
@@ -756,7 +756,7 @@ def packed_linear(
         members, rank = term.inputs.shape[:2]
         factors = (term.inputs, term.outputs)
         if (
-            term.inputs.shape[2] != k
+            term.inputs.shape != (members, rank, k)
             or term.outputs.shape != (members, rank, n)
             or term.offsets.shape != (members + 1,)
         ):
