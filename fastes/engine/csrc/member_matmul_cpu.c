@@ -9,8 +9,8 @@
    before using it for only a few rows (32 a member while the tiny model decodes), so the population's
    matmuls ran behind the plain model's one GEMM over all rows (docs/results/member-matmul-2026-12-06.md).
    Here the weights are read where they lie: a panel of 16 * COLUMN_VECTORS columns of w[m] (a few KB,
-   in L1) serves every block of ROW_BLOCK rows, whose sums stay in registers across the whole k loop.
-   Each output is summed over k in order, so a row's result depends neither on the rows beside it nor
+   in L1) serves every block of ROW_BLOCK rows, whose sums stay in registers across the whole k loop
+   (the register block, `row_block`, is products.h's, shared with packed_linear_cpu.c). Each output is summed over k in order, so a row's result depends neither on the rows beside it nor
    on the threads.
 
    Multiply-adds are fused (products.h), so results agree with torch's GEMM to float tolerance, not bit
