@@ -3,14 +3,18 @@
     python -m benchmarks.lowrank_forward_cpu [--model smollm2-135m-instruct] [--shape 8x8x16]
                                              [--rounds 6] [--out benchmarks/results]
 
-One process, the same rows (population x prompts, greedy, fixed members), three ways interleaved round
+One process, the same rows (population x prompts, greedy, fixed members), four ways interleaved round
 by round, each one generate call:
 - plain: the model as it is, all rows in one batch;
-- added after: fastes.es.population.LowRankLinear as it is: the base projection's own GEMM, then the
+- in the stores: fastes.es.population.LowRankLinear as it is: on the compiled CPU backend, at a
+  prefill's many rows, the packed linear adds the term to each output before it is stored
+  (cpu_library.packed_linear); at fewer rows, as "added after";
+- added after: the same layer with the packed linear off: the base projection's own product, then the
   term (products x output factors) added into its output by one broadcast multiply-add per rank;
 - written first: the alternative tried on 2026-12-05: the term (bias + products x output factors)
   written into y first and the base GEMM accumulating into it (beta = 1), so that the GEMM's own pass
   over y absorbs the term's instead of a second read and write of y.
+Plain generation's layers take the packed linear at a prefill's rows in every way (decoding_linears).
 Only the generation is timed (no noise, no update): the ratio to plain is what the population layers
 cost. Needs the shipped model (`bash scripts/setup.sh real`). Results:
 <out>/lowrank-forward-cpu-<date>[-n].json and .md (never overwritten).
@@ -30,7 +34,7 @@ import torch
 from benchmarks.common import cpu_model, write_results
 from benchmarks.real_model import _settings, _setup, _shape, _steps
 
-WAYS = ("plain", "added after", "written first")
+WAYS = ("plain", "in the stores", "added after", "written first")
 
 
 def written_first(layer, x: torch.Tensor) -> torch.Tensor:
@@ -53,7 +57,16 @@ def measure(args: argparse.Namespace) -> dict:
 
     run, es, prompts, _ = _setup(args, "lowrank")
     rows = prompts * args.population
-    added_after = LowRankLinear.forward
+    as_it_is = LowRankLinear.forward
+
+    def added_after(layer, x: torch.Tensor) -> torch.Tensor:
+        packed, layer.packed = layer.packed, False
+        try:
+            return as_it_is(layer, x)
+        finally:
+            layer.packed = packed
+
+    forwards = {"in the stores": as_it_is, "added after": added_after, "written first": written_first}
 
     def timed(way: str) -> tuple[float, int]:
         def call() -> object:
@@ -61,12 +74,12 @@ def measure(args: argparse.Namespace) -> dict:
 
         if way == "plain":
             return _seconds(call)
-        LowRankLinear.forward = written_first if way == "written first" else added_after
+        LowRankLinear.forward = forwards[way]
         try:
             with population_batched(es, run.model, "lowrank"):  # the same members every round
                 return _seconds(call)
         finally:
-            LowRankLinear.forward = added_after
+            LowRankLinear.forward = as_it_is
 
     for way in WAYS:  # warm
         timed(way)
@@ -88,7 +101,7 @@ def _seconds(call: Callable[[], object]) -> tuple[float, int]:
 def markdown(report: dict) -> str:
     r = report
     lines = [
-        "# The low-rank layer's rank-r term on a CPU: added after the base GEMM or written first",
+        "# The low-rank layer's rank-r term on a CPU: in the product's stores, added after, or written first",
         "",
         f"Measured {r['date']} {r['time']}; {r['cpu_model']}; {r['threads']} torch threads; {r['model']} "
         f"fp32, {r['shape']} (population x prompts x new tokens), greedy; {len(r['rounds'])} interleaved "
