@@ -11,7 +11,7 @@ results; it refuses what it cannot take.
 
 import pytest
 import torch
-import transformers
+from conftest import kernel_llama
 
 import fastes
 from fastes.engine import cpu_library
@@ -192,29 +192,21 @@ def test_packed_linear_refuses_what_it_cannot_take(x, w, term, message):
         cpu_library.packed_linear(x, w, None, term)
 
 
-def _llama() -> transformers.PreTrainedModel:
-    """A Llama whose projections (256 x 256 and up: 256 KiB or more, whole panels) take the packed linear."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=1000,
+def test_a_low_rank_population_through_it_gives_each_members_own_logits(monkeypatch):
+    """A prefill of 4 members x 8 prompts x 40 positions: every low-rank layer takes the packed linear
+    with its term, and each member's logits equal those of its own perturbed weights."""
+    # projections of 256 x 256 and up: 256 KiB or more, in whole panels
+    model, tokenizer = kernel_llama(
         hidden_size=256,
         intermediate_size=512,
-        num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=4,
         max_position_embeddings=64,
     )
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
-
-
-def test_a_low_rank_population_through_it_gives_each_members_own_logits(monkeypatch):
-    """A prefill of 4 members x 8 prompts x 40 positions: every low-rank layer takes the packed linear
-    with its term, and each member's logits equal those of its own perturbed weights."""
-    model = _llama()
     es = fastes.ES(
         fastes.linear_weights(model), sigma=0.05, lr=0.01, population=4, noise_type="lowrank", rank=2, seed=3
     )
-    ids = torch.randint(1, 1000, (8, 40), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(1, len(tokenizer), (8, 40), generator=torch.Generator().manual_seed(1))
     calls = []
     packed_linear = cpu_library.packed_linear
     monkeypatch.setattr(cpu_library, "packed_linear", lambda *a: calls.append(a[3]) or packed_linear(*a))
