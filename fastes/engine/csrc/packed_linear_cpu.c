@@ -14,7 +14,7 @@
    (products.h: ROW_BLOCK rows x 16 * COLUMN_VECTORS columns, summed over k in order) on a panel of W's
    rows copied to [k, columns] once per call into a buffer of the thread's own (at most a few hundred
    KB: it stays in L2 while every row block reads it). At SmolLM2's sizes this ran faster than torch's
-   `linear` (same file). Each output is summed in one fixed order, so a row's result depends neither on
+   `linear` (the same results file). Each output is summed in one fixed order, so a row's result depends neither on
    the rows beside it nor on the threads.
 
    Multiply-adds are fused (products.h), so results agree with torch's GEMM to float tolerance, not bit
@@ -63,7 +63,8 @@ static void panel_rows(const float *x, const float *panel, const float *bias, fl
 }
 #undef BLOCK
 
-/* The last n % PANEL columns, one by one (no model we know has them; kept exact and simple). */
+/* The last n % PANEL columns, one by one: correct and slow (cpu_library.packs sends a model's layers
+   here only with whole panels). */
 static void last_columns(const float *x, const float *w, const float *bias, float *y, const term_t *term,
                          int64_t c, int64_t k, int64_t n) {
     for (int64_t m = 0; m < term->members; m++)
