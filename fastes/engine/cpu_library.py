@@ -87,8 +87,7 @@ HEADERS = (Path(__file__).with_name("csrc") / "products.h",)  # included by sour
 _FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=off"]
 _ARCH_FLAGS = {"x86_64": ["-march=native"], "AMD64": ["-march=native"], "aarch64": ["-mcpu=native"]}
 # The products' threads (member_matmul, few_rows_linear, packed_linear): OpenMP's, in the runtime torch
-# loaded. A compiler without OpenMP builds the library without it, and they
-# run on the calling thread.
+# loaded. A compiler without OpenMP builds the library without it, and they run on the calling thread.
 _OPENMP = ["-fopenmp"]
 _POINTER, _I64, _U32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32
 _FLOAT = ctypes.c_float

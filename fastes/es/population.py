@@ -33,6 +33,11 @@ class _PopulationLayer(torch.nn.Module):
 
     base: torch.nn.Module
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._member_rows: list[int] | None = None  # set_member_rows (where taken); None: equal groups
+        self._offsets, self._offsets_for = None, -1  # _row_offsets' last answer, and its row count
+
     @property
     def weight(self) -> torch.Tensor:
         """The base projection's weight, for code around the layer that reads it (a PEFT LoRA layer casts
@@ -55,6 +60,17 @@ class _PopulationLayer(torch.nn.Module):
         decoding lets every finished row leave, as plain generation does, not only whole groups and
         columns."""
         return False
+
+    def _row_offsets(self, rows: int) -> torch.Tensor:
+        """Where each member's rows of the flattened input [rows, in] start, and the end, for the compiled
+        CPU products. Every layer asks at every decode step, so the answer is kept while the rows stay the
+        same (keep_members and set_member_rows forget it)."""
+        if self._offsets_for != rows:
+            counts = self._member_rows or [1] * self.population_members
+            per_count = rows // sum(counts)  # an equal group's rows, or a batch row's positions
+            self._offsets = torch.tensor([0, *itertools.accumulate(c * per_count for c in counts)])
+            self._offsets_for = rows
+        return self._offsets
 
 
 class PopulationLinear(_PopulationLayer):
@@ -83,8 +99,6 @@ class PopulationLinear(_PopulationLayer):
         self.transposed = transposed
         compiled = ops.resolve_backend([self.weights], backend) == "cpu"
         self.compiled = compiled and self.weights.dtype == torch.float32  # the library's matmul is fp32
-        self._member_rows: list[int] | None = None  # set_member_rows; None: equal groups
-        self._offsets, self._offsets_for = None, -1  # _row_offsets' last answer, and its row count
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         members = self.weights.shape[0]
@@ -107,16 +121,6 @@ class PopulationLinear(_PopulationLayer):
         if self.base.bias is not None:
             y = y + self.base.bias
         return y.reshape(*x.shape[:-1], y.shape[-1])
-
-    def _row_offsets(self, rows: int) -> torch.Tensor:
-        """Where each member's rows of the flattened input [rows, in] start, and the end. Every layer asks
-        at every decode step, so the answer is kept while the rows stay the same."""
-        if self._offsets_for != rows:
-            counts = self._member_rows or [1] * self.weights.shape[0]
-            per_count = rows // sum(counts)  # an equal group's rows, or a batch row's positions
-            self._offsets = torch.tensor([0, *itertools.accumulate(c * per_count for c in counts)])
-            self._offsets_for = rows
-        return self._offsets
 
     @property
     def population_members(self) -> int:
@@ -241,7 +245,6 @@ class LowRankLinear(_PopulationLayer):
         out_side, in_side = (b, a) if transposed else (a, b)
         scale = torch.tensor(scales, dtype=torch.float32, device=a.device) / rank**0.5
         self._set_inputs(in_side.transpose(1, 2).to(weight.dtype))  # [members, r, in]
-        self._offsets, self._offsets_for = None, -1  # _packed's row groups, and their row count
         scaled = out_side.transpose(1, 2) * scale[:, None, None]
         self.outputs = scaled.to(weight.dtype).contiguous()  # [members, r, out], scale_m / sqrt(r) folded in
         self._output_columns = self.outputs.split(1, dim=1)
@@ -301,11 +304,7 @@ class LowRankLinear(_PopulationLayer):
         self._inputs_t = self.inputs.transpose(1, 2)
 
     def _packed(self, flat: torch.Tensor) -> torch.Tensor:
-        rows, members = flat.shape[0], self.outputs.shape[0]
-        if self._offsets_for != rows:  # the members' equal row groups, kept while the rows stay the same
-            self._offsets = torch.arange(0, rows + 1, rows // members)
-            self._offsets_for = rows
-        term = cpu_library.LowRankTerm(self.inputs, self.outputs, self._offsets)
+        term = cpu_library.LowRankTerm(self.inputs, self.outputs, self._row_offsets(flat.shape[0]))
         return cpu_library.packed_linear(flat.to(torch.float32), self.base.weight, self.base.bias, term)
 
     def _fused(self, flat: torch.Tensor) -> torch.Tensor:

@@ -9,11 +9,12 @@ weight from memory (SmolLM2-135M: 540 MB a step). torch's CPU `linear` is slow t
 - Above that, a vocabulary-wide output (at least VOCABULARY_ROWS) is computed as (W x^T)^T, the
   vocabulary as the GEMM's long side: torch's bits from 12 rows up, and faster at the usual batches (SmolLM2's
   vocabulary 140 -> 111 ms at 256 rows; other vocabularies 1.2-1.6x at 32 and 64 rows).
-A decoding step of SmolLM2 at 1 to 8 rows ran 1.7-3.1x faster, at 64 rows 1.08x.
-- At a prefill's many rows (at least PACKED_MIN_ROWS) `cpu_library.packed_linear`, a register-blocked
-  product on panels of the weight, ran SmolLM2's projections 1.10-1.15x faster than torch's `linear` at
-  2304 rows (docs/results/packed-linear-2026-12-06.md). The low-rank population layer adds its members'
-  term in the same pass, so plain generation takes it too: both sides run the same products.
+A decoding step of SmolLM2 at 1 to 8 rows ran 1.7-3.1x faster, at 64 rows 1.08x. At a prefill's many
+rows (`cpu_library.packs`: at least PACKED_MIN_ROWS) the same layers take `cpu_library.packed_linear`, a
+register-blocked product on panels of the weight: SmolLM2's projections ran 1.10-1.15x faster than with
+torch's `linear` at 2304 rows (docs/results/packed-linear-2026-12-06.md). The low-rank population layer
+adds its members' term in the same pass, so plain generation takes it too: both sides run the same
+products.
 
 `decoding_linears(model)` swaps each nn.Linear of `model` that this applies to (`applies`: fp32 on the
 CPU, a weight of at least MIN_WEIGHT_BYTES, no hooks) for `DecodingLinear` while it is held, and puts

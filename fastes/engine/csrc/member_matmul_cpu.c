@@ -10,8 +10,8 @@
    matmuls ran behind the plain model's one GEMM over all rows (docs/results/member-matmul-2026-12-06.md).
    Here the weights are read where they lie: a panel of 16 * COLUMN_VECTORS columns of w[m] (a few KB,
    in L1) serves every block of ROW_BLOCK rows, whose sums stay in registers across the whole k loop
-   (the register block, `row_block`, is products.h's, shared with packed_linear_cpu.c). Each output is summed over k in order, so a row's result depends neither on the rows beside it nor
-   on the threads.
+   (products.h's `row_blocks`, shared with packed_linear_cpu.c). Each output is summed over k in order,
+   so a row's result depends neither on the rows beside it nor on the threads.
 
    Multiply-adds are fused (products.h), so results agree with torch's GEMM to float tolerance, not bit
    for bit. Built into the same library as noise_cpu.c by fastes/engine/cpu_library.py. */
@@ -21,33 +21,6 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* One panel of columns for all rows of a member: full row blocks, then the rows left over. */
-static inline __attribute__((always_inline)) void panel(const int vectors, const float *x, const float *w,
-                                                        const float *bias, float *y, int64_t rows,
-                                                        int64_t k, int64_t n) {
-    int64_t r = 0;
-    for (; r + ROW_BLOCK <= rows; r += ROW_BLOCK)
-        row_block(ROW_BLOCK, vectors, x + r * k, w, n, bias, y + r * n, k, n, NULL, 0, 0, 0);
-    x += r * k;
-    y += r * n;
-    switch (rows - r) { /* a constant row count in each case, as in the full blocks */
-        case 1: row_block(1, vectors, x, w, n, bias, y, k, n, NULL, 0, 0, 0); break;
-        case 2: row_block(2, vectors, x, w, n, bias, y, k, n, NULL, 0, 0, 0); break;
-        case 3: row_block(3, vectors, x, w, n, bias, y, k, n, NULL, 0, 0, 0); break;
-        case 4: row_block(4, vectors, x, w, n, bias, y, k, n, NULL, 0, 0, 0); break;
-        case 5: row_block(5, vectors, x, w, n, bias, y, k, n, NULL, 0, 0, 0); break;
-#if ROW_BLOCK > 6
-        case 6: row_block(6, vectors, x, w, n, bias, y, k, n, NULL, 0, 0, 0); break;
-        case 7: row_block(7, vectors, x, w, n, bias, y, k, n, NULL, 0, 0, 0); break;
-        case 8: row_block(8, vectors, x, w, n, bias, y, k, n, NULL, 0, 0, 0); break;
-        case 9: row_block(9, vectors, x, w, n, bias, y, k, n, NULL, 0, 0, 0); break;
-        case 10: row_block(10, vectors, x, w, n, bias, y, k, n, NULL, 0, 0, 0); break;
-        case 11: row_block(11, vectors, x, w, n, bias, y, k, n, NULL, 0, 0, 0); break;
-#endif
-        default: break;
-    }
-}
-
 /* Columns [c, end) of member m's rows: 16 * COLUMN_VECTORS-wide panels, then 16-wide ones, then the last
    columns, fewer than a vector's 16, one by one. */
 static void columns(const float *x, const float *w, const float *bias, float *y, const int64_t *offsets,
@@ -56,9 +29,11 @@ static void columns(const float *x, const float *w, const float *bias, float *y,
     const float *x_m = x + offsets[m] * k, *w_m = w + m * k * n;
     float *y_m = y + offsets[m] * n;
     for (; c + 16 * COLUMN_VECTORS <= end; c += 16 * COLUMN_VECTORS)
-        panel(COLUMN_VECTORS, x_m, w_m + c, bias ? bias + c : NULL, y_m + c, rows, k, n);
+        row_blocks(COLUMN_VECTORS, x_m, w_m + c, n, bias ? bias + c : NULL, y_m + c, k, n, NULL, 0, 0, rows,
+                   c);
 #if COLUMN_VECTORS > 1
-    for (; c + 16 <= end; c += 16) panel(1, x_m, w_m + c, bias ? bias + c : NULL, y_m + c, rows, k, n);
+    for (; c + 16 <= end; c += 16)
+        row_blocks(1, x_m, w_m + c, n, bias ? bias + c : NULL, y_m + c, k, n, NULL, 0, 0, rows, c);
 #endif
     for (; c < end; c++)
         for (int64_t r = 0; r < rows; r++) {

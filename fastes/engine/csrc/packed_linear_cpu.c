@@ -14,8 +14,8 @@
    (products.h: ROW_BLOCK rows x 16 * COLUMN_VECTORS columns, summed over k in order) on a panel of W's
    rows copied to [k, columns] once per call into a buffer of the thread's own (at most a few hundred
    KB: it stays in L2 while every row block reads it). At SmolLM2's sizes this ran faster than torch's
-   `linear` (the same results file). Each output is summed in one fixed order, so a row's result depends neither on
-   the rows beside it nor on the threads.
+   `linear` (the same results file). Each output is summed in one fixed order, so a row's result
+   depends neither on the rows beside it nor on the threads.
 
    Multiply-adds are fused (products.h), so results agree with torch's GEMM to float tolerance, not bit
    for bit. Built into the same library as noise_cpu.c by fastes/engine/cpu_library.py. */
@@ -34,34 +34,6 @@ static void pack_panel(const float *w, int64_t c, int64_t k, float *panel) {
         for (int64_t p = 0; p < k; p++) panel[p * PANEL + column] = w_c[p];
     }
 }
-
-/* Rows [lo, hi) of member m against one packed panel (columns [c, c + PANEL)): full row blocks, then
-   the rows left over, each case with a constant row count, as in the member matmul. */
-#define BLOCK(rows) \
-    row_block(rows, COLUMN_VECTORS, x + r * k, panel, PANEL, bias_c, y + r * n + c, k, n, term, m, r, c)
-static void panel_rows(const float *x, const float *panel, const float *bias, float *y, const term_t *term,
-                       int64_t m, int64_t lo, int64_t hi, int64_t c, int64_t k, int64_t n) {
-    const float *bias_c = bias ? bias + c : NULL;
-    int64_t r = lo;
-    for (; r + ROW_BLOCK <= hi; r += ROW_BLOCK) BLOCK(ROW_BLOCK);
-    switch (hi - r) {
-        case 1: BLOCK(1); break;
-        case 2: BLOCK(2); break;
-        case 3: BLOCK(3); break;
-        case 4: BLOCK(4); break;
-        case 5: BLOCK(5); break;
-#if ROW_BLOCK > 6
-        case 6: BLOCK(6); break;
-        case 7: BLOCK(7); break;
-        case 8: BLOCK(8); break;
-        case 9: BLOCK(9); break;
-        case 10: BLOCK(10); break;
-        case 11: BLOCK(11); break;
-#endif
-        default: break;
-    }
-}
-#undef BLOCK
 
 /* The last n % PANEL columns, one by one: correct and slow (cpu_library.packs sends a model's layers
    here only with whole panels). */
@@ -96,8 +68,10 @@ int64_t fastes_packed_linear_f32(const float *x, const float *w, const float *bi
         for (int64_t q = 0; q < panels; q++) {
             if (!panel) continue;
             pack_panel(w, q * PANEL, k, panel);
+            const int64_t c = q * PANEL;
             for (int64_t m = 0; m < term.members; m++)
-                panel_rows(x, panel, bias, y, &term, m, term.offsets[m], term.offsets[m + 1], q * PANEL, k, n);
+                row_blocks(COLUMN_VECTORS, x, panel, PANEL, bias ? bias + c : NULL, y + c, k, n, &term, m,
+                           term.offsets[m], term.offsets[m + 1], c);
         }
         free(panel);
     }

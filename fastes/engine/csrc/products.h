@@ -1,5 +1,6 @@
 /* What the library's products share (member_matmul_cpu.c, few_rows_linear_cpu.c, packed_linear_cpu.c):
-   fused multiply-adds, the 16-float vector they compute in, and the register block of the matmuls.
+   fused multiply-adds, the 16-float vector they compute in, and the register block of the matmuls with
+   the loop that runs it over a panel's rows.
 
    The library is built with -ffp-contract=off for the noise's sake (noise_cpu.c: the normals must be
    the same bits on every CPU); a file that includes this header first opts back in for its own
@@ -77,6 +78,37 @@ static inline __attribute__((always_inline)) void row_block(const int rows, cons
         _Pragma("GCC unroll 16") for (int v = 0; v < vectors; v++)
             memcpy(y + r * n + 16 * v, &sum[r][v], sizeof sum[r][v]);
 }
+
+/* Rows [lo, hi) against one panel of 16 * vectors columns: full row blocks, then the rows left over,
+   each case with a constant row count so that its loops unroll as in the full blocks. x and y point at
+   row 0 (y and bias at the panel's first column, c); the arguments are row_block's. */
+#define ROWS_BLOCK(rows_) \
+    row_block(rows_, vectors, x + r * k, w, w_stride, bias, y + r * n, k, n, term, m, r, c)
+static inline __attribute__((always_inline)) void row_blocks(const int vectors, const float *x,
+                                                             const float *w, int64_t w_stride,
+                                                             const float *bias, float *y, int64_t k,
+                                                             int64_t n, const term_t *term, int64_t m,
+                                                             int64_t lo, int64_t hi, int64_t c) {
+    int64_t r = lo;
+    for (; r + ROW_BLOCK <= hi; r += ROW_BLOCK) ROWS_BLOCK(ROW_BLOCK);
+    switch (hi - r) {
+        case 1: ROWS_BLOCK(1); break;
+        case 2: ROWS_BLOCK(2); break;
+        case 3: ROWS_BLOCK(3); break;
+        case 4: ROWS_BLOCK(4); break;
+        case 5: ROWS_BLOCK(5); break;
+#if ROW_BLOCK > 6
+        case 6: ROWS_BLOCK(6); break;
+        case 7: ROWS_BLOCK(7); break;
+        case 8: ROWS_BLOCK(8); break;
+        case 9: ROWS_BLOCK(9); break;
+        case 10: ROWS_BLOCK(10); break;
+        case 11: ROWS_BLOCK(11); break;
+#endif
+        default: break;
+    }
+}
+#undef ROWS_BLOCK
 
 /* The 16 lanes of a sum added as a tree, in one fixed order */
 static inline float lanes_added(vec16 sum) {
