@@ -174,3 +174,40 @@ def python_steps(function, *args):
     finally:
         sys.settrace(previous)
     return result, steps
+
+
+def linear_reference(x, w, bias, term=None) -> torch.Tensor:
+    """x w^T (+ bias) (+ each row's member's sum_j (x . inputs[m, j]) outputs[m, j]) in float64: the
+    plain-torch reference of the library's linear products (cpu_library.LowRankTerm)."""
+    y = x.double() @ w.double().T
+    if bias is not None:
+        y = y + bias.double()
+    if term is not None:
+        for m in range(term.inputs.shape[0]):
+            rows = slice(int(term.offsets[m]), int(term.offsets[m + 1]))
+            y[rows] += (x[rows].double() @ term.inputs[m].double().T) @ term.outputs[m].double()
+    return y
+
+
+def linear_problem(rows, k, n, seed, with_bias, members=0, rank=1):
+    """(x, w, bias or None, LowRankTerm or None): random fp32 operands of a linear layer, and with
+    members, a low-rank term whose row groups are cut at random (repeats allowed: some members get no
+    rows at all)."""
+    from fastes.engine.cpu_library import LowRankTerm
+
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=generator)
+    w = torch.randn(n, k, generator=generator)
+    bias = torch.randn(n, generator=generator) if with_bias else None
+    if not members:
+        return x, w, bias, None
+    cuts = torch.randint(0, rows + 1, (members - 1,), generator=generator).sort().values
+    offsets = torch.cat([torch.tensor([0]), cuts, torch.tensor([rows])])
+    inputs = torch.randn(members, rank, k, generator=generator)
+    outputs = torch.randn(members, rank, n, generator=generator)
+    return x, w, bias, LowRankTerm(inputs, outputs, offsets)
+
+
+def linear_tolerance(k: int, rank: int = 0) -> dict:
+    """fp32 products summed over k (and the term's r products, each itself a sum over k)."""
+    return dict(rtol=1e-5, atol=2e-6 * k * (1 + rank * k**0.5))

@@ -1,15 +1,19 @@
 """The few-rows linear of late decoding steps (cpu_library.few_rows_linear, csrc/few_rows_linear_cpu.c)
-against the plain-torch reference, x w^T (+ bias) in float64.
+against the plain-torch reference, x w^T (+ bias) in float64, and with the low-rank population's term
+(each row's member's sum_j (x . inputs[m, j]) outputs[m, j]).
 
 Every row count it takes (1 to FEW_ROWS), widths around the 16-float vectors (the last k % 16 summed one
-by one), outputs around the threads' split, with and without a bias, several seeds; a row's bits depend
-neither on the threads nor on the rows beside it; it refuses what it cannot take.
+by one), outputs around the threads' split, with and without a bias, members with unequal and empty row
+groups, ranks 1 to 3, several seeds; a row's bits depend neither on the threads nor on the rows beside
+it; it refuses what it cannot take.
 """
 
 import pytest
 import torch
+from conftest import linear_problem, linear_reference, linear_tolerance
 
 from fastes.engine import cpu_library
+from fastes.engine.cpu_library import LowRankTerm
 
 SEEDS = [0, 1, 31337]
 WIDTHS = [1, 15, 16, 17, 33, 100, 577]  # k: below, at and around a vector, and a real model's odd width
@@ -68,6 +72,60 @@ def test_a_rows_result_depends_on_neither_the_threads_nor_the_rows_beside_it():
             assert torch.equal(alone[0], together[row])
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("rows", range(1, cpu_library.FEW_ROWS + 1))
+@pytest.mark.parametrize("members,rank", [(1, 1), (3, 1), (4, 2), (5, 3)])
+def test_the_low_rank_term_is_added_to_each_members_rows(seed, rows, members, rank):
+    for k in (17, 65, 577):
+        for n in (1, 3, 65):
+            x, w, bias, term = linear_problem(rows, k, n, seed, seed % 2 == 0, members, rank)
+            got = cpu_library.few_rows_linear(x, w, bias, term)
+            torch.testing.assert_close(
+                got.double(), linear_reference(x, w, bias, term), **linear_tolerance(k, rank)
+            )
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_term_over_the_threads_matches_the_reference_and_depends_on_no_neighbour(threads):
+    """A SmolLM2 projection's shape, its weight shared by the threads; each row alone, a one-row group
+    of its own member, gives the same bits."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x, w, bias, term = linear_problem(
+            cpu_library.FEW_ROWS, 576, 1536, seed=threads, with_bias=True, members=3
+        )
+        together = cpu_library.few_rows_linear(x, w, bias, term)
+        torch.testing.assert_close(
+            together.double(), linear_reference(x, w, bias, term), **linear_tolerance(576, 1)
+        )
+        for row in range(x.shape[0]):
+            member = int(torch.searchsorted(term.offsets, row, right=True)) - 1
+            alone_term = LowRankTerm(
+                term.inputs[member : member + 1], term.outputs[member : member + 1], torch.tensor([0, 1])
+            )
+            assert torch.equal(
+                cpu_library.few_rows_linear(x[row : row + 1], w, bias, alone_term)[0], together[row]
+            )
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_few_rows_linear_refuses_a_term_that_does_not_fit():
+    x, w = torch.zeros(3, 4), torch.zeros(5, 4)
+    with pytest.raises(ValueError, match="do not split 3 rows"):
+        cpu_library.few_rows_linear(
+            x, w, None, LowRankTerm(torch.zeros(2, 1, 4), torch.zeros(2, 1, 5), torch.tensor([0, 2, 4]))
+        )
+    with pytest.raises(ValueError, match="do not match"):
+        cpu_library.few_rows_linear(
+            x, w, None, LowRankTerm(torch.zeros(2, 1, 4), torch.zeros(2, 1, 4), torch.tensor([0, 2, 3]))
+        )
+    with pytest.raises(ValueError, match="fp32"):
+        term = LowRankTerm(torch.zeros(2, 1, 4).double(), torch.zeros(2, 1, 5), torch.tensor([0, 2, 3]))
+        cpu_library.few_rows_linear(x, w, None, term)
 
 
 def test_few_rows_linear_reads_a_strided_input():

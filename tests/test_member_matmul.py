@@ -120,7 +120,7 @@ def test_without_the_compiled_matmul_the_layer_keeps_equal_groups():
     base = torch.nn.Linear(8, 8)
     layer = PopulationLinear(base, torch.randn(2, 8, 8), backend="torch")  # torch.bmm
     assert not layer.compiled and not layer.takes_unequal_groups
-    with pytest.raises(ValueError, match="compiled matmul"):
+    with pytest.raises(ValueError, match="compiled CPU products"):
         layer.set_member_rows([1, 1])
     float64 = PopulationLinear(base.double(), torch.randn(2, 8, 8, dtype=torch.float64))
     assert not float64.takes_unequal_groups  # the library's matmul is fp32

@@ -11,7 +11,7 @@ results; it refuses what it cannot take.
 
 import pytest
 import torch
-from conftest import kernel_llama
+from conftest import kernel_llama, linear_problem, linear_reference, linear_tolerance
 
 import fastes
 from fastes.engine import cpu_library
@@ -25,47 +25,16 @@ WIDTHS = [1, 17, 64, 65, 130]  # k: below, around and at the four 16-float sums 
 OUTPUTS = [32, 64, 50, 96 + 7]  # n: whole 32-column panels, and panels with the last columns one by one
 
 
-def reference(x, w, bias, term=None) -> torch.Tensor:
-    y = x.double() @ w.double().T
-    if bias is not None:
-        y = y + bias.double()
-    if term is not None:
-        for m in range(term.inputs.shape[0]):
-            rows = slice(int(term.offsets[m]), int(term.offsets[m + 1]))
-            y[rows] += (x[rows].double() @ term.inputs[m].double().T) @ term.outputs[m].double()
-    return y
-
-
-def problem(rows, k, n, seed, with_bias, members=0, rank=1):
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, k, generator=generator)
-    w = torch.randn(n, k, generator=generator)
-    bias = torch.randn(n, generator=generator) if with_bias else None
-    if not members:
-        return x, w, bias, None
-    # cut points drawn with repeats allowed: some members get no rows at all
-    cuts = torch.randint(0, rows + 1, (members - 1,), generator=generator).sort().values
-    offsets = torch.cat([torch.tensor([0]), cuts, torch.tensor([rows])])
-    inputs = torch.randn(members, rank, k, generator=generator)
-    outputs = torch.randn(members, rank, n, generator=generator)
-    return x, w, bias, LowRankTerm(inputs, outputs, offsets)
-
-
-def tolerance(k: int, rank: int = 0) -> dict:
-    # fp32 products summed over k (and the term's r products, each itself a sum over k)
-    return dict(rtol=1e-5, atol=2e-6 * k * (1 + rank * k**0.5))
-
-
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_packed_linear_matches_the_reference(seed, rows, with_bias):
     for k in WIDTHS:
         for n in OUTPUTS:
-            x, w, bias, _ = problem(rows, k, n, seed, with_bias)
+            x, w, bias, _ = linear_problem(rows, k, n, seed, with_bias)
             got = cpu_library.packed_linear(x, w, bias)
             assert got.dtype == torch.float32 and got.shape == (rows, n)
-            torch.testing.assert_close(got.double(), reference(x, w, bias), **tolerance(k))
+            torch.testing.assert_close(got.double(), linear_reference(x, w, bias), **linear_tolerance(k))
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -74,9 +43,11 @@ def test_packed_linear_matches_the_reference(seed, rows, with_bias):
 def test_the_low_rank_term_is_added_to_each_members_rows(seed, rows, members, rank):
     for k in (17, 65):
         for n in (32, 50):
-            x, w, bias, term = problem(rows, k, n, seed, True, members, rank)
+            x, w, bias, term = linear_problem(rows, k, n, seed, True, members, rank)
             got = cpu_library.packed_linear(x, w, bias, term)
-            torch.testing.assert_close(got.double(), reference(x, w, bias, term), **tolerance(k, rank))
+            torch.testing.assert_close(
+                got.double(), linear_reference(x, w, bias, term), **linear_tolerance(k, rank)
+            )
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -84,15 +55,17 @@ def test_a_smollm2_sized_layer_over_the_threads_matches_the_reference(threads):
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        x, w, bias, term = problem(300, 576, 192, seed=threads, with_bias=True, members=8)
+        x, w, bias, term = linear_problem(300, 576, 192, seed=threads, with_bias=True, members=8)
         got = cpu_library.packed_linear(x, w, bias, term)
-        torch.testing.assert_close(got.double(), reference(x, w, bias, term), **tolerance(576, 1))
+        torch.testing.assert_close(
+            got.double(), linear_reference(x, w, bias, term), **linear_tolerance(576, 1)
+        )
     finally:
         torch.set_num_threads(previous)
 
 
 def test_a_rows_result_depends_on_neither_the_threads_nor_the_rows_beside_it():
-    x, w, bias, term = problem(300, 200, 96 + 7, seed=5, with_bias=True, members=3, rank=2)
+    x, w, bias, term = linear_problem(300, 200, 96 + 7, seed=5, with_bias=True, members=3, rank=2)
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
@@ -124,32 +97,66 @@ def test_decoding_linear_takes_it_at_a_prefills_rows():
     assert not cpu_library.packs(1000, torch.nn.Linear(64, 256).weight)  # the tiny model's: in the caches
 
 
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows_per_member", [1, 40])  # below and above PACKED_MIN_ROWS in all
-def test_the_low_rank_layer_gives_its_torch_result(bias, rows_per_member):
+def _low_rank_layers(bias: bool, members: int = 8):
+    """A SmolLM2-sized low-rank layer on the compiled CPU backend, and the same on torch's ops."""
     torch.manual_seed(0)
     base = torch.nn.Linear(576, 192, bias=bias)
-    members = 8
     factors = [(torch.randn(192, 2), torch.randn(576, 2)) for _ in range(members)]
     scales = [0.1 * (m + 1) for m in range(members)]
-    packed = LowRankLinear(base, factors, scales)
-    reference_layer = LowRankLinear(base, factors, scales, backend="torch")
-    assert packed.packed and not reference_layer.packed
-    x = torch.randn(members * rows_per_member, 1, 576)
-    torch.testing.assert_close(packed(x), reference_layer(x), rtol=1e-5, atol=1e-4)
-    packed.keep_members([1, 4, 6])
+    return LowRankLinear(base, factors, scales), LowRankLinear(base, factors, scales, backend="torch")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows_per_member", [1, 2, 40])  # few rows, torch's linear, the packed linear
+def test_the_low_rank_layer_gives_its_torch_result(bias, rows_per_member):
+    compiled, reference_layer = _low_rank_layers(bias)
+    assert compiled.library_base and not reference_layer.library_base
+    x = torch.randn(8 * rows_per_member, 1, 576)
+    torch.testing.assert_close(compiled(x), reference_layer(x), rtol=1e-5, atol=1e-4)
+    compiled.keep_members([1, 4, 6])
     reference_layer.keep_members([1, 4, 6])
     x = torch.randn(3 * 100, 576)  # three members' 100 rows each: the packed path, new row groups
-    torch.testing.assert_close(packed(x), reference_layer(x), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(compiled(x), reference_layer(x), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "counts", [[0, 1, 0, 0, 0, 0, 0, 0], [2, 0, 1, 3, 0, 1, 0, 1], [40, 0, 50, 60, 2, 80, 0, 30]]
+)
+def test_the_low_rank_layer_takes_unequal_row_groups(counts):
+    """After set_member_rows, each member's rows (none for some) get that member's term, at few rows,
+    torch's linear's and the packed linear's row counts: what each member's rows give alone."""
+    compiled, reference_layer = _low_rank_layers(bias=True)
+    assert compiled.takes_unequal_groups and not reference_layer.takes_unequal_groups
+    compiled.set_member_rows(counts)
+    x = torch.randn(sum(counts), 576)
+    got = compiled(x)
+    start = 0
+    for member, count in enumerate(counts):
+        alone, _ = _low_rank_layers(bias=True)
+        alone.keep_members([member])
+        torch.testing.assert_close(
+            got[start : start + count], alone(x[start : start + count]), rtol=1e-5, atol=1e-4
+        )
+        start += count
+    with pytest.raises(ValueError, match="set_member_rows gave"):
+        compiled(torch.randn(sum(counts) + 1, 576))
+    compiled.set_member_rows(None)  # equal groups again
+    x = torch.randn(16, 576)
+    torch.testing.assert_close(compiled(x), reference_layer(x), rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="one count per member"):
+        compiled.set_member_rows([1, 2])
+    with pytest.raises(ValueError, match="compiled CPU products"):
+        reference_layer.set_member_rows(counts)
 
 
 def test_the_low_rank_layer_keeps_its_base_when_it_is_more_than_a_linear():
     base = torch.nn.Linear(576, 192)
     base.register_forward_hook(lambda module, args, out: out * 2)
     layer = LowRankLinear(base, [(torch.randn(192, 1), torch.randn(576, 1))], [0.0])
-    assert not layer.packed
-    x = torch.randn(300, 576)
-    torch.testing.assert_close(layer(x), base(x))  # the hook ran: the term is zero
+    assert not layer.library_base and layer.compiled
+    for rows in (3, 300):
+        x = torch.randn(rows, 576)
+        torch.testing.assert_close(layer(x), base(x))  # the hook ran: the term is zero
 
 
 @pytest.mark.parametrize(
@@ -184,6 +191,18 @@ def test_the_low_rank_layer_keeps_its_base_when_it_is_more_than_a_linear():
             torch.zeros(3, 4),
             LowRankTerm(torch.zeros(1, 1, 4), torch.zeros(1, 1, 3), torch.tensor([0.0, 2.0])),
             "int64",
+        ),
+        (
+            torch.zeros(2, 4),
+            torch.zeros(3, 4),
+            LowRankTerm(torch.zeros(2, 1, 4), torch.zeros(2, 1, 3), torch.tensor([0, 3, 2])),
+            "do not split 2 rows",
+        ),
+        (
+            torch.zeros(2, 4),
+            torch.zeros(3, 4),
+            LowRankTerm(torch.zeros(2, 1, 4), torch.zeros(2, 1, 3), torch.tensor([0, 2, 1])),
+            "do not split 2 rows",
         ),
     ],
 )

@@ -104,12 +104,12 @@ _SIGNATURES = {
     "fastes_lowrank_update_f32": [_POINTER] * 3 + [_I64, _I64, _FLOAT, _I64, _I64],
     # (x, w, bias or NULL, y, row offsets, k, n, members, threads): member_matmul_cpu.c
     "fastes_member_matmul_f32": [_POINTER] * 5 + [_I64] * 4,
-    # (x, w, bias or NULL, y, rows, k, n, threads): few_rows_linear_cpu.c
-    "fastes_few_rows_linear_f32": [_POINTER] * 4 + [_I64] * 4,
-    # (x, w, bias or NULL, y, rows, k, n, products, outputs or NULL, offsets, rank, members, threads) and
-    # (x, inputs, products, offsets, k, rank, members, threads): packed_linear_cpu.c
+    # (x, w, bias or NULL, y, rows, k, n, inputs, outputs or NULL, offsets, rank, members, threads):
+    # few_rows_linear_cpu.c, packed_linear_cpu.c; (x, inputs, outputs, y, offsets, rows, k, n, rank,
+    # members, threads): packed_linear_cpu.c
+    "fastes_few_rows_linear_f32": [_POINTER] * 4 + [_I64] * 3 + [_POINTER] * 3 + [_I64] * 3,
     "fastes_packed_linear_f32": [_POINTER] * 4 + [_I64] * 3 + [_POINTER] * 3 + [_I64] * 3,
-    "fastes_lowrank_products_f32": [_POINTER] * 4 + [_I64] * 4,
+    "fastes_lowrank_term_f32": [_POINTER] * 5 + [_I64] * 6,
 }
 
 # the functions that return a value (the others return nothing)
@@ -117,6 +117,7 @@ _RESULTS = {
     "fastes_lowrank_update_f32": _FLOAT,
     "fastes_few_rows_linear_f32": _I64,
     "fastes_packed_linear_f32": _I64,
+    "fastes_lowrank_term_f32": _I64,
 }
 
 _library: ctypes.CDLL | None = None
@@ -672,52 +673,8 @@ def member_matmul(
 
 
 # ---------------------------------------------------------------------------------------------------
-# The few rows of a late decoding step
+# A model's linear layers on the CPU, with or without the low-rank population's term
 # ---------------------------------------------------------------------------------------------------
-
-FEW_ROWS = 8  # the most rows few_rows_linear takes (FEW_ROWS in csrc/few_rows_linear_cpu.c)
-
-
-def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x weight^T (+ bias), as torch's `linear`, for x [rows, k] of 1 to FEW_ROWS rows and an nn.Linear
-    weight [n, k] (contiguous); fp32 on the CPU. Each weight row is read once for all the rows, where
-    BLAS reads the weight once per row at these sizes (csrc/few_rows_linear_cpu.c). It runs in torch's
-    own OpenMP threads, as member_matmul does."""
-    rows, k = x.shape if x.dim() == 2 else (0, -1)
-    n = weight.shape[0]
-    if weight.shape != (n, k) or not 1 <= rows <= FEW_ROWS:
-        raise ValueError(
-            f"few_rows_linear takes 1 to {FEW_ROWS} rows of the weight's width; got x {tuple(x.shape)} "
-            f"and weight {tuple(weight.shape)}"
-        )
-    x, bias = _matmul_operands("few_rows_linear", x, weight, bias)
-    y = torch.empty(rows, n, dtype=torch.float32)
-    bias_address, threads = None if bias is None else bias.data_ptr(), _matmul_threads(rows, k, n)
-    refused = _load().fastes_few_rows_linear_f32(
-        x.data_ptr(), weight.data_ptr(), bias_address, y.data_ptr(), rows, k, n, threads
-    )
-    if refused:  # the C file's own FEW_ROWS disagrees with this module's
-        raise RuntimeError(f"the compiled few-rows linear refused {rows} rows: rebuild the library")
-    return y
-
-
-# ---------------------------------------------------------------------------------------------------
-# A linear layer with the low-rank population's term in its stores
-# ---------------------------------------------------------------------------------------------------
-
-
-# Where a model's linear layers take packed_linear (fastes.models.decoding_linears for plain layers, the
-# low-rank population layer for its own): weights of at least MIN_WEIGHT_BYTES (smaller ones stay in the
-# caches, where torch's linear is not slow), at least PACKED_MIN_ROWS rows (below, torch's was as fast or
-# faster: docs/results/packed-linear-2026-12-06.md) and whole 32-column panels (the last columns of
-# another width are summed one by one, correct but slow).
-MIN_WEIGHT_BYTES = 256 * 1024
-PACKED_MIN_ROWS = 256
-
-
-def packs(rows: int, weight: torch.Tensor) -> bool:
-    """Whether `rows` rows of a layer with this nn.Linear weight [n, k] take packed_linear in a model."""
-    return rows >= PACKED_MIN_ROWS and weight.shape[0] % 32 == 0 and weight.numel() * 4 >= MIN_WEIGHT_BYTES
 
 
 class LowRankTerm(NamedTuple):
@@ -729,6 +686,87 @@ class LowRankTerm(NamedTuple):
     inputs: torch.Tensor
     outputs: torch.Tensor
     offsets: torch.Tensor
+
+
+def _term_arguments(name: str, term: LowRankTerm | None, k: int, n: int) -> tuple:
+    """(inputs, outputs, offsets, rank, members) as the library takes them (addresses; None and zeros
+    without a term), the term checked against a product of width k and n."""
+    if term is None:
+        return None, None, None, 0, 0
+    members, rank = term.inputs.shape[:2]
+    if (
+        term.inputs.shape != (members, rank, k)
+        or term.outputs.shape != (members, rank, n)
+        or term.offsets.shape != (members + 1,)
+    ):
+        raise ValueError(
+            f"{name}: the term's inputs {tuple(term.inputs.shape)}, outputs {tuple(term.outputs.shape)} "
+            f"and offsets {tuple(term.offsets.shape)} do not match a product of {k} inputs and {n} outputs"
+        )
+    # every projection calls this at every decoding step: the cheapest checks (is_cpu, not .device)
+    if not all(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() for t in term[:2]):
+        raise ValueError(f"{name} takes the term's factors as contiguous fp32 CPU tensors")
+    if term.offsets.dtype != torch.int64 or not term.offsets.is_contiguous():
+        raise ValueError(f"{name} takes the term's row offsets as a contiguous int64 tensor")
+    return (*(t.data_ptr() for t in term), rank, members)
+
+
+def _offsets_refused(name: str, term: LowRankTerm, rows: int) -> ValueError:
+    return ValueError(f"{name}: the term's row offsets {term.offsets.tolist()} do not split {rows} rows")
+
+
+FEW_ROWS = 8  # the most rows few_rows_linear takes (FEW_ROWS in csrc/few_rows_linear_cpu.c)
+
+
+def few_rows_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, term: LowRankTerm | None = None
+) -> torch.Tensor:
+    """x weight^T (+ bias) (+ `term`), as torch's `linear`, for x [rows, k] of 1 to FEW_ROWS rows and an
+    nn.Linear weight [n, k] (contiguous); fp32 on the CPU. Each weight row is read once for all the rows,
+    where BLAS reads the weight once per row at these sizes (csrc/few_rows_linear_cpu.c). It runs in
+    torch's own OpenMP threads, as member_matmul does."""
+    rows, k = x.shape if x.dim() == 2 else (0, -1)
+    n = weight.shape[0]
+    if weight.shape != (n, k) or not 1 <= rows <= FEW_ROWS:
+        raise ValueError(
+            f"few_rows_linear takes 1 to {FEW_ROWS} rows of the weight's width; got x {tuple(x.shape)} "
+            f"and weight {tuple(weight.shape)}"
+        )
+    x, bias = _matmul_operands("few_rows_linear", x, weight, bias)
+    y = torch.empty(rows, n, dtype=torch.float32)
+    refused = _load().fastes_few_rows_linear_f32(
+        x.data_ptr(),
+        weight.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        rows,
+        k,
+        n,
+        *_term_arguments("few_rows_linear", term, k, n),
+        _matmul_threads(rows, k, n),
+    )
+    if refused == -3:  # the C file's own FEW_ROWS disagrees with this module's
+        raise RuntimeError(f"the compiled few-rows linear refused {rows} rows: rebuild the library")
+    if refused == -2:
+        raise _offsets_refused("few_rows_linear", term, rows)
+    if refused:
+        raise MemoryError(f"few_rows_linear could not allocate {rows} x {term.inputs.shape[1]} products")
+    return y
+
+
+# Where a model's linear layers take packed_linear (`linear`): weights of at least MIN_WEIGHT_BYTES
+# (smaller ones stay in the caches, where torch's linear is not slow), at least PACKED_MIN_ROWS rows
+# (below, torch's was as fast or faster: SmolLM2's 210 projections one after the other, their weights
+# streamed from memory as in a decoding step, 1.02x torch's time at 64 rows, 0.95x at 96:
+# docs/results/lowrank-decoding-2026-12-06.md) and whole 32-column panels (the last columns of another
+# width are summed one by one, correct but slow).
+MIN_WEIGHT_BYTES = 256 * 1024
+PACKED_MIN_ROWS = 96
+
+
+def packs(rows: int, weight: torch.Tensor) -> bool:
+    """Whether `rows` rows of a layer with this nn.Linear weight [n, k] take packed_linear in a model."""
+    return rows >= PACKED_MIN_ROWS and weight.shape[0] % 32 == 0 and weight.numel() * 4 >= MIN_WEIGHT_BYTES
 
 
 def packed_linear(
@@ -747,35 +785,9 @@ def packed_linear(
             f"{tuple(weight.shape)}"
         )
     x, bias = _matmul_operands("packed_linear", x, weight, bias)
-    threads = _matmul_threads(rows, k, n)
-    library = _load()
-    products = outputs = offsets = None
-    rank = members = 0
-    if term is not None:
-        members, rank = term.inputs.shape[:2]
-        factors = (term.inputs, term.outputs)
-        if (
-            term.inputs.shape != (members, rank, k)
-            or term.outputs.shape != (members, rank, n)
-            or term.offsets.shape != (members + 1,)
-        ):
-            raise ValueError(
-                f"packed_linear: the term's inputs {tuple(term.inputs.shape)}, outputs "
-                f"{tuple(term.outputs.shape)} and offsets {tuple(term.offsets.shape)} do not match x "
-                f"{tuple(x.shape)} and weight {tuple(weight.shape)}"
-            )
-        # every projection calls this at every decoding step: the cheapest checks (is_cpu, not .device)
-        if not all(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() for t in factors):
-            raise ValueError("packed_linear takes the term's factors as contiguous fp32 CPU tensors")
-        if term.offsets.dtype != torch.int64 or not term.offsets.is_contiguous():
-            raise ValueError("packed_linear takes the term's row offsets as a contiguous int64 tensor")
-        products = torch.empty(rows, rank, dtype=torch.float32)
-        offsets, outputs = term.offsets.data_ptr(), term.outputs.data_ptr()
-        library.fastes_lowrank_products_f32(
-            x.data_ptr(), term.inputs.data_ptr(), products.data_ptr(), offsets, k, rank, members, threads
-        )
+    arguments = _term_arguments("packed_linear", term, k, n)
     y = torch.empty(rows, n, dtype=torch.float32)
-    failed = library.fastes_packed_linear_f32(
+    failed = _load().fastes_packed_linear_f32(
         x.data_ptr(),
         weight.data_ptr(),
         None if bias is None else bias.data_ptr(),
@@ -783,13 +795,77 @@ def packed_linear(
         rows,
         k,
         n,
-        None if products is None else products.data_ptr(),
-        outputs,
-        offsets,
-        rank,
-        members,
-        threads,
+        *arguments,
+        _matmul_threads(rows, k, n),
     )
+    if failed == -2:
+        raise _offsets_refused("packed_linear", term, rows)
     if failed:
-        raise MemoryError(f"packed_linear could not allocate its panel buffer ({k} x 32 floats)")
+        raise MemoryError(
+            f"packed_linear could not allocate a thread's buffers ({k} x 32 floats, {rows} x {arguments[3]} "
+            "products)"
+        )
     return y
+
+
+def lowrank_term(x: torch.Tensor, y: torch.Tensor, term: LowRankTerm) -> torch.Tensor:
+    """y[i] += sum_j (x[i] . inputs[m, j]) outputs[m, j] for the rows of each member m (`term`), in place;
+    returns y. x [rows, k] and y [rows, n], contiguous fp32 CPU tensors: the term after a base product
+    computed elsewhere, in one pass per row where torch takes a batched matmul and a multiply-add per
+    rank, and equal row groups only (csrc/packed_linear_cpu.c). In torch's own OpenMP threads, as
+    member_matmul."""
+    rows, n = y.shape if y.dim() == 2 else (-1, -1)
+    k = x.shape[-1]
+    if x.shape != (rows, k):
+        raise ValueError(f"lowrank_term: x {tuple(x.shape)} and y {tuple(y.shape)} do not match")
+    if not all(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() for t in (x, y)):
+        raise ValueError("lowrank_term takes x and y as contiguous fp32 CPU tensors")
+    inputs, outputs, offsets, rank, members = _term_arguments("lowrank_term", term, k, n)
+    threads = torch.get_num_threads() if rows > 1 else 1  # even at a decoding step's 16 rows: measured
+    refused = _load().fastes_lowrank_term_f32(
+        x.data_ptr(), inputs, outputs, y.data_ptr(), offsets, rows, k, n, rank, members, threads
+    )
+    if refused == -2:
+        raise _offsets_refused("lowrank_term", term, rows)
+    return y
+
+
+VOCABULARY_ROWS = 8192  # an output at least this wide is a vocabulary's (measured from 4096 x 256 up)
+
+
+def linear_applies(module: torch.nn.Module) -> bool:
+    """Whether `linear` computes `module` faster than its own forward: a plain nn.Linear (no hooks) with a
+    contiguous fp32 CPU weight of at least MIN_WEIGHT_BYTES (smaller weights stay in the caches, where
+    torch's linear is not slow)."""
+    return (
+        type(module) is torch.nn.Linear
+        and module.weight.device.type == "cpu"
+        and module.weight.dtype == torch.float32
+        and module.weight.is_contiguous()
+        and module.weight.numel() * 4 >= MIN_WEIGHT_BYTES
+        and not (module._forward_hooks or module._forward_pre_hooks)
+    )
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, term: LowRankTerm | None = None
+) -> torch.Tensor:
+    """x weight^T (+ bias) (+ `term`) for x [rows, k] and an nn.Linear weight [n, k] (contiguous, fp32 on
+    the CPU), the fastest way measured for its rows (fastes.models.decoding_linears says where each was
+    measured): the few-rows pass up to FEW_ROWS rows; a vocabulary-wide output (at least VOCABULARY_ROWS)
+    as (W x^T)^T, the vocabulary as the GEMM's long side; the packed linear where it `packs`; else torch's
+    `linear`. A term is added in the same pass by the library's products, after torch's by lowrank_term.
+    A vocabulary-wide output without a term is a transposed view (the caller's copy of the logits reads
+    it)."""
+    rows = x.shape[0]
+    if 1 <= rows <= FEW_ROWS:
+        return few_rows_linear(x, weight, bias, term)
+    if weight.shape[0] >= VOCABULARY_ROWS:
+        y = torch.mm(weight, x.T).T
+        if bias is not None:
+            y = y + bias
+    elif packs(rows, weight):
+        return packed_linear(x, weight, bias, term)
+    else:
+        y = torch.nn.functional.linear(x, weight, bias)
+    return y if term is None else lowrank_term(x.contiguous(), y.contiguous(), term)

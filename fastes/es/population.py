@@ -29,9 +29,11 @@ from .params import Projection, projections
 
 
 class _PopulationLayer(torch.nn.Module):
-    """What the population layers share: the projection they stand in for, `base`."""
+    """What the population layers share: the projection they stand in for, `base`, and how they read the
+    batch's rows as the members' groups."""
 
     base: torch.nn.Module
+    compiled = False  # whether the layer's product is the compiled CPU backend's (it takes unequal groups)
 
     def __init__(self) -> None:
         super().__init__()
@@ -56,10 +58,31 @@ class _PopulationLayer(torch.nn.Module):
 
     @property
     def takes_unequal_groups(self) -> bool:
-        """Whether the members' row groups may differ in size (PopulationLinear.set_member_rows): then
-        decoding lets every finished row leave, as plain generation does, not only whole groups and
-        columns."""
-        return False
+        """Whether the members' row groups may differ in size (`set_member_rows`): then decoding lets every
+        finished row leave, as plain generation does, not only whole groups and columns. The compiled
+        CPU products take each member's rows where they start (`_row_offsets`)."""
+        return self.compiled
+
+    def set_member_rows(self, counts: list[int] | None) -> None:
+        """Read the batch as counts[m] rows of member m, in member order (members with none included), or
+        as equal groups again (None). Decoding sets it as finished rows leave (fastes.models.decoding)."""
+        if counts is not None and (not self.compiled or len(counts) != self.population_members):
+            raise ValueError(
+                "set_member_rows needs the compiled CPU products and one count per member "
+                f"({self.population_members}), got {None if counts is None else len(counts)}"
+            )
+        self._member_rows, self._offsets_for = counts, -1
+
+    def _check_rows(self, rows: int) -> None:
+        """Refuse a batch that is not the members' groups: equal ones, or those set_member_rows gave."""
+        members = self.population_members
+        if self._member_rows is None and rows % members:
+            raise ValueError(
+                f"population-batched input must have a multiple of {members} rows (rows grouped "
+                f"by member), got {rows}"
+            )
+        if self._member_rows is not None and rows != sum(self._member_rows):
+            raise ValueError(f"the batch has {rows} rows, but set_member_rows gave {sum(self._member_rows)}")
 
     def _row_offsets(self, rows: int) -> torch.Tensor:
         """Where each member's rows of the flattened input [rows, in] start, and the end, for the compiled
@@ -102,14 +125,7 @@ class PopulationLinear(_PopulationLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         members = self.weights.shape[0]
-        batch = x.shape[0]
-        if self._member_rows is None and batch % members:
-            raise ValueError(
-                f"population-batched input must have a multiple of {members} rows (rows grouped "
-                f"by member), got {batch}"
-            )
-        if self._member_rows is not None and batch != sum(self._member_rows):
-            raise ValueError(f"the batch has {batch} rows, but set_member_rows gave {sum(self._member_rows)}")
+        self._check_rows(x.shape[0])
         if self.compiled:
             flat = x.reshape(-1, x.shape[-1])
             y = cpu_library.member_matmul(
@@ -125,20 +141,6 @@ class PopulationLinear(_PopulationLayer):
     @property
     def population_members(self) -> int:
         return self.weights.shape[0]
-
-    @property
-    def takes_unequal_groups(self) -> bool:
-        return self.compiled  # the compiled matmul takes each member's rows where they start
-
-    def set_member_rows(self, counts: list[int] | None) -> None:
-        """Read the batch as counts[m] rows of member m, in member order (members with none included), or
-        as equal groups again (None). Decoding sets it as finished rows leave (fastes.models.decoding)."""
-        if counts is not None and (not self.compiled or len(counts) != self.weights.shape[0]):
-            raise ValueError(
-                "set_member_rows needs the compiled matmul and one count per member "
-                f"({self.weights.shape[0]}), got {None if counts is None else len(counts)}"
-            )
-        self._member_rows, self._offsets_for = counts, -1
 
     def keep_members(self, positions: list[int]) -> None:
         # moved down within the buffer: a copy of the kept members' weights would raise the peak memory
@@ -213,16 +215,19 @@ class LowRankLinear(_PopulationLayer):
     With the Triton backend (CUDA tensors) one GEMM (fastes/engine/kernels/lowrank_linear.py) adds each
     row's r products with its member's input factors times the output factors in its epilogue and writes
     y once; the products are summed in its K loop, or, for wide outputs, first by a launch that reads x
-    once (`products_first`). On the CPU with the compiled backend, at a prefill's many rows
-    (`cpu_library.packs`, the rule plain layers follow too: fastes.models.decoding_linears) and a plain
-    nn.Linear base, `cpu_library.packed_linear` computes the base product and adds the term to each output
-    before it is stored: added after the GEMM, the term was one more pass over an output that lies in
-    memory, ~3% of a SmolLM2 generation (docs/results/packed-linear-2026-12-06.md). Otherwise (fewer rows,
-    another base, backend "torch") the base projection runs once on all rows (the plain model's own
-    product), a batched matmul gives each row's r products with its member's input factors, and one
+    once (`products_first`). On the CPU with the compiled backend (fp32) and a plain nn.Linear base,
+    `cpu_library.linear` computes the layer as it computes a plain one while decoding
+    (fastes.models.decoding_linears: the few-rows pass, the packed linear at a prefill's many rows, or
+    torch's `linear`), with the term: the library's products add it to each output before it is stored
+    (added after the GEMM, it was one more pass over an output that lies in memory, ~3% of a SmolLM2
+    generation: docs/results/packed-linear-2026-12-06.md), `cpu_library.lowrank_term` after torch's
+    product in one pass per row. Another base runs its own forward, then lowrank_term. All of these take
+    the members' rows in groups of any size (`set_member_rows`), so decoding lets every finished row
+    leave as in plain generation. Otherwise (other dtypes, backend "torch") the base projection runs once
+    on all rows, a batched matmul gives each row's r products with its member's input factors, and one
     broadcast multiply-add per rank adds products x output factors into the output in place. Layers that
-    read the same input (q, k and v) could share one product: tried on 2026-12-05, one batched matmul for
-    them was 3x faster alone and no faster in the model. The output side is stored pre-scaled.
+    read the same input (q, k and v) could share one product: tried on 2026-12-05, one batched matmul
+    for them was 3x faster alone and no faster in the model. The output side is stored pre-scaled.
 
     The factors follow the weight's own layout (eps = A B^T has the weight's shape): for a Conv1D weight
     [in, out], A is the input side and B the output side, so the roles swap.
@@ -251,22 +256,19 @@ class LowRankLinear(_PopulationLayer):
         resolved = ops.resolve_backend([weight], backend)
         self.transposed = transposed
         self.fused = resolved == "triton"  # one Triton GEMM with the term in its epilogue
-        # the packed linear stands in for the base only where the base is x W^T + b and nothing more
-        plain = type(base) is torch.nn.Linear and not (base._forward_hooks or base._forward_pre_hooks)
-        self.packed = resolved == "cpu" and plain and weight.dtype == torch.float32 and weight.is_contiguous()
+        self.compiled = resolved == "cpu" and weight.dtype == torch.float32  # the library's term is fp32
+        # the library computes the base as it computes a plain layer while decoding, term included, only
+        # where the base is x W^T + b and nothing more (the same rule: fastes.models.decoding_linears)
+        self.library_base = self.compiled and cpu_library.linear_applies(base)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         members, _, out_features = self.outputs.shape
-        if x.shape[0] % members:
-            raise ValueError(
-                f"population-batched input must have a multiple of {members} rows (rows grouped "
-                f"by member), got {x.shape[0]}"
-            )
-        flat = x.reshape(-1, x.shape[-1])  # member m's rows are the m-th of `members` equal blocks
+        self._check_rows(x.shape[0])
+        flat = x.reshape(-1, x.shape[-1])  # member m's rows, from _row_offsets (equal blocks by default)
         if self.fused:
             return self._fused(flat).view(*x.shape[:-1], out_features)
-        if self.packed and cpu_library.packs(flat.shape[0], self.base.weight):
-            return self._packed(flat).view(*x.shape[:-1], out_features)
+        if self.compiled:
+            return self._compiled(flat).view(*x.shape[:-1], out_features)
         y = self.base(flat)
         grouped = flat.reshape(members, -1, flat.shape[-1])
         if grouped.dtype != y.dtype:
@@ -303,9 +305,12 @@ class LowRankLinear(_PopulationLayer):
         self.inputs = inputs.clone(memory_format=torch.contiguous_format)
         self._inputs_t = self.inputs.transpose(1, 2)
 
-    def _packed(self, flat: torch.Tensor) -> torch.Tensor:
+    def _compiled(self, flat: torch.Tensor) -> torch.Tensor:
         term = cpu_library.LowRankTerm(self.inputs, self.outputs, self._row_offsets(flat.shape[0]))
-        return cpu_library.packed_linear(flat.to(torch.float32), self.base.weight, self.base.bias, term)
+        flat = flat.to(torch.float32).contiguous()
+        if self.library_base:
+            return cpu_library.linear(flat, self.base.weight, self.base.bias, term)
+        return cpu_library.lowrank_term(flat, self.base(flat).contiguous(), term)
 
     def _fused(self, flat: torch.Tensor) -> torch.Tensor:
         from fastes.engine.kernels import launch_lowrank_linear

@@ -12,15 +12,16 @@ weight from memory (SmolLM2-135M: 540 MB a step). torch's CPU `linear` is slow t
 A decoding step of SmolLM2 at 1 to 8 rows ran 1.7-3.1x faster, at 64 rows 1.08x. At a prefill's many
 rows (`cpu_library.packs`: at least PACKED_MIN_ROWS) the same layers take `cpu_library.packed_linear`, a
 register-blocked product on panels of the weight: SmolLM2's projections ran 1.10-1.15x faster than with
-torch's `linear` at 2304 rows (docs/results/packed-linear-2026-12-06.md). The low-rank population layer
-adds its members' term in the same pass, so plain generation takes it too: both sides run the same
-products.
+torch's `linear` at 2304 rows (docs/results/packed-linear-2026-12-06.md). `cpu_library.linear` makes the
+choice; the low-rank population layer calls it with its members' term, which the few-rows pass and the
+packed linear add in the same pass, so ES and plain generation run the same products.
 
-`decoding_linears(model)` swaps each nn.Linear of `model` that this applies to (`applies`: fp32 on the
-CPU, a weight of at least MIN_WEIGHT_BYTES, no hooks) for `DecodingLinear` while it is held, and puts
-the originals back after. fastes' decoding loop holds it for every generation, plain and population
-alike (a population layer's `base` projection is swapped as any other), so ES and plain generation run
-the same products. A tiny model's weights stay below the threshold and keep torch's `linear`.
+`decoding_linears(model)` swaps each nn.Linear of `model` that this applies to
+(`cpu_library.linear_applies`: fp32 on the CPU, a weight of at least MIN_WEIGHT_BYTES, no hooks) for
+`DecodingLinear` while it is held, and puts the originals back after. fastes' decoding loop holds it for
+every generation, plain and population alike (a population layer's `base` projection is swapped as any
+other), so ES and plain generation run the same products. A tiny model's weights stay below the
+threshold and keep torch's `linear`.
 
 The few-rows pass agrees with torch's `linear` to float tolerance, not bit for bit (it sums in another
 order): a row's tokens agree with transformers' `generate` as far as the logits do.
@@ -34,15 +35,13 @@ from contextlib import contextmanager
 import torch
 
 from fastes.engine import cpu_library
-from fastes.engine.cpu_library import MIN_WEIGHT_BYTES
-
-VOCABULARY_ROWS = 8192  # an output at least this wide is a vocabulary's (measured from 4096 x 256 up)
+from fastes.engine.cpu_library import linear_applies
 
 
 class DecodingLinear(torch.nn.Module):
-    """`base` (an nn.Linear) computed the fastest way we measured for its rows: the few-rows pass, the
-    weight-major product for a vocabulary-wide output, the packed linear at a prefill's many rows, or
-    torch's own `linear`."""
+    """`base` (an nn.Linear) computed the fastest way we measured for its rows (`cpu_library.linear`): the
+    few-rows pass, the weight-major product for a vocabulary-wide output, the packed linear at a
+    prefill's many rows, or torch's own `linear`."""
 
     def __init__(self, base: torch.nn.Linear) -> None:
         super().__init__()
@@ -57,41 +56,19 @@ class DecodingLinear(torch.nn.Module):
         return self.base.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        weight, bias = self.base.weight, self.base.bias
-        if 1 <= flat.shape[0] <= cpu_library.FEW_ROWS:
-            y = cpu_library.few_rows_linear(flat, weight, bias)
-        elif weight.shape[0] >= VOCABULARY_ROWS:
-            y = torch.mm(weight, flat.T).T  # a transposed view: the caller's copy of the logits reads it
-            if bias is not None:
-                y = y + bias
-        elif cpu_library.packs(flat.shape[0], weight):
-            y = cpu_library.packed_linear(flat, weight, bias)
-        else:
-            return self.base(x)
+        y = cpu_library.linear(x.reshape(-1, x.shape[-1]), self.base.weight, self.base.bias)
         return y.reshape(*x.shape[:-1], y.shape[-1])
-
-
-def applies(module: torch.nn.Module) -> bool:
-    """Whether `module` is an nn.Linear that `DecodingLinear` computes (faster)."""
-    return (
-        type(module) is torch.nn.Linear
-        and module.weight.device.type == "cpu"
-        and module.weight.dtype == torch.float32
-        and module.weight.is_contiguous()
-        and module.weight.numel() * 4 >= MIN_WEIGHT_BYTES
-        and not (module._forward_hooks or module._forward_pre_hooks)
-    )
 
 
 @contextmanager
 def decoding_linears(model: torch.nn.Module) -> Iterator[None]:
-    """Run `model`'s linear layers as `DecodingLinear` while held (where `applies`); put them back after."""
+    """Run `model`'s linear layers as `DecodingLinear` while held (where `cpu_library.linear_applies`); put
+    them back after."""
     swapped = []
     if cpu_library.available():
         for parent in list(model.modules()):
             for name, child in parent.named_children():
-                if applies(child):
+                if linear_applies(child):
                     swapped.append((parent, name, child))
     try:
         for parent, name, child in swapped:

@@ -2,10 +2,11 @@
 
        y[i, :] = x[i, :] W^T (+ bias) (+ sum_j products[i, j] * outputs[m, j, :])   offsets[m] <= i < offsets[m + 1]
 
-   x [rows, k], W [n, k] (nn.Linear's layout), y [rows, n], products [rows, rank] (row i's products with
-   its member's input factors: lowrank_products below), outputs [members, rank, n] (the scale folded in);
-   row-major, contiguous, fp32. Without outputs (NULL) it is the plain layer. Members may have different
-   numbers of rows.
+   x [rows, k], W [n, k] (nn.Linear's layout), y [rows, n], products[i, j] = x[i, :] . inputs[m, j, :]
+   (row i's products with its member's input factors [members, rank, k]), outputs [members, rank, n]
+   (the scale folded in); row-major, contiguous, fp32. Without outputs (NULL) it is the plain layer.
+   Members may have different numbers of rows. At the end, fastes_lowrank_term_f32: the term alone,
+   added to a product computed elsewhere.
 
    Why: the low-rank term added after BLAS's GEMM is one more pass over every projection's output, and
    at a prefill's thousands of rows that output lies in memory, not in the caches: ~3% of a SmolLM2
@@ -24,6 +25,7 @@
 
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define PANEL (16 * COLUMN_VECTORS) /* the output columns of one panel */
 
@@ -50,45 +52,101 @@ static void last_columns(const float *x, const float *w, const float *bias, floa
             }
 }
 
+/* The rows [lo, hi) of member m on one panel; on a thread's first panel, with a term, the rows' products
+   first, a few row blocks at a time: their rows of x are then in L1 or L2 when the blocks read them,
+   where a pass of its own over x (megabytes at a prefill) read it from memory, ~1% of a SmolLM2
+   generation. */
+static void panel_rows(const float *x, const float *panel, const float *bias, float *y, const term_t *term,
+                       const float *inputs, float *products, int first_panel, int64_t m, int64_t lo,
+                       int64_t hi, int64_t k, int64_t n, int64_t c) {
+    if (!first_panel || !term->outputs) {
+        row_blocks(COLUMN_VECTORS, x, panel, PANEL, bias, y, k, n, term, m, lo, hi, c);
+        return;
+    }
+    for (int64_t i = lo; i < hi; i += 4 * ROW_BLOCK) { /* whole row blocks: the same blocks as at once */
+        const int64_t end = i + 4 * ROW_BLOCK < hi ? i + 4 * ROW_BLOCK : hi;
+        products_of(x, inputs, products, m, i, end, k, term->rank);
+        row_blocks(COLUMN_VECTORS, x, panel, PANEL, bias, y, k, n, term, m, i, end, c);
+    }
+}
+
 /* The panels are split over OpenMP threads (torch's own pool, where the library shares torch's OpenMP
-   runtime: cpu_library.py), each packing its panels into its own buffer. Returns -1 if a buffer could
-   not be allocated (nothing is written then by that thread; the caller raises). */
+   runtime: cpu_library.py), each packing its panels into its own buffer and summing every row's
+   products (rows x rank floats) into its own array on its first panel. Returns -1 if a buffer could not
+   be allocated (nothing is written then by that thread; the caller raises), -2 (and writes nothing) for
+   offsets that do not split the rows into the members' groups. */
 int64_t fastes_packed_linear_f32(const float *x, const float *w, const float *bias, float *y, int64_t rows,
-                                 int64_t k, int64_t n, const float *products, const float *outputs,
+                                 int64_t k, int64_t n, const float *inputs, const float *outputs,
                                  const int64_t *offsets, int64_t rank, int64_t members, int64_t threads) {
+    if (outputs && !splits_rows(offsets, members, rows)) return -2;
     const int64_t one_group[2] = {0, rows};
-    const term_t term = {products, outputs, outputs ? offsets : one_group, rank, outputs ? members : 1};
+    const term_t term = {NULL, outputs, outputs ? offsets : one_group, rank, outputs ? members : 1};
     const int64_t panels = n / PANEL;
     int64_t failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1) reduction(| : failed)
     {
         float *panel = aligned_alloc(64, (size_t)((k * PANEL * sizeof(float) + 63) / 64 * 64));
-        if (!panel) failed = 1;
+        float *products = outputs ? malloc((size_t)(rows * rank) * sizeof(float)) : NULL;
+        term_t mine = term;
+        mine.products = products;
+        if (!panel || (outputs && !products)) failed = 1;
+        int first_panel = 1;
 #pragma omp for schedule(static)
         for (int64_t q = 0; q < panels; q++) {
-            if (!panel) continue;
-            pack_panel(w, q * PANEL, k, panel);
+            if (failed) continue;
             const int64_t c = q * PANEL;
+            pack_panel(w, c, k, panel);
             for (int64_t m = 0; m < term.members; m++)
-                row_blocks(COLUMN_VECTORS, x, panel, PANEL, bias ? bias + c : NULL, y + c, k, n, &term, m,
-                           term.offsets[m], term.offsets[m + 1], c);
+                panel_rows(x, panel, bias ? bias + c : NULL, y + c, &mine, inputs, products, first_panel, m,
+                           term.offsets[m], term.offsets[m + 1], k, n, c);
+            first_panel = 0;
         }
         free(panel);
+        free(products);
     }
     if (failed) return -1;
-    if (panels * PANEL < n) last_columns(x, w, bias, y, &term, panels * PANEL, k, n);
+    if (panels * PANEL < n) {
+        term_t all = term;
+        float *products = outputs ? malloc((size_t)(rows * rank) * sizeof(float)) : NULL;
+        if (outputs && !products) return -1;
+        for (int64_t m = 0; outputs && m < members; m++)
+            products_of(x, inputs, products, m, offsets[m], offsets[m + 1], k, rank);
+        all.products = products;
+        last_columns(x, w, bias, y, &all, panels * PANEL, k, n);
+        free(products);
+    }
     return 0;
 }
 
-/* products[i, j] = x[i, :] . inputs[m, j, :] for offsets[m] <= i < offsets[m + 1]: each row's products
-   with its member's input factors [members, rank, k], the term's first half. Rows over threads. */
-void fastes_lowrank_products_f32(const float *x, const float *inputs, float *products, const int64_t *offsets,
-                                 int64_t k, int64_t rank, int64_t members, int64_t threads) {
+/* y[0:n] += product * v[0:n] */
+static void add_scaled(float *y, const float *v, float product, int64_t n) {
+    int64_t c = 0;
+    for (; c + 16 <= n; c += 16) {
+        vec16 y_c, v_c;
+        memcpy(&y_c, y + c, sizeof y_c);
+        memcpy(&v_c, v + c, sizeof v_c);
+        y_c += product * v_c;
+        memcpy(y + c, &y_c, sizeof y_c);
+    }
+    for (; c < n; c++) y[c] += product * v[c];
+}
+
+/* y[i, :] += sum_j (x[i, :] . inputs[m, j, :]) outputs[m, j, :] for offsets[m] <= i < offsets[m + 1], in
+   place: the whole term after a base product computed elsewhere, for the rows too few for the packed
+   linear (a decoding step's). One pass per row, its products over x's row then its updates of y's row,
+   where torch takes a batched matmul and a multiply-add per rank (and equal row groups only). Rows over
+   threads. Returns -2 (and writes nothing) for offsets that do not split the rows. */
+int64_t fastes_lowrank_term_f32(const float *x, const float *inputs, const float *outputs, float *y,
+                                const int64_t *offsets, int64_t rows, int64_t k, int64_t n, int64_t rank,
+                                int64_t members, int64_t threads) {
+    if (!splits_rows(offsets, members, rows)) return -2;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     for (int64_t m = 0; m < members; m++) {
+        const float *in_m = inputs + m * rank * k, *out_m = outputs + m * rank * n;
 #pragma omp for schedule(static) nowait
         for (int64_t i = offsets[m]; i < offsets[m + 1]; i++)
             for (int64_t j = 0; j < rank; j++)
-                products[i * rank + j] = dot(x + i * k, inputs + (m * rank + j) * k, k);
+                add_scaled(y + i * n, out_m + j * n, dot(x + i * k, in_m + j * k, k), n);
     }
+    return 0;
 }

@@ -1,6 +1,6 @@
 /* What the library's products share (member_matmul_cpu.c, few_rows_linear_cpu.c, packed_linear_cpu.c):
-   fused multiply-adds, the 16-float vector they compute in, and the register block of the matmuls with
-   the loop that runs it over a panel's rows.
+   fused multiply-adds, the 16-float vector they compute in, the register block of the matmuls with
+   the loop that runs it over a panel's rows, and the low-rank population's term.
 
    The library is built with -ffp-contract=off for the noise's sake (noise_cpu.c: the normals must be
    the same bits on every CPU); a file that includes this header first opts back in for its own
@@ -30,8 +30,9 @@ typedef float vec16 __attribute__((vector_size(64)));
 #define COLUMN_VECTORS 1
 #endif
 
-/* The low-rank population's term, added to a block's sums before they are stored: row i of member m
-   gets sum_j products[i * rank + j] * outputs[(m * rank + j) * n + column] (packed_linear_cpu.c). */
+/* The low-rank population's term, added to the sums before they are stored: row i of member m gets
+   sum_j products[i * rank + j] * outputs[(m * rank + j) * n + column] (few_rows_linear_cpu.c,
+   packed_linear_cpu.c). */
 typedef struct {
     const float *products; /* [rows, rank] */
     const float *outputs;  /* [members, rank, n], scaled; NULL: no term */
@@ -139,6 +140,24 @@ static inline float dot(const float *x, const float *v, int64_t k) {
     float total = lanes_added((sum[0] + sum[1]) + (sum[2] + sum[3]));
     for (; p < k; p++) total += x[p] * v[p];
     return total;
+}
+
+/* Whether offsets [members + 1] split `rows` rows into the members' groups: from 0 to rows, never
+   going back (a group may be empty) */
+static inline int splits_rows(const int64_t *offsets, int64_t members, int64_t rows) {
+    if (offsets[0] != 0 || offsets[members] != rows) return 0;
+    for (int64_t m = 0; m < members; m++)
+        if (offsets[m + 1] < offsets[m]) return 0;
+    return 1;
+}
+
+/* products[i, j] = x[i, :] . inputs[m, j, :] for the rows [lo, hi) of member m: the low-rank term's
+   first half (inputs [members, rank, k]) */
+static inline void products_of(const float *x, const float *inputs, float *products, int64_t m, int64_t lo,
+                               int64_t hi, int64_t k, int64_t rank) {
+    for (int64_t i = lo; i < hi; i++)
+        for (int64_t j = 0; j < rank; j++)
+            products[i * rank + j] = dot(x + i * k, inputs + (m * rank + j) * k, k);
 }
 
 #endif

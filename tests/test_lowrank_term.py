@@ -1,0 +1,132 @@
+"""The low-rank population's term added after a product computed elsewhere (cpu_library.lowrank_term,
+csrc/packed_linear_cpu.c), and `cpu_library.linear`, which runs a linear layer with or without the term
+the fastest way measured for its rows, against the plain-torch reference in float64.
+
+Row counts from one to past the packed linear's, widths around the 16-float vectors, members with unequal
+and empty row groups, ranks 1 to 3, several seeds; a row's bits depend neither on the threads nor on the
+rows beside it; `linear` takes each of its paths where its rules say; both refuse what they cannot take.
+"""
+
+import pytest
+import torch
+from conftest import linear_problem, linear_reference, linear_tolerance
+
+from fastes.engine import cpu_library
+from fastes.engine.cpu_library import LowRankTerm
+
+SEEDS = [0, 1, 31337]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("rows", [1, 2, 9, 64, 300])
+@pytest.mark.parametrize("members,rank", [(1, 1), (3, 1), (4, 2), (5, 3)])
+def test_lowrank_term_adds_each_members_term_in_place(seed, rows, members, rank):
+    for k, n in ((17, 5), (65, 33), (577, 64)):
+        x, w, bias, term = linear_problem(rows, k, n, seed, True, members, rank)
+        y = torch.nn.functional.linear(x, w, bias)
+        got = cpu_library.lowrank_term(x, y, term)
+        assert got is y  # in place
+        torch.testing.assert_close(
+            got.double(), linear_reference(x, w, bias, term), **linear_tolerance(k, rank)
+        )
+
+
+def test_a_rows_term_depends_on_neither_the_threads_nor_the_rows_beside_it():
+    x, w, bias, term = linear_problem(200, 576, 192, seed=4, with_bias=False, members=8, rank=2)
+    base = torch.nn.functional.linear(x, w)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        together = cpu_library.lowrank_term(x, base.clone(), term)
+        torch.set_num_threads(1)
+        assert torch.equal(cpu_library.lowrank_term(x, base.clone(), term), together)
+        for row in (0, 77, 199):
+            member = int(torch.searchsorted(term.offsets, row, right=True)) - 1
+            alone = LowRankTerm(
+                term.inputs[member : member + 1], term.outputs[member : member + 1], torch.tensor([0, 1])
+            )
+            assert torch.equal(
+                cpu_library.lowrank_term(x[row : row + 1], base[row : row + 1].clone(), alone)[0],
+                together[row],
+            )
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize(
+    "x, y, term, message",
+    [
+        (torch.zeros(2, 4), torch.zeros(3, 5), None, "do not match"),
+        (torch.zeros(2, 4), torch.zeros(5, 2).T, None, "contiguous fp32"),
+        (torch.zeros(2, 4).double(), torch.zeros(2, 5).double(), None, "contiguous fp32"),
+        (
+            torch.zeros(2, 4),
+            torch.zeros(2, 5),
+            (torch.zeros(1, 1, 4), torch.zeros(1, 1, 6), [0, 2]),
+            "do not match",
+        ),
+        (
+            torch.zeros(2, 4),
+            torch.zeros(2, 5),
+            (torch.zeros(2, 1, 4), torch.zeros(2, 1, 5), [0, 1, 3]),
+            "do not split",
+        ),
+        (
+            torch.zeros(2, 4),
+            torch.zeros(2, 5),
+            (torch.zeros(2, 1, 4), torch.zeros(2, 1, 5), [1, 1, 2]),
+            "do not split",
+        ),
+    ],
+)
+def test_lowrank_term_refuses_what_it_cannot_take(x, y, term, message):
+    inputs, outputs, offsets = term or (torch.zeros(1, 1, 4), torch.zeros(1, 1, 5), [0, 2])
+    with pytest.raises(ValueError, match=message):
+        cpu_library.lowrank_term(x, y, LowRankTerm(inputs, outputs, torch.tensor(offsets)))
+
+
+def _paths(monkeypatch) -> list[str]:
+    """The names of the library's products (and torch's linear) that `cpu_library.linear` calls, in order."""
+    taken: list[str] = []
+    for name in ("few_rows_linear", "packed_linear", "lowrank_term"):
+        real = getattr(cpu_library, name)
+        monkeypatch.setattr(
+            cpu_library, name, lambda *a, _real=real, _name=name: taken.append(_name) or _real(*a)
+        )
+    return taken
+
+
+@pytest.mark.parametrize("with_term", [False, True])
+def test_linear_takes_each_path_where_its_rules_say_and_matches_the_reference(monkeypatch, with_term):
+    taken = _paths(monkeypatch)
+    side = 576  # SmolLM2's projections: a weight of 1.3 MB, in whole panels
+    cases = {
+        1: ["few_rows_linear"],
+        cpu_library.FEW_ROWS: ["few_rows_linear"],
+        cpu_library.FEW_ROWS + 1: ["lowrank_term"],
+        cpu_library.PACKED_MIN_ROWS - 1: ["lowrank_term"],
+        cpu_library.PACKED_MIN_ROWS: ["packed_linear"],
+    }
+    for rows, expected in cases.items():
+        x, w, bias, term = linear_problem(
+            rows, side, side, seed=rows, with_bias=True, members=3 if with_term else 0
+        )
+        taken.clear()
+        got = cpu_library.linear(x, w, bias, term)
+        assert taken == [path for path in expected if with_term or path != "lowrank_term"]
+        torch.testing.assert_close(
+            got.double(), linear_reference(x, w, bias, term), **linear_tolerance(side, 1)
+        )
+    # a vocabulary-wide output: the weight-major product, then the term
+    x, w, bias, term = linear_problem(
+        40, 64, cpu_library.VOCABULARY_ROWS, seed=9, with_bias=True, members=3 if with_term else 0
+    )
+    taken.clear()
+    got = cpu_library.linear(x, w, bias, term)
+    assert taken == (["lowrank_term"] if with_term else [])
+    torch.testing.assert_close(got.double(), linear_reference(x, w, bias, term), **linear_tolerance(64, 1))
+    # a weight that stays in the caches (below MIN_WEIGHT_BYTES) keeps torch's linear at a prefill's rows
+    x, w, bias, term = linear_problem(400, 64, 256, seed=3, with_bias=False, members=2 if with_term else 0)
+    taken.clear()
+    cpu_library.linear(x, w, bias, term)
+    assert taken == (["lowrank_term"] if with_term else [])
