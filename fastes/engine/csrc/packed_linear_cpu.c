@@ -52,70 +52,47 @@ static void last_columns(const float *x, const float *w, const float *bias, floa
             }
 }
 
-/* The rows [lo, hi) of member m on one panel; on a thread's first panel, with a term, the rows' products
-   first, a few row blocks at a time: their rows of x are then in L1 or L2 when the blocks read them,
-   where a pass of its own over x (megabytes at a prefill) read it from memory, ~1% of a SmolLM2
-   generation. */
-static void panel_rows(const float *x, const float *panel, const float *bias, float *y, const term_t *term,
-                       const float *inputs, float *products, int first_panel, int64_t m, int64_t lo,
-                       int64_t hi, int64_t k, int64_t n, int64_t c) {
-    if (!first_panel || !term->outputs) {
-        row_blocks(COLUMN_VECTORS, x, panel, PANEL, bias, y, k, n, term, m, lo, hi, c);
-        return;
-    }
-    for (int64_t i = lo; i < hi; i += 4 * ROW_BLOCK) { /* whole row blocks: the same blocks as at once */
-        const int64_t end = i + 4 * ROW_BLOCK < hi ? i + 4 * ROW_BLOCK : hi;
-        products_of(x, inputs, products, m, i, end, k, term->rank);
-        row_blocks(COLUMN_VECTORS, x, panel, PANEL, bias, y, k, n, term, m, i, end, c);
-    }
-}
-
 /* The panels are split over OpenMP threads (torch's own pool, where the library shares torch's OpenMP
-   runtime: cpu_library.py), each packing its panels into its own buffer and summing every row's
-   products (rows x rank floats) into its own array on its first panel. Returns -1 if a buffer could not
-   be allocated (nothing is written then by that thread; the caller raises), -2 (and writes nothing) for
-   offsets that do not split the rows into the members' groups. */
+   runtime: cpu_library.py), each packing its panels into its own buffer. With a term, every row's
+   products come first, the rows split over the threads, into one array all threads then read. (Each
+   thread summing them itself on its first panel, the rows of x then in its caches when its row blocks
+   read them, was ~1-2% slower at SmolLM2's prefill: docs/results/lowrank-decoding-2026-12-06.md.)
+   Returns -1 if a buffer could not be allocated (nothing is written then by that thread; the caller
+   raises), -2 (and writes nothing) for offsets that do not split the rows into the members' groups. */
 int64_t fastes_packed_linear_f32(const float *x, const float *w, const float *bias, float *y, int64_t rows,
                                  int64_t k, int64_t n, const float *inputs, const float *outputs,
                                  const int64_t *offsets, int64_t rank, int64_t members, int64_t threads) {
     if (outputs && !splits_rows(offsets, members, rows)) return -2;
+    float *products = outputs ? malloc((size_t)(rows * rank) * sizeof(float)) : NULL;
+    if (outputs && !products) return -1;
     const int64_t one_group[2] = {0, rows};
-    const term_t term = {NULL, outputs, outputs ? offsets : one_group, rank, outputs ? members : 1};
+    const term_t term = {products, outputs, outputs ? offsets : one_group, rank, outputs ? members : 1};
     const int64_t panels = n / PANEL;
     int64_t failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1) reduction(| : failed)
     {
+        for (int64_t m = 0; outputs && m < members; m++) {
+#pragma omp for schedule(static) nowait
+            for (int64_t i = offsets[m]; i < offsets[m + 1]; i++)
+                products_of(x, inputs, products, m, i, i + 1, k, rank);
+        }
+#pragma omp barrier
         float *panel = aligned_alloc(64, (size_t)((k * PANEL * sizeof(float) + 63) / 64 * 64));
-        float *products = outputs ? malloc((size_t)(rows * rank) * sizeof(float)) : NULL;
-        term_t mine = term;
-        mine.products = products;
-        if (!panel || (outputs && !products)) failed = 1;
-        int first_panel = 1;
+        if (!panel) failed = 1;
 #pragma omp for schedule(static)
         for (int64_t q = 0; q < panels; q++) {
-            if (failed) continue;
+            if (!panel) continue;
             const int64_t c = q * PANEL;
             pack_panel(w, c, k, panel);
             for (int64_t m = 0; m < term.members; m++)
-                panel_rows(x, panel, bias ? bias + c : NULL, y + c, &mine, inputs, products, first_panel, m,
-                           term.offsets[m], term.offsets[m + 1], k, n, c);
-            first_panel = 0;
+                row_blocks(COLUMN_VECTORS, x, panel, PANEL, bias ? bias + c : NULL, y + c, k, n, &term, m,
+                           term.offsets[m], term.offsets[m + 1], c);
         }
         free(panel);
-        free(products);
     }
-    if (failed) return -1;
-    if (panels * PANEL < n) {
-        term_t all = term;
-        float *products = outputs ? malloc((size_t)(rows * rank) * sizeof(float)) : NULL;
-        if (outputs && !products) return -1;
-        for (int64_t m = 0; outputs && m < members; m++)
-            products_of(x, inputs, products, m, offsets[m], offsets[m + 1], k, rank);
-        all.products = products;
-        last_columns(x, w, bias, y, &all, panels * PANEL, k, n);
-        free(products);
-    }
-    return 0;
+    if (!failed && panels * PANEL < n) last_columns(x, w, bias, y, &term, panels * PANEL, k, n);
+    free(products);
+    return failed ? -1 : 0;
 }
 
 /* y[0:n] += product * v[0:n] */
