@@ -715,6 +715,30 @@ def _offsets_refused(name: str, term: LowRankTerm, rows: int) -> ValueError:
     return ValueError(f"{name}: the term's row offsets {term.offsets.tolist()} do not split {rows} rows")
 
 
+def _linear_product(
+    name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, term: LowRankTerm | None
+) -> tuple[torch.Tensor, int]:
+    """(y, the library's status) of fastes_<name>_f32, the few-rows or packed linear of x [rows, k] and an
+    nn.Linear weight [n, k] with `term`; offsets that do not split the rows (status -2) raise here."""
+    (rows, k), n = x.shape, weight.shape[0]
+    x, bias = _matmul_operands(name, x, weight, bias)
+    y = torch.empty(rows, n, dtype=torch.float32)
+    status = getattr(_load(), f"fastes_{name}_f32")(
+        x.data_ptr(),
+        weight.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        rows,
+        k,
+        n,
+        *_term_arguments(name, term, k, n),
+        _matmul_threads(rows, k, n),
+    )
+    if status == -2:
+        raise _offsets_refused(name, term, rows)
+    return y, status
+
+
 FEW_ROWS = 8  # the most rows few_rows_linear takes (FEW_ROWS in csrc/few_rows_linear_cpu.c)
 
 
@@ -732,23 +756,9 @@ def few_rows_linear(
             f"few_rows_linear takes 1 to {FEW_ROWS} rows of the weight's width; got x {tuple(x.shape)} "
             f"and weight {tuple(weight.shape)}"
         )
-    x, bias = _matmul_operands("few_rows_linear", x, weight, bias)
-    y = torch.empty(rows, n, dtype=torch.float32)
-    refused = _load().fastes_few_rows_linear_f32(
-        x.data_ptr(),
-        weight.data_ptr(),
-        None if bias is None else bias.data_ptr(),
-        y.data_ptr(),
-        rows,
-        k,
-        n,
-        *_term_arguments("few_rows_linear", term, k, n),
-        _matmul_threads(rows, k, n),
-    )
+    y, refused = _linear_product("few_rows_linear", x, weight, bias, term)
     if refused == -3:  # the C file's own FEW_ROWS disagrees with this module's
         raise RuntimeError(f"the compiled few-rows linear refused {rows} rows: rebuild the library")
-    if refused == -2:
-        raise _offsets_refused("few_rows_linear", term, rows)
     if refused:
         raise MemoryError(f"few_rows_linear could not allocate {rows} x {term.inputs.shape[1]} products")
     return y
@@ -784,25 +794,11 @@ def packed_linear(
             f"packed_linear takes rows of the weight's width; got x {tuple(x.shape)} and weight "
             f"{tuple(weight.shape)}"
         )
-    x, bias = _matmul_operands("packed_linear", x, weight, bias)
-    arguments = _term_arguments("packed_linear", term, k, n)
-    y = torch.empty(rows, n, dtype=torch.float32)
-    failed = _load().fastes_packed_linear_f32(
-        x.data_ptr(),
-        weight.data_ptr(),
-        None if bias is None else bias.data_ptr(),
-        y.data_ptr(),
-        rows,
-        k,
-        n,
-        *arguments,
-        _matmul_threads(rows, k, n),
-    )
-    if failed == -2:
-        raise _offsets_refused("packed_linear", term, rows)
+    y, failed = _linear_product("packed_linear", x, weight, bias, term)
     if failed:
+        rank = 0 if term is None else term.inputs.shape[1]
         raise MemoryError(
-            f"packed_linear could not allocate a thread's buffers ({k} x 32 floats, {rows} x {arguments[3]} "
+            f"packed_linear could not allocate its buffers ({k} x 32 floats a thread, {rows} x {rank} "
             "products)"
         )
     return y
