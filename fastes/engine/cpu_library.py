@@ -23,8 +23,9 @@ How it stays fast:
   releases the GIL), so torch.set_num_threads applies at once.
 
 The same library holds the products the CPU's generation runs (sections at the end, each in torch's
-own OpenMP threads): the materialised population's member matmul, the few-rows linear of late decoding
-steps, and the packed linear of a prefill's many rows with the low-rank population's term.
+own OpenMP threads): the materialised population's member matmul, and a model's linear layers
+(`linear`: the few-rows pass of late decoding steps, the packed linear of many rows, each with the
+low-rank population's term, and that term alone after torch's product).
 
 Where no C compiler is found, or building fails, `available()` turns False after one warning and
 `fastes.engine.ops` falls back to the eager reference.

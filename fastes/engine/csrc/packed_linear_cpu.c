@@ -56,7 +56,7 @@ static void last_columns(const float *x, const float *w, const float *bias, floa
    runtime: cpu_library.py), each packing its panels into its own buffer. With a term, every row's
    products come first, the rows split over the threads, into one array all threads then read. (Each
    thread summing them itself on its first panel, the rows of x then in its caches when its row blocks
-   read them, was ~1-2% slower at SmolLM2's prefill: docs/results/lowrank-decoding-2026-12-06.md.)
+   read them, was no faster: docs/results/lowrank-decoding-2026-12-06.md, sections 4 and 5.)
    Returns -1 if a buffer could not be allocated (nothing is written then by that thread; the caller
    raises), -2 (and writes nothing) for offsets that do not split the rows into the members' groups. */
 int64_t fastes_packed_linear_f32(const float *x, const float *w, const float *bias, float *y, int64_t rows,
@@ -109,10 +109,10 @@ static void add_scaled(float *y, const float *v, float product, int64_t n) {
 }
 
 /* y[i, :] += sum_j (x[i, :] . inputs[m, j, :]) outputs[m, j, :] for offsets[m] <= i < offsets[m + 1], in
-   place: the whole term after a base product computed elsewhere, for the rows too few for the packed
-   linear (a decoding step's). One pass per row, its products over x's row then its updates of y's row,
-   where torch takes a batched matmul and a multiply-add per rank (and equal row groups only). Rows over
-   threads. Returns -2 (and writes nothing) for offsets that do not split the rows. */
+   place: the whole term after a base product computed elsewhere (torch's `linear` between the few-rows
+   pass and the packed linear, or a base the library does not compute). One pass per row, its products
+   over x's row then its updates of y's row, where torch takes a batched matmul and a multiply-add per
+   rank (and equal row groups only). Rows over threads. Returns -2 (and writes nothing) for offsets that do not split the rows. */
 int64_t fastes_lowrank_term_f32(const float *x, const float *inputs, const float *outputs, float *y,
                                 const int64_t *offsets, int64_t rows, int64_t k, int64_t n, int64_t rank,
                                 int64_t members, int64_t threads) {
