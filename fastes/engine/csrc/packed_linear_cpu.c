@@ -112,7 +112,8 @@ static void add_scaled(float *y, const float *v, float product, int64_t n) {
    place: the whole term after a base product computed elsewhere (torch's `linear` between the few-rows
    pass and the packed linear, or a base the library does not compute). One pass per row, its products
    over x's row then its updates of y's row, where torch takes a batched matmul and a multiply-add per
-   rank (and equal row groups only). Rows over threads. Returns -2 (and writes nothing) for offsets that do not split the rows. */
+   rank (and equal row groups only). Rows over threads. Returns -2 (and writes nothing) for offsets
+   that do not split the rows. */
 int64_t fastes_lowrank_term_f32(const float *x, const float *inputs, const float *outputs, float *y,
                                 const int64_t *offsets, int64_t rows, int64_t k, int64_t n, int64_t rank,
                                 int64_t members, int64_t threads) {
