@@ -27,7 +27,7 @@ from transformers import (
     RepetitionPenaltyLogitsProcessor,
 )
 
-from fastes.engine import cpu_share, noise
+from fastes.engine import cpu_memory, cpu_share, noise
 
 from .decoding import decode
 
@@ -97,6 +97,8 @@ def generate(
     if not prompts:
         return Generation(texts=[], completion_ids=[], prompt_ids=[])
     cpu_share.share_cores()  # a registered fastes command takes its share of the cores (at most 1/s)
+    if model.device.type == "cpu":  # the layers' large activations reuse freed memory (cpu_memory)
+        cpu_memory.keep_freed_memory()
 
     enc = encode_prompts(tokenizer, prompts).to(model.device)
 

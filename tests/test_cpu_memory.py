@@ -1,0 +1,75 @@
+"""fastes.engine.cpu_memory: a CPU generation's freed memory is kept for its next tensors (no page
+faults for memory it already had), unless the user tuned the allocator or opted out."""
+
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fastes.engine import cpu_memory
+from fastes.models.generation import generate
+from fastes.models.loading import build_tiny_model, build_tokenizer
+
+glibc = pytest.mark.skipif(
+    platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
+    reason="the setting is glibc's malloc's (other C libraries are left alone)",
+)
+
+# Allocate, write and free a 64 MiB tensor (above every mmap threshold glibc picks by itself) a few
+# times, then count the page faults of five more rounds: the memory a freed tensor leaves behind is
+# either kept (no faults) or given back and faulted in again (one fault per page).
+_PROBE = """
+import resource, torch
+from fastes.engine import cpu_memory
+kept = cpu_memory.keep_freed_memory()
+def once():
+    t = torch.empty(16 * 2**20)
+    t.fill_(1.0)
+for _ in range(3):
+    once()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(5):
+    once()
+print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def _probe(**env: str) -> tuple[bool, int]:
+    """(whether the setting took effect, page faults of the five measured rounds) in a fresh process,
+    its environment this one's without glibc's malloc variables, plus `env`."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
+    clean.pop("FASTES_KEEP_FREED_MEMORY", None)
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE], env={**clean, **env}, capture_output=True, text=True, check=True
+    )
+    kept, faults = done.stdout.split()
+    return kept == "True", int(faults)
+
+
+@glibc
+def test_freed_memory_is_reused_without_page_faults():
+    kept, kept_faults = _probe()
+    given_back, faults = _probe(FASTES_KEEP_FREED_MEMORY="0")
+    assert kept and not given_back
+    # with glibc's defaults each round maps fresh pages (16384 faults a round in 4 KiB pages)
+    assert faults > 0 and kept_faults * 10 <= faults, (kept_faults, faults)
+
+
+@glibc
+def test_a_user_tuned_allocator_is_left_alone():
+    assert _probe(MALLOC_ARENA_MAX="2")[0] is False
+    assert _probe(LD_PRELOAD="libjemalloc.so.2")[0] is False  # not loaded: the name is enough
+    assert _probe(FASTES_KEEP_FREED_MEMORY="0")[0] is False
+
+
+def test_a_cpu_generation_keeps_freed_memory(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cpu_memory, "keep_freed_memory", lambda: calls.append(1) or True)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = build_tiny_model().eval()
+    generate(model, build_tokenizer(), ["1+2="], max_new_tokens=2)
+    assert calls == [1]
