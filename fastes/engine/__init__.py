@@ -5,5 +5,6 @@
 `ops` holds the torch reference of perturb / update and dispatches to a backend, `cpu_library` builds
 and calls the C library of `csrc/` (the CPU backend), `kernels/` holds the Triton kernels (GPU backend)
 and `lowrank` the low-rank factors on the same streams. `cpu_share` divides the CPU's cores between
-fastes processes. Nothing here knows of models, tasks or runs; import the submodules directly.
+fastes processes, and `cpu_memory` keeps the memory a CPU generation frees for its next tensors. Nothing
+here knows of models, tasks or runs; import the submodules directly.
 """
