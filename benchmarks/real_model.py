@@ -27,12 +27,13 @@ update, member by member), each against the machine's limit: the tokens processe
 fp32 matmul rate measured in the same run.
 Peak memory is the RSS high-water mark, reset before each. Plain generation and ES's default mode, whose
 peaks the memory target compares, run `--memory-repeats` times each under two allocator settings:
-- glibc's own: its mmap threshold rises as large blocks are freed, after which freed memory may stay in
-  the process, so one start's peak lands on one of several levels hundreds of MiB apart (the median run
-  is reported, and every run's peak);
+- fastes' own (fastes.engine.cpu_memory: every block from glibc's heap, which is never trimmed): freed
+  memory stays in the process for its next tensors, so one start's peak lands on one of several levels
+  hundreds of MiB apart, as it did under glibc's defaults, whose mmap threshold rises as large blocks
+  are freed (the median run is reported, and every run's peak);
 - the threshold fixed at glibc's starting value (`FIXED_ALLOCATOR`): every large block goes back to the
   system when freed, so the peak is what the process held at once, the same from one start to the next.
-  The target is judged on this one.
+  The target is judged on this one. (Setting a MALLOC_ variable turns fastes' own setting off.)
 Figures are measured; nothing is asserted.
 Results: <out>/real-model-cpu-<date>-<time>.json and .md (never overwritten).
 """
@@ -318,7 +319,7 @@ def _fresh_variants(
 ) -> dict[str, dict]:
     """Each variant in fresh processes: the `compared` pair (plain generation and ES's default mode,
     whose peak memory the target compares) `args.memory_repeats` times each under each allocator setting,
-    alternating, the others once under glibc's own. A repeated variant reports its median run (by peak)
+    alternating, the others once under fastes' own. A repeated variant reports its median run (by peak)
     and every run's peak and seconds; under the fixed mmap threshold, in its "fixed mmap threshold"
     entry."""
     label = "x".join(map(str, shape))
@@ -389,7 +390,7 @@ def run(args: argparse.Namespace) -> dict:
         fixed_es, fixed_plain = es_variant["fixed mmap threshold"], plain_variant["fixed mmap threshold"]
         memory = f"{label}: ES peak RSS <= {TARGET_MEMORY_RATIO}x plain batched generation's"
         targets[f"{memory} (fixed mmap threshold)"] = fixed_es["peak_bytes"] / fixed_plain["peak_bytes"]
-        targets[f"{label}: the same, glibc's own allocator (median runs)"] = (
+        targets[f"{label}: the same, fastes' allocator setting (median runs)"] = (
             es_variant["peak_bytes"] / plain_variant["peak_bytes"]
         )
         if "member_interleaved" in entry:
@@ -457,8 +458,8 @@ def markdown(report: dict) -> str:
         "",
         "Each variant in fresh processes (cold: the first iteration's one-time costs included); plain "
         "generation and the default mode, whose peak memory the target compares, several times each under "
-        "glibc's own allocator and with its mmap threshold fixed (the target's measure): their median run "
-        "(by peak), and every run's peak:",
+        "fastes' allocator setting (cpu_memory) and with glibc's mmap threshold fixed (the target's "
+        "measure): their median run (by peak), and every run's peak:",
         "",
         "| shape | variant | seconds | share of the machine's limit | peak RSS | above the loaded model "
         "| every run's peak RSS | fixed mmap threshold: peak RSS | every run's |",

@@ -139,7 +139,7 @@ def test_the_benchmarked_alternative_computes_the_same_layer(bias):
 
 def test_the_memory_target_compares_median_runs_of_fresh_processes(monkeypatch):
     """benchmarks.real_model runs plain generation and the default mode --memory-repeats times each under
-    each allocator setting, alternating, every other variant once under glibc's own, and reports each
+    each allocator setting, alternating, every other variant once under fastes' own, and reports each
     repeated variant's median run by peak, per allocator setting."""
     import argparse
 
