@@ -9,7 +9,7 @@ come back as fresh pages: one page fault for every 4 KiB written. Measured on Sm
 16 x 16 x 24 on a 2-core AMD EPYC: 0.8-2.3 million page faults per plain batched generation (3-9 GiB
 faulted in), 14-16 s, against ~0 faults and 12.9-13.4 s with the setting below; at 8 x 8 x 16 plain
 generation settled at ~0 faults but the low-rank population's generation, whose allocations differ,
-faulted 25-226 thousand pages per generation (docs/results/freed-memory-2026-12-06.md).
+went on faulting up to 334 thousand pages per generation (docs/results/freed-memory-2026-12-06.md).
 
 `keep_freed_memory` makes glibc serve every allocation from its heap (M_MMAP_MAX 0) and keep the heap's
 free top (M_TRIM_THRESHOLD at its largest), so a process keeps what it once used (its peak stays the
