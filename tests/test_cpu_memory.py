@@ -2,7 +2,6 @@
 faults for memory it already had), unless the user tuned the allocator or opted out."""
 
 import os
-import platform
 import subprocess
 import sys
 
@@ -14,7 +13,7 @@ from fastes.models.generation import generate
 from fastes.models.loading import build_tiny_model, build_tokenizer
 
 glibc = pytest.mark.skipif(
-    platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
+    not cpu_memory.runs_glibc(),
     reason="the setting is glibc's malloc's (other C libraries are left alone)",
 )
 

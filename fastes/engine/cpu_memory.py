@@ -22,6 +22,7 @@ a C library other than glibc.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 
@@ -30,7 +31,10 @@ M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
 _LARGEST_TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int
 
-_state: dict[str, bool | None] = {"kept": None}
+
+def runs_glibc() -> bool:
+    """Whether this process runs on glibc, whose malloc the setting tunes."""
+    return platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
 
 def _user_tuned_malloc() -> bool:
@@ -42,17 +46,10 @@ def _user_tuned_malloc() -> bool:
     )
 
 
+@functools.cache  # a process-wide setting: applied once, later calls return the answer
 def keep_freed_memory() -> bool:
-    """Keep freed memory in this process (see the module's docstring), once; whether it is in effect."""
-    if _state["kept"] is None:
-        _state["kept"] = _apply()
-    return _state["kept"]
-
-
-def _apply() -> bool:
-    if os.environ.get("FASTES_KEEP_FREED_MEMORY", "1") == "0" or _user_tuned_malloc():
-        return False
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    """Keep freed memory in this process (see the module's docstring); whether it is in effect."""
+    if os.environ.get("FASTES_KEEP_FREED_MEMORY", "1") == "0" or _user_tuned_malloc() or not runs_glibc():
         return False
     mallopt = ctypes.CDLL(None).mallopt
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
