@@ -56,6 +56,7 @@ import torch
 
 from benchmarks.common import cpu_model, current_rss_bytes, peak_rss_bytes, reset_peak_rss
 from benchmarks.naive import naive_es_iteration, transformers_generate
+from fastes.engine import cpu_linear
 
 TARGET_RATE_RATIO = 0.95  # an ES iteration's token rate over plain batched generation's
 TARGET_MEMBER_RATIO = 0.7  # member by member over plain generation of each member's rows
@@ -409,6 +410,8 @@ def run(args: argparse.Namespace) -> dict:
         "cpu": platform.processor() or platform.machine(),
         "cpu_model": cpu_model(),
         "threads": torch.get_num_threads(),
+        # which products the model's linear layers took here (fastes.engine.cpu_linear)
+        "cpu_products": cpu_linear.products(torch.get_num_threads())._asdict(),
         "load_average_at_start": load_average,
         "matmul_gflops": rate / 1e9,
         "rounds": args.rounds,
@@ -422,13 +425,20 @@ def _progress(message: str) -> None:
     print(f"[real-model {datetime.datetime.now():%H:%M:%S}] {message}", file=sys.stderr, flush=True)
 
 
+def _products(report: dict) -> str:
+    """The library's products the linear layers took (fastes.engine.cpu_linear), or "none" (torch's)."""
+    taken = [name.replace("_", "-") for name, used in report.get("cpu_products", {}).items() if used]
+    return ", ".join(taken) or "none: torch's linear throughout"
+
+
 def markdown(report: dict) -> str:
     r = report
     lines = [
         f"# ES on {r['model']} ({r['parameters'] / 1e6:.1f}M parameters) against plain generation",
         "",
         f"Measured {r['date']} {r['time'][:2]}:{r['time'][2:]}; {r['cpu_model']}; {r['threads']} torch "
-        f"threads; load average {r['load_average_at_start']:.2f} at the start; fp32 matmul "
+        f"threads; the library's products taken ({_products(r)}); load average "
+        f"{r['load_average_at_start']:.2f} at the start; fp32 matmul "
         f"{r['matmul_gflops']:.0f} GFLOP/s measured in the same run; default mode: {r['default_mode']}; "
         f"shapes are population x prompts x new tokens; {r['rounds']} interleaved rounds, warm.",
         "",

@@ -9,6 +9,9 @@ import sys
 from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"
+# A model's CPU linear layers take the library's products at the rows their rules give, on every machine,
+# so that each test runs the paths it names (fastes.engine.cpu_linear; its own tests set the others)
+os.environ["FASTES_CPU_PRODUCTS"] = "library"
 
 import gguf  # noqa: E402  (the test extra installs it, with accelerate, which transformers needs for GGUF)
 import numpy as np  # noqa: E402

@@ -6,9 +6,9 @@ import pytest
 import torch
 import transformers
 
-from fastes.engine import cpu_library
-from fastes.engine.cpu_library import MIN_WEIGHT_BYTES, VOCABULARY_ROWS
-from fastes.engine.cpu_library import linear_applies as applies
+from fastes.engine import cpu_library, cpu_linear
+from fastes.engine.cpu_linear import MIN_WEIGHT_BYTES, VOCABULARY_ROWS
+from fastes.engine.cpu_linear import linear_applies as applies
 from fastes.models.decoding import decode
 from fastes.models.decoding_linears import DecodingLinear, decoding_linears
 
@@ -123,10 +123,26 @@ def test_a_prefill_of_many_rows_takes_the_packed_linear_and_gives_transformers_g
     packed_linear = cpu_library.packed_linear
     monkeypatch.setattr(cpu_library, "packed_linear", lambda *a: calls.append(1) or packed_linear(*a))
     ids = torch.randint(1, VOCABULARY_ROWS, (8, 40), generator=torch.Generator().manual_seed(2))
-    assert ids.numel() >= cpu_library.PACKED_MIN_ROWS
+    assert ids.numel() >= cpu_linear.PACKED_MIN_ROWS
     ours, theirs = _greedy_both_ways(model, ids, new_tokens=4)
     assert torch.equal(ours, theirs)
     assert len(calls) == 2 * 7  # every projection of the prefill; the vocabulary sees the last positions
+
+
+def test_with_torchs_products_decoding_gives_transformers_greedy_tokens(monkeypatch):
+    """Where torch's products are the faster ones (cpu_linear.products), no library product runs."""
+    monkeypatch.setenv("FASTES_CPU_PRODUCTS", "torch")
+    for name in ("few_rows_linear", "packed_linear"):
+        monkeypatch.setattr(cpu_library, name, lambda *a, _name=name: pytest.fail(f"{_name} ran"))
+    cpu_linear.products.cache_clear()
+    try:
+        model = _model(4)
+        ids = torch.randint(1, VOCABULARY_ROWS, (8, 40), generator=torch.Generator().manual_seed(4))
+        for rows in (1, 3, ids.shape[0]):  # few rows, and a prefill of many
+            ours, theirs = _greedy_both_ways(model, ids[:rows], new_tokens=6)
+            assert torch.equal(ours, theirs)
+    finally:
+        cpu_linear.products.cache_clear()
 
 
 def test_a_lora_wrapped_model_decodes_through_them_as_transformers_does():

@@ -1,6 +1,6 @@
 """The low-rank population's term added after a product computed elsewhere (cpu_library.lowrank_term,
-csrc/packed_linear_cpu.c), and `cpu_library.linear`, which runs a linear layer with or without the term
-the fastest way measured for its rows, against the plain-torch reference in float64.
+csrc/packed_linear_cpu.c), and `cpu_linear.linear`, which runs a linear layer with or without the term
+by the product chosen for its rows, against the plain-torch reference in float64.
 
 Row counts from one to past the packed linear's, widths around the 16-float vectors, members with unequal
 and empty row groups, ranks 1 to 3, several seeds; a row's bits depend neither on the threads nor on the
@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import linear_problem, linear_reference, linear_tolerance
 
-from fastes.engine import cpu_library
+from fastes.engine import cpu_library, cpu_linear
 from fastes.engine.cpu_library import LowRankTerm
 
 SEEDS = [0, 1, 31337]
@@ -86,7 +86,7 @@ def test_lowrank_term_refuses_what_it_cannot_take(x, y, term, message):
 
 
 def _paths(monkeypatch) -> list[str]:
-    """The names of the library's products (and torch's linear) that `cpu_library.linear` calls, in order."""
+    """The names of the library's products (and torch's linear) that `cpu_linear.linear` calls, in order."""
     taken: list[str] = []
     for name in ("few_rows_linear", "packed_linear", "lowrank_term"):
         real = getattr(cpu_library, name)
@@ -104,29 +104,29 @@ def test_linear_takes_each_path_where_its_rules_say_and_matches_the_reference(mo
         1: ["few_rows_linear"],
         cpu_library.FEW_ROWS: ["few_rows_linear"],
         cpu_library.FEW_ROWS + 1: ["lowrank_term"],
-        cpu_library.PACKED_MIN_ROWS - 1: ["lowrank_term"],
-        cpu_library.PACKED_MIN_ROWS: ["packed_linear"],
+        cpu_linear.PACKED_MIN_ROWS - 1: ["lowrank_term"],
+        cpu_linear.PACKED_MIN_ROWS: ["packed_linear"],
     }
     for rows, expected in cases.items():
         x, w, bias, term = linear_problem(
             rows, side, side, seed=rows, with_bias=True, members=3 if with_term else 0
         )
         taken.clear()
-        got = cpu_library.linear(x, w, bias, term)
+        got = cpu_linear.linear(x, w, bias, term)
         assert taken == [path for path in expected if with_term or path != "lowrank_term"]
         torch.testing.assert_close(
             got.double(), linear_reference(x, w, bias, term), **linear_tolerance(side, 1)
         )
     # a vocabulary-wide output: the weight-major product, then the term
     x, w, bias, term = linear_problem(
-        40, 64, cpu_library.VOCABULARY_ROWS, seed=9, with_bias=True, members=3 if with_term else 0
+        40, 64, cpu_linear.VOCABULARY_ROWS, seed=9, with_bias=True, members=3 if with_term else 0
     )
     taken.clear()
-    got = cpu_library.linear(x, w, bias, term)
+    got = cpu_linear.linear(x, w, bias, term)
     assert taken == (["lowrank_term"] if with_term else [])
     torch.testing.assert_close(got.double(), linear_reference(x, w, bias, term), **linear_tolerance(64, 1))
     # a weight that stays in the caches (below MIN_WEIGHT_BYTES) keeps torch's linear at a prefill's rows
     x, w, bias, term = linear_problem(400, 64, 256, seed=3, with_bias=False, members=2 if with_term else 0)
     taken.clear()
-    cpu_library.linear(x, w, bias, term)
+    cpu_linear.linear(x, w, bias, term)
     assert taken == (["lowrank_term"] if with_term else [])

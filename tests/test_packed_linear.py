@@ -14,7 +14,7 @@ import torch
 from conftest import kernel_llama, linear_problem, linear_reference, linear_tolerance
 
 import fastes
-from fastes.engine import cpu_library
+from fastes.engine import cpu_library, cpu_linear
 from fastes.engine.cpu_library import LowRankTerm
 from fastes.es.population import LowRankLinear, population_batched
 from fastes.models.decoding_linears import DecodingLinear
@@ -86,15 +86,15 @@ def test_a_rows_result_depends_on_neither_the_threads_nor_the_rows_beside_it():
 def test_decoding_linear_takes_it_at_a_prefills_rows():
     base = torch.nn.Linear(576, 192)  # SmolLM2's k projection: a weight of 432 KiB
     layer = DecodingLinear(base)
-    for rows in (cpu_library.PACKED_MIN_ROWS - 1, cpu_library.PACKED_MIN_ROWS):
+    for rows in (cpu_linear.PACKED_MIN_ROWS - 1, cpu_linear.PACKED_MIN_ROWS):
         x = torch.randn(rows, 576)
         got, expected = layer(x), base(x)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
         # below the rows, torch's own linear (the same bits); from them, the packed linear
-        assert torch.equal(got, expected) == (rows < cpu_library.PACKED_MIN_ROWS)
-        assert cpu_library.packs(rows, base.weight) == (rows >= cpu_library.PACKED_MIN_ROWS)
-    assert not cpu_library.packs(1000, torch.nn.Linear(576, 200).weight)  # the last columns one by one
-    assert not cpu_library.packs(1000, torch.nn.Linear(64, 256).weight)  # the tiny model's: in the caches
+        assert torch.equal(got, expected) == (rows < cpu_linear.PACKED_MIN_ROWS)
+        assert cpu_linear.packs(rows, base.weight) == (rows >= cpu_linear.PACKED_MIN_ROWS)
+    assert not cpu_linear.packs(1000, torch.nn.Linear(576, 200).weight)  # the last columns one by one
+    assert not cpu_linear.packs(1000, torch.nn.Linear(64, 256).weight)  # the tiny model's: in the caches
 
 
 def _low_rank_layers(bias: bool, members: int = 8):

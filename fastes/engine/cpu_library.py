@@ -23,9 +23,10 @@ How it stays fast:
   releases the GIL), so torch.set_num_threads applies at once.
 
 The same library holds the products the CPU's generation runs (sections at the end, each in torch's
-own OpenMP threads): the materialised population's member matmul, and a model's linear layers
-(`linear`: the few-rows pass of late decoding steps, the packed linear of many rows, each with the
-low-rank population's term, and that term alone after torch's product).
+own OpenMP threads): the materialised population's member matmul, and the products a model's linear
+layers may take (the few-rows pass of late decoding steps, the packed linear of many rows, each with the
+low-rank population's term, and that term alone after torch's product); `fastes.engine.cpu_linear`
+chooses among them and torch's own for this machine.
 
 Where no C compiler is found, or building fails, `available()` turns False after one warning and
 `fastes.engine.ops` falls back to the eager reference.
@@ -146,7 +147,7 @@ def _compiler() -> str:
     raise FileNotFoundError("no C compiler found (tried cc, gcc, clang)")
 
 
-def _cpu_identity() -> str:
+def cpu_identity() -> str:
     """What -march=native depends on: the CPU model and feature flags (Linux), else the platform."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
@@ -168,7 +169,7 @@ def _build(compiler: str) -> Path:
     errors = []
     tried = [[*_FLAGS, *arch, *_OPENMP], [*_FLAGS, *arch], [*_FLAGS, *_OPENMP], _FLAGS]
     for flags in [f for i, f in enumerate(tried) if f not in tried[:i]]:
-        identity = "\0".join([compiler, *flags, _cpu_identity(), sys.platform]).encode()
+        identity = "\0".join([compiler, *flags, cpu_identity(), sys.platform]).encode()
         digest = hashlib.sha256(source + identity).hexdigest()[:16]
         path = cache_dir() / f"noise_cpu-{digest}.so"
         if path.exists():
@@ -674,7 +675,8 @@ def member_matmul(
 
 
 # ---------------------------------------------------------------------------------------------------
-# A model's linear layers on the CPU, with or without the low-rank population's term
+# Products for a model's linear layers, with or without the low-rank population's term (which of them
+# a layer takes on this machine: fastes.engine.cpu_linear)
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -765,29 +767,14 @@ def few_rows_linear(
     return y
 
 
-# Where a model's linear layers take packed_linear (`linear`): weights of at least MIN_WEIGHT_BYTES
-# (smaller ones stay in the caches, where torch's linear is not slow), at least PACKED_MIN_ROWS rows
-# (below, torch's was as fast or faster: SmolLM2's 210 projections one after the other, their weights
-# streamed from memory as in a decoding step, 1.02x torch's time at 64 rows, 0.95x at 96:
-# docs/results/lowrank-decoding-2026-12-06.md) and whole 32-column panels (the last columns of another
-# width are summed one by one, correct but slow).
-MIN_WEIGHT_BYTES = 256 * 1024
-PACKED_MIN_ROWS = 96
-
-
-def packs(rows: int, weight: torch.Tensor) -> bool:
-    """Whether `rows` rows of a layer with this nn.Linear weight [n, k] take packed_linear in a model."""
-    return rows >= PACKED_MIN_ROWS and weight.shape[0] % 32 == 0 and weight.numel() * 4 >= MIN_WEIGHT_BYTES
-
-
 def packed_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, term: LowRankTerm | None = None
 ) -> torch.Tensor:
     """x weight^T (+ bias), as torch's `linear`, for x [rows, k] and an nn.Linear weight [n, k]
     (contiguous); with `term`, each row's low-rank term added as its outputs are stored, where adding it
     after torch's GEMM is one more pass over an output that lies in memory; fp32 on the CPU. Faster than
-    torch's `linear` at SmolLM2's sizes (csrc/packed_linear_cpu.c). In torch's own OpenMP threads, as
-    member_matmul."""
+    torch's `linear` at SmolLM2's sizes on an AMD EPYC (csrc/packed_linear_cpu.c). In torch's own OpenMP
+    threads, as member_matmul."""
     rows, k = x.shape if x.dim() == 2 else (0, -1)
     n = weight.shape[0]
     if weight.shape != (n, k) or rows < 1 or k < 1:
@@ -825,44 +812,3 @@ def lowrank_term(x: torch.Tensor, y: torch.Tensor, term: LowRankTerm) -> torch.T
     if refused == -2:
         raise _offsets_refused("lowrank_term", term, rows)
     return y
-
-
-VOCABULARY_ROWS = 8192  # an output at least this wide is a vocabulary's (measured from 4096 x 256 up)
-
-
-def linear_applies(module: torch.nn.Module) -> bool:
-    """Whether `linear` computes `module` faster than its own forward: a plain nn.Linear (no hooks) with a
-    contiguous fp32 CPU weight of at least MIN_WEIGHT_BYTES (smaller weights stay in the caches, where
-    torch's linear is not slow)."""
-    return (
-        type(module) is torch.nn.Linear
-        and module.weight.device.type == "cpu"
-        and module.weight.dtype == torch.float32
-        and module.weight.is_contiguous()
-        and module.weight.numel() * 4 >= MIN_WEIGHT_BYTES
-        and not (module._forward_hooks or module._forward_pre_hooks)
-    )
-
-
-def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, term: LowRankTerm | None = None
-) -> torch.Tensor:
-    """x weight^T (+ bias) (+ `term`) for x [rows, k] and an nn.Linear weight [n, k] (contiguous, fp32 on
-    the CPU), the fastest way measured for its rows (fastes.models.decoding_linears says where each was
-    measured): the few-rows pass up to FEW_ROWS rows; a vocabulary-wide output (at least VOCABULARY_ROWS)
-    as (W x^T)^T, the vocabulary as the GEMM's long side; the packed linear where it `packs`; else torch's
-    `linear`. A term is added in the same pass by the library's products, after torch's by lowrank_term.
-    A vocabulary-wide output without a term is a transposed view (the caller's copy of the logits reads
-    it)."""
-    rows = x.shape[0]
-    if 1 <= rows <= FEW_ROWS:
-        return few_rows_linear(x, weight, bias, term)
-    if weight.shape[0] >= VOCABULARY_ROWS:
-        y = torch.mm(weight, x.T).T
-        if bias is not None:
-            y = y + bias
-    elif packs(rows, weight):
-        return packed_linear(x, weight, bias, term)
-    else:
-        y = torch.nn.functional.linear(x, weight, bias)
-    return y if term is None else lowrank_term(x.contiguous(), y.contiguous(), term)

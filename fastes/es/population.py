@@ -22,7 +22,7 @@ from contextlib import contextmanager
 
 import torch
 
-from fastes.engine import cpu_library, ops
+from fastes.engine import cpu_library, cpu_linear, ops
 
 from .optimizer import ES, Member
 from .params import Projection, projections
@@ -216,8 +216,8 @@ class LowRankLinear(_PopulationLayer):
     row's r products with its member's input factors times the output factors in its epilogue and writes
     y once; the products are summed in its K loop, or, for wide outputs, first by a launch that reads x
     once (`products_first`). On the CPU with the compiled backend (fp32) and a plain nn.Linear base,
-    `cpu_library.linear` computes the layer as it computes a plain one while decoding
-    (fastes.models.decoding_linears: the few-rows pass, the packed linear at a prefill's many rows, or
+    `cpu_linear.linear` computes the layer as it computes a plain one while decoding (the product this
+    machine runs fastest for the rows: the few-rows pass, the packed linear at a prefill's many rows, or
     torch's `linear`), with the term: the library's products add it to each output before it is stored
     (added after the GEMM, it was one more pass over an output that lies in memory, ~3% of a SmolLM2
     generation: docs/results/packed-linear-2026-12-06.md), `cpu_library.lowrank_term` after torch's
@@ -259,7 +259,7 @@ class LowRankLinear(_PopulationLayer):
         self.compiled = resolved == "cpu" and weight.dtype == torch.float32  # the library's term is fp32
         # the library computes the base as it computes a plain layer while decoding, term included, only
         # where the base is x W^T + b and nothing more (the same rule: fastes.models.decoding_linears)
-        self.library_base = self.compiled and cpu_library.linear_applies(base)
+        self.library_base = self.compiled and cpu_linear.linear_applies(base)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         members, _, out_features = self.outputs.shape
@@ -309,7 +309,7 @@ class LowRankLinear(_PopulationLayer):
         term = cpu_library.LowRankTerm(self.inputs, self.outputs, self._row_offsets(flat.shape[0]))
         flat = flat.to(torch.float32).contiguous()
         if self.library_base:
-            return cpu_library.linear(flat, self.base.weight, self.base.bias, term)
+            return cpu_linear.linear(flat, self.base.weight, self.base.bias, term)
         return cpu_library.lowrank_term(flat, self.base(flat).contiguous(), term)
 
     def _fused(self, flat: torch.Tensor) -> torch.Tensor:

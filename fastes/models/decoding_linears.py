@@ -1,30 +1,31 @@
 """The linear layers of a decoding step on the CPU, at the speed of streaming their weights.
 
 Late in a batched generation few rows are still going, and a step does little more than read every
-weight from memory (SmolLM2-135M: 540 MB a step). torch's CPU `linear` is slow there, on two counts
-(docs/results/decoding-linears-2026-12-06.md, a 2-core AMD EPYC, weights streamed from memory):
-- BLAS reads the weight again for each row: SmolLM2's vocabulary projection (49152 x 576) took 10, 23
+weight from memory (SmolLM2-135M: 540 MB a step). On a 2-core AMD EPYC torch's CPU `linear` was slow
+there, on two counts (docs/results/decoding-linears-2026-12-06.md, weights streamed from memory):
+- BLAS read the weight again for each row: SmolLM2's vocabulary projection (49152 x 576) took 10, 23
   and 34 ms at 1, 2 and 3 rows. `cpu_library.few_rows_linear` reads each weight row once for up to
   FEW_ROWS rows: 3.9, 3.1 and 7.3 ms; a 576 x 576 projection 142 -> 70 us at one row, 175 -> 36 at two.
-- Above that, a vocabulary-wide output (at least VOCABULARY_ROWS) is computed as (W x^T)^T, the
-  vocabulary as the GEMM's long side: torch's bits from 12 rows up, and faster at the usual batches (SmolLM2's
-  vocabulary 140 -> 111 ms at 256 rows; other vocabularies 1.2-1.6x at 32 and 64 rows).
+- Above that, a vocabulary-wide output was faster computed as (W x^T)^T, the vocabulary as the GEMM's
+  long side (SmolLM2's vocabulary 140 -> 111 ms at 256 rows; other vocabularies 1.2-1.6x at 32 and 64
+  rows).
 A decoding step of SmolLM2 at 1 to 8 rows ran 1.7-3.1x faster, at 64 rows 1.08x. At a prefill's many
-rows (`cpu_library.packs`: at least PACKED_MIN_ROWS) the same layers take `cpu_library.packed_linear`, a
-register-blocked product on panels of the weight: SmolLM2's projections ran 1.10-1.15x faster than with
-torch's `linear` at 2304 rows (docs/results/packed-linear-2026-12-06.md). `cpu_library.linear` makes the
-choice; the low-rank population layer calls it with its members' term, which the few-rows pass and the
-packed linear add in the same pass, so ES and plain generation run the same products.
+rows the library's packed linear ran SmolLM2's projections 1.10-1.15x faster than torch's `linear`
+(docs/results/packed-linear-2026-12-06.md). On a 2-core Intel Xeon, torch's MKL was the faster one at
+most of these sizes (docs/results/cpu-products-2026-12-06.md), so `fastes.engine.cpu_linear.linear`
+takes each library product only where it measured faster on the machine it runs on. The low-rank
+population layer calls it with its members' term, which the few-rows pass and the packed linear add in
+the same pass, so ES and plain generation run the same products.
 
 `decoding_linears(model)` swaps each nn.Linear of `model` that this applies to
-(`cpu_library.linear_applies`: fp32 on the CPU, a weight of at least MIN_WEIGHT_BYTES, no hooks) for
+(`cpu_linear.linear_applies`: fp32 on the CPU, a weight of at least MIN_WEIGHT_BYTES, no hooks) for
 `DecodingLinear` while it is held, and puts the originals back after. fastes' decoding loop holds it for
 every generation, plain and population alike (a population layer's `base` projection is swapped as any
 other), so ES and plain generation run the same products. A tiny model's weights stay below the
 threshold and keep torch's `linear`.
 
-The few-rows pass agrees with torch's `linear` to float tolerance, not bit for bit (it sums in another
-order): a row's tokens agree with transformers' `generate` as far as the logits do.
+The library's products agree with torch's `linear` to float tolerance, not bit for bit (they sum in
+another order): a row's tokens agree with transformers' `generate` as far as the logits do.
 """
 
 from __future__ import annotations
@@ -34,14 +35,14 @@ from contextlib import contextmanager
 
 import torch
 
-from fastes.engine import cpu_library
-from fastes.engine.cpu_library import linear_applies
+from fastes.engine import cpu_library, cpu_linear
+from fastes.engine.cpu_linear import linear_applies
 
 
 class DecodingLinear(torch.nn.Module):
-    """`base` (an nn.Linear) computed the fastest way we measured for its rows (`cpu_library.linear`): the
-    few-rows pass, the weight-major product for a vocabulary-wide output, the packed linear at a
-    prefill's many rows, or torch's own `linear`."""
+    """`base` (an nn.Linear) computed by the product this machine runs fastest for its rows
+    (`cpu_linear.linear`): the few-rows pass, the weight-major product for a vocabulary-wide output, the
+    packed linear at a prefill's many rows, or torch's own `linear`."""
 
     def __init__(self, base: torch.nn.Linear) -> None:
         super().__init__()
@@ -56,13 +57,13 @@ class DecodingLinear(torch.nn.Module):
         return self.base.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = cpu_library.linear(x.reshape(-1, x.shape[-1]), self.base.weight, self.base.bias)
+        y = cpu_linear.linear(x.reshape(-1, x.shape[-1]), self.base.weight, self.base.bias)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 @contextmanager
 def decoding_linears(model: torch.nn.Module) -> Iterator[None]:
-    """Run `model`'s linear layers as `DecodingLinear` while held (where `cpu_library.linear_applies`); put
+    """Run `model`'s linear layers as `DecodingLinear` while held (where `cpu_linear.linear_applies`); put
     them back after."""
     swapped = []
     if cpu_library.available():

@@ -1,0 +1,217 @@
+"""A model's linear layers on the CPU: which product computes them, chosen for the machine.
+
+`linear(x, weight, bias, term)` computes an nn.Linear layer (fp32, on the CPU) with, optionally, the
+low-rank population's term (`cpu_library.LowRankTerm`). It has four products to choose from, by the
+rows it is given:
+- up to cpu_library.FEW_ROWS rows, the library's few-rows pass (`cpu_library.few_rows_linear`), which
+  reads each weight row once for all the rows;
+- a vocabulary-wide output (at least VOCABULARY_ROWS), weight-major: (W x^T)^T, the vocabulary as the
+  GEMM's long side;
+- at a prefill's many rows (`packs`), the library's packed linear (`cpu_library.packed_linear`);
+- else, and wherever the library's product is not the faster one here, torch's `linear`.
+The library's products add the term as each output is stored; after torch's product
+`cpu_library.lowrank_term` adds it in one pass per row.
+
+Which of them is faster depends on the machine: on a 2-core AMD EPYC the library's products ran
+1.1-3x faster than torch's (its MKL reads a weight again for each row, and runs generic kernels there:
+docs/results/decoding-linears-2026-12-06.md, docs/results/packed-linear-2026-12-06.md), while on a
+2-core Intel Xeon torch's MKL was 1.1-1.5x faster than the packed linear and as fast as the few-rows
+pass (docs/results/cpu-products-2026-12-06.md). So each of the three library products is used only where
+it measured faster on this machine (`products`): timed once per CPU, torch version, library build and
+thread count against torch's product on a SmolLM2-sized block of layers (about a second), and the answer kept
+in the cache directory beside the library (`cpu-products.json`). FASTES_CPU_PRODUCTS=library or =torch
+sets the answer instead (the same products on every machine; tests use "library").
+
+The choice changes how a layer's sums are ordered, not what it computes: every product agrees with
+torch's to float tolerance, and ES and plain generation run the same products.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from . import cpu_library
+from .cpu_library import LowRankTerm
+
+# Weights smaller than this stay in the caches, where torch's linear is not slow: they keep it.
+MIN_WEIGHT_BYTES = 256 * 1024
+# The packed linear's rows: from PACKED_MIN_ROWS (below, torch's was as fast or faster on the AMD EPYC:
+# docs/results/lowrank-decoding-2026-12-06.md), and whole 32-column panels (the last columns of another
+# width are summed one by one, correct but slow).
+PACKED_MIN_ROWS = 96
+VOCABULARY_ROWS = 8192  # an output at least this wide is a vocabulary's (measured from 4096 x 256 up)
+
+CHOICES = ("measure", "library", "torch")  # FASTES_CPU_PRODUCTS's values; "measure" is the default
+CACHE_FILE = "cpu-products.json"
+
+
+class Products(NamedTuple):
+    """Which of the library's products `linear` uses on this machine (False: torch's product there)."""
+
+    few_rows: bool  # the few-rows pass, up to cpu_library.FEW_ROWS rows
+    weight_major: bool  # (W x^T)^T for a vocabulary-wide output
+    packed: bool  # the packed linear, where `packs`
+
+
+def packs(rows: int, weight: torch.Tensor) -> bool:
+    """Whether `rows` rows of a layer with this nn.Linear weight [n, k] are the packed linear's to take
+    (where `products().packed`)."""
+    return rows >= PACKED_MIN_ROWS and weight.shape[0] % 32 == 0 and weight.numel() * 4 >= MIN_WEIGHT_BYTES
+
+
+def linear_applies(module: torch.nn.Module) -> bool:
+    """Whether `linear` computes `module` at least as fast as its own forward: a plain nn.Linear (no hooks)
+    with a contiguous fp32 CPU weight of at least MIN_WEIGHT_BYTES."""
+    return (
+        type(module) is torch.nn.Linear
+        and module.weight.device.type == "cpu"
+        and module.weight.dtype == torch.float32
+        and module.weight.is_contiguous()
+        and module.weight.numel() * 4 >= MIN_WEIGHT_BYTES
+        and not (module._forward_hooks or module._forward_pre_hooks)
+    )
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, term: LowRankTerm | None = None
+) -> torch.Tensor:
+    """x weight^T (+ bias) (+ `term`) for x [rows, k] and an nn.Linear weight [n, k] (contiguous, fp32 on
+    the CPU), by the product this machine runs fastest for its rows (see the module's docstring). A
+    vocabulary-wide output without a term may be a transposed view (the caller's copy of the logits
+    reads it)."""
+    rows = x.shape[0]
+    use = products(torch.get_num_threads())
+    if 1 <= rows <= cpu_library.FEW_ROWS and use.few_rows:
+        return cpu_library.few_rows_linear(x, weight, bias, term)
+    if weight.shape[0] >= VOCABULARY_ROWS and use.weight_major:
+        y = torch.mm(weight, x.T).T
+        if bias is not None:
+            y = y + bias
+    elif use.packed and packs(rows, weight):
+        return cpu_library.packed_linear(x, weight, bias, term)
+    else:
+        y = torch.nn.functional.linear(x, weight, bias)
+    return y if term is None else cpu_library.lowrank_term(x.contiguous(), y.contiguous(), term)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The choice: measured once per machine and kept on disk
+# ---------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def products(threads: int) -> Products:
+    """The products `linear` uses at `threads` torch threads: FASTES_CPU_PRODUCTS's, or this machine's
+    measured answer (from the cache file, else measured now and written there)."""
+    setting = os.environ.get("FASTES_CPU_PRODUCTS", "measure")
+    if setting not in CHOICES:
+        raise ValueError(f"FASTES_CPU_PRODUCTS must be one of {', '.join(CHOICES)}; got {setting!r}")
+    if setting != "measure":
+        return Products(*[setting == "library"] * 3)
+    key = machine_key(threads)
+    known = _read_cache().get(key)
+    if isinstance(known, dict) and all(isinstance(known.get(name), bool) for name in Products._fields):
+        return Products(*(known[name] for name in Products._fields))
+    timings = measure(threads)
+    chosen = Products(*(timings[name]["library"] < timings[name]["torch"] for name in Products._fields))
+    _write_cache(key, {**chosen._asdict(), "seconds": timings})
+    return chosen
+
+
+def machine_key(threads: int) -> str:
+    """What the answer depends on: the CPU (model and features), torch's version (its BLAS), the
+    library's sources and the thread count."""
+    sources = b"".join(path.read_bytes() for path in (*cpu_library.SOURCES, *cpu_library.HEADERS))
+    identity = "\0".join([cpu_library.cpu_identity(), torch.__version__, str(threads)]).encode()
+    return hashlib.sha256(sources + identity).hexdigest()[:16]
+
+
+def _read_cache() -> dict:
+    """The cache file's answers by machine key; an empty dict where it is missing or damaged (it is only a
+    cache: the answer is measured again and the file rewritten)."""
+    try:
+        answers = json.loads((cpu_library.cache_dir() / CACHE_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return answers if isinstance(answers, dict) else {}
+
+
+def _write_cache(key: str, answer: dict) -> None:
+    """Add `answer` under `key`, written under a temporary name and renamed (a reader never sees half a
+    file); a cache directory that cannot be written only means measuring again next time."""
+    path = cpu_library.cache_dir() / CACHE_FILE
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps({**_read_cache(), key: answer}, indent=1))
+        os.replace(partial, path)
+    except OSError:
+        pass
+
+
+# A SmolLM2-sized block (k = 576: q and o, k and v, gate and up, down) for the few-rows pass and the
+# packed linear, and a vocabulary-wide output for the weight-major product
+_BLOCK = [(576, 576), (576, 576), (192, 576), (192, 576), (1536, 576), (1536, 576), (576, 1536)]
+_VOCABULARY = (49152, 576)  # SmolLM2's
+_FEW, _MANY, _VOCABULARY_BATCH = (1, 4, cpu_library.FEW_ROWS), 256, 64
+
+
+def measure(threads: int, repeats: int = 7) -> dict[str, dict[str, float]]:
+    """Seconds (medians of `repeats` interleaved timings, after a warm-up) of each library product and
+    torch's product in its place, at `threads` torch threads: {"few_rows" | "weight_major" | "packed":
+    {"library": s, "torch": s}}."""
+    generator = torch.Generator().manual_seed(0)
+
+    def tensor(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator)
+
+    block = [tensor(n, k) for n, k in _BLOCK]
+    few = {rows: {k: tensor(rows, k) for k in (576, 1536)} for rows in _FEW}
+    many = {k: tensor(_MANY, k) for k in (576, 1536)}
+    vocabulary, batch = tensor(*_VOCABULARY), tensor(_VOCABULARY_BATCH, _VOCABULARY[1])
+    torch_linear = torch.nn.functional.linear
+    pairs = {
+        "few_rows": (
+            lambda: [cpu_library.few_rows_linear(x[w.shape[1]], w) for x in few.values() for w in block],
+            lambda: [torch_linear(x[w.shape[1]], w) for x in few.values() for w in block],
+        ),
+        # the decoding loop copies the logits out after either (fastes.models.decoding): so does this
+        "weight_major": (
+            lambda: torch.mm(vocabulary, batch.T).T.contiguous(),
+            lambda: torch_linear(batch, vocabulary).clone(),
+        ),
+        "packed": (
+            lambda: [cpu_library.packed_linear(many[w.shape[1]], w) for w in block],
+            lambda: [torch_linear(many[w.shape[1]], w) for w in block],
+        ),
+    }
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return {
+            name: _medians(library, torch_product, repeats)
+            for name, (library, torch_product) in pairs.items()
+        }
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _medians(library: Callable[[], object], torch_product: Callable[[], object], repeats: int) -> dict:
+    """{"library": s, "torch": s}: the medians of `repeats` timings of each, taken in turns."""
+    seconds: dict[str, list[float]] = {"library": [], "torch": []}
+    library(), torch_product()  # warm: lazy allocations, the library's first load
+    for _ in range(repeats):
+        for name, call in (("library", library), ("torch", torch_product)):
+            start = time.perf_counter()
+            call()
+            seconds[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in seconds.items()}

@@ -1,0 +1,144 @@
+"""Which product computes a model's CPU linear layer (fastes.engine.cpu_linear): FASTES_CPU_PRODUCTS sets
+it, or it is measured once per machine and kept in the cache directory; `linear` follows the answer and
+gives the reference's result whichever product runs. (The library products' own paths: test_lowrank_term.)"""
+
+import json
+
+import pytest
+import torch
+from conftest import linear_problem, linear_reference, linear_tolerance
+
+from fastes.engine import cpu_library, cpu_linear
+from fastes.engine.cpu_linear import Products
+
+
+@pytest.fixture
+def fresh_answer(monkeypatch, tmp_path):
+    """No remembered answer, a cache directory of the test's own; the answer forgotten again after."""
+    monkeypatch.setenv("FASTES_CACHE_DIR", str(tmp_path))
+    cpu_linear.products.cache_clear()
+    yield tmp_path
+    cpu_linear.products.cache_clear()
+
+
+def _fake_measure(monkeypatch, faster: set[str]) -> list[int]:
+    """Replace the timing with one where the library wins at `faster`; returns the thread counts asked."""
+    asked: list[int] = []
+
+    def measure(threads: int) -> dict:
+        asked.append(threads)
+        return {name: {"library": 1.0 if name in faster else 3.0, "torch": 2.0} for name in Products._fields}
+
+    monkeypatch.setattr(cpu_linear, "measure", measure)
+    return asked
+
+
+@pytest.mark.parametrize(
+    "setting,expected", [("library", Products(True, True, True)), ("torch", Products(False, False, False))]
+)
+def test_the_setting_gives_the_products_without_measuring(monkeypatch, fresh_answer, setting, expected):
+    monkeypatch.setenv("FASTES_CPU_PRODUCTS", setting)
+    asked = _fake_measure(monkeypatch, set())
+    assert cpu_linear.products(1) == expected
+    assert asked == [] and not (fresh_answer / cpu_linear.CACHE_FILE).exists()
+
+
+def test_an_unknown_setting_is_refused_in_one_line(monkeypatch, fresh_answer):
+    monkeypatch.setenv("FASTES_CPU_PRODUCTS", "mkl")
+    with pytest.raises(
+        ValueError, match="FASTES_CPU_PRODUCTS must be one of measure, library, torch; got 'mkl'"
+    ):
+        cpu_linear.products(1)
+
+
+def test_the_measured_answer_is_kept_on_disk_and_read_back(monkeypatch, fresh_answer):
+    monkeypatch.setenv("FASTES_CPU_PRODUCTS", "measure")
+    asked = _fake_measure(monkeypatch, {"packed"})
+    assert cpu_linear.products(1) == Products(few_rows=False, weight_major=False, packed=True)
+    saved = json.loads((fresh_answer / cpu_linear.CACHE_FILE).read_text())
+    assert saved[cpu_linear.machine_key(1)]["packed"] is True
+    assert saved[cpu_linear.machine_key(1)]["seconds"]["packed"] == {"library": 1.0, "torch": 2.0}
+    cpu_linear.products.cache_clear()  # a new process: the file answers
+    assert cpu_linear.products(1) == Products(False, False, True)
+    assert asked == [1]
+    _fake_measure(monkeypatch, {"few_rows"})  # another thread count is another answer, kept beside it
+    assert cpu_linear.products(2) == Products(True, False, False)
+    saved = json.loads((fresh_answer / cpu_linear.CACHE_FILE).read_text())
+    assert set(saved) == {cpu_linear.machine_key(1), cpu_linear.machine_key(2)}
+    assert cpu_linear.machine_key(1) != cpu_linear.machine_key(2)
+
+
+@pytest.mark.parametrize("damage", ["{not json", "[1, 2]", '{"KEY": {"packed": "yes"}}'])
+def test_a_damaged_cache_file_is_measured_again_and_rewritten(monkeypatch, fresh_answer, damage):
+    monkeypatch.setenv("FASTES_CPU_PRODUCTS", "measure")
+    path = fresh_answer / cpu_linear.CACHE_FILE
+    path.write_text(damage.replace("KEY", cpu_linear.machine_key(1)))
+    asked = _fake_measure(monkeypatch, {"weight_major"})
+    assert cpu_linear.products(1) == Products(False, True, False)
+    assert asked == [1]
+    assert json.loads(path.read_text())[cpu_linear.machine_key(1)]["weight_major"] is True
+
+
+def test_a_cache_directory_that_cannot_be_written_still_gives_the_answer(monkeypatch, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("FASTES_CACHE_DIR", str(blocker / "cache"))  # under a file: mkdir fails
+    monkeypatch.setenv("FASTES_CPU_PRODUCTS", "measure")
+    cpu_linear.products.cache_clear()
+    try:
+        _fake_measure(monkeypatch, {"few_rows", "packed"})
+        assert cpu_linear.products(1) == Products(True, False, True)
+    finally:
+        cpu_linear.products.cache_clear()
+
+
+def test_measure_times_each_library_product_against_torchs():
+    seconds = cpu_linear.measure(1, repeats=1)
+    assert set(seconds) == set(Products._fields)
+    for pair in seconds.values():
+        assert set(pair) == {"library", "torch"} and all(s > 0 for s in pair.values())
+
+
+def _taken(monkeypatch) -> list[str]:
+    taken: list[str] = []
+    for name in ("few_rows_linear", "packed_linear", "lowrank_term"):
+        real = getattr(cpu_library, name)
+        monkeypatch.setattr(
+            cpu_library, name, lambda *a, _real=real, _name=name: taken.append(_name) or _real(*a)
+        )
+    return taken
+
+
+@pytest.mark.parametrize("with_term", [False, True])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_with_torchs_products_linear_takes_torchs_at_every_row_count(
+    monkeypatch, fresh_answer, with_term, seed
+):
+    monkeypatch.setenv("FASTES_CPU_PRODUCTS", "torch")
+    taken = _taken(monkeypatch)
+    for rows, k, n in (
+        (1, 576, 576),
+        (cpu_library.FEW_ROWS, 577, 192),
+        (300, 576, 576),
+        (40, 64, cpu_linear.VOCABULARY_ROWS),
+    ):
+        x, w, bias, term = linear_problem(
+            rows, k, n, seed=seed, with_bias=True, members=3 if with_term else 0
+        )
+        taken.clear()
+        got = cpu_linear.linear(x, w, bias, term)
+        assert taken == (["lowrank_term"] if with_term else [])
+        if not with_term:  # torch's own product, bit for bit
+            assert torch.equal(got, torch.nn.functional.linear(x, w, bias))
+        torch.testing.assert_close(got.double(), linear_reference(x, w, bias, term), **linear_tolerance(k, 1))
+
+
+def test_each_library_product_is_taken_only_where_chosen(monkeypatch, fresh_answer):
+    monkeypatch.setenv("FASTES_CPU_PRODUCTS", "measure")
+    _fake_measure(monkeypatch, {"packed"})  # the packed linear faster here, the few-rows pass not
+    taken = _taken(monkeypatch)
+    x, w, bias, _ = linear_problem(2, 576, 576, seed=4, with_bias=False)
+    cpu_linear.linear(x, w, bias)
+    x, w, bias, _ = linear_problem(cpu_linear.PACKED_MIN_ROWS, 576, 576, seed=5, with_bias=False)
+    cpu_linear.linear(x, w, bias)
+    assert taken == ["packed_linear"]
