@@ -13,14 +13,14 @@ The library's products add the term as each output is stored; after torch's prod
 `cpu_library.lowrank_term` adds it in one pass per row.
 
 Which of them is faster depends on the machine: on a 2-core AMD EPYC the library's products ran
-1.1-3x faster than torch's (its MKL reads a weight again for each row, and runs generic kernels there:
+1.1-3x faster than torch's (torch's MKL read a weight again for each row there:
 docs/results/decoding-linears-2026-12-06.md, docs/results/packed-linear-2026-12-06.md), while on a
-2-core Intel Xeon torch's MKL was 1.1-1.5x faster than the packed linear and as fast as the few-rows
-pass (docs/results/cpu-products-2026-12-06.md). So each of the three library products is used only where
-it measured faster on this machine (`products`): timed once per CPU, torch version, library build and
-thread count against torch's product on a SmolLM2-sized block of layers (about a second), and the answer kept
-in the cache directory beside the library (`cpu-products.json`). FASTES_CPU_PRODUCTS=library or =torch
-sets the answer instead (the same products on every machine; tests use "library").
+2-core Intel Xeon torch's MKL was 1.1-2.7x faster than the packed linear and as fast as the few-rows
+pass (docs/results/cpu-products-2026-12-06.md). So each of fastes' three products is used only where it
+measured faster on this machine (`products`): timed once per CPU, torch version, library build and
+thread count against torch's `linear` on a SmolLM2-sized block of layers (about a second), the answer
+kept in the cache directory beside the library (`cpu-products.json`). FASTES_CPU_PRODUCTS=library or
+=torch sets the answer instead (the same products on every machine; the tests use "library").
 
 The choice changes how a layer's sums are ordered, not what it computes: every product agrees with
 torch's to float tolerance, and ES and plain generation run the same products.
@@ -55,11 +55,11 @@ CACHE_FILE = "cpu-products.json"
 
 
 class Products(NamedTuple):
-    """Which of the library's products `linear` uses on this machine (False: torch's product there)."""
+    """Which of fastes' own products `linear` uses on this machine (False: torch's `linear` there)."""
 
-    few_rows: bool  # the few-rows pass, up to cpu_library.FEW_ROWS rows
-    weight_major: bool  # (W x^T)^T for a vocabulary-wide output
-    packed: bool  # the packed linear, where `packs`
+    few_rows: bool  # the library's few-rows pass, up to cpu_library.FEW_ROWS rows
+    weight_major: bool  # (W x^T)^T for a vocabulary-wide output (torch's mm, the other way round)
+    packed: bool  # the library's packed linear, where `packs`
 
 
 def packs(rows: int, weight: torch.Tensor) -> bool:
