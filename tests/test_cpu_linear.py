@@ -142,3 +142,26 @@ def test_each_library_product_is_taken_only_where_chosen(monkeypatch, fresh_answ
     x, w, bias, _ = linear_problem(cpu_linear.PACKED_MIN_ROWS, 576, 576, seed=5, with_bias=False)
     cpu_linear.linear(x, w, bias)
     assert taken == ["packed_linear"]
+
+
+def test_a_process_that_waits_for_anothers_measurement_takes_its_answer(monkeypatch, fresh_answer):
+    """torchrun's ranks start together: one measures while the others wait, then read its answer."""
+    fcntl = pytest.importorskip("fcntl")
+    import threading
+
+    monkeypatch.setenv("FASTES_CPU_PRODUCTS", "measure")
+    asked = _fake_measure(monkeypatch, set())
+    with open(fresh_answer / (cpu_linear.CACHE_FILE + ".lock"), "a") as other:
+        fcntl.flock(other, fcntl.LOCK_EX)  # another process is measuring
+        answers: list[Products] = []
+        waiting = threading.Thread(target=lambda: answers.append(cpu_linear.products(1)))
+        waiting.start()
+        waiting.join(timeout=0.5)
+        assert waiting.is_alive() and not answers  # it waits for the lock
+        (fresh_answer / cpu_linear.CACHE_FILE).write_text(
+            json.dumps({cpu_linear.machine_key(1): {"few_rows": True, "weight_major": False, "packed": True}})
+        )
+        fcntl.flock(other, fcntl.LOCK_UN)
+    waiting.join(timeout=10)
+    assert answers == [Products(True, False, True)]
+    assert asked == []  # it did not measure again

@@ -28,13 +28,14 @@ torch's to float tolerance, and ES and plain generation run the same products.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -118,12 +119,18 @@ def products(threads: int) -> Products:
     if setting != "measure":
         return Products(*[setting == "library"] * 3)
     key = machine_key(threads)
-    known = _read_cache().get(key)
-    if isinstance(known, dict) and all(isinstance(known.get(name), bool) for name in Products._fields):
-        return Products(*(known[name] for name in Products._fields))
-    timings = measure(threads)
-    chosen = Products(*(timings[name]["library"] < timings[name]["torch"] for name in Products._fields))
-    _write_cache(key, {**chosen._asdict(), "seconds": timings})
+    known = _cached_answer(key)
+    if known is not None:
+        return known
+    # processes that start together (torchrun's ranks) measure one at a time, undisturbed, and the later
+    # ones take the first one's answer: every process on the machine runs the same products
+    with _cache_lock():
+        known = _cached_answer(key)
+        if known is not None:
+            return known
+        timings = measure(threads)
+        chosen = Products(*(timings[name]["library"] < timings[name]["torch"] for name in Products._fields))
+        _write_cache(key, {**chosen._asdict(), "seconds": timings})
     return chosen
 
 
@@ -143,6 +150,35 @@ def _read_cache() -> dict:
     except (OSError, ValueError):
         return {}
     return answers if isinstance(answers, dict) else {}
+
+
+def _cached_answer(key: str) -> Products | None:
+    """The cache file's answer for `key`, or None where it has none (or a damaged one)."""
+    known = _read_cache().get(key)
+    if isinstance(known, dict) and all(isinstance(known.get(name), bool) for name in Products._fields):
+        return Products(*(known[name] for name in Products._fields))
+    return None
+
+
+@contextlib.contextmanager
+def _cache_lock() -> Iterator[None]:
+    """Hold an exclusive lock on the cache file's lock file (POSIX; elsewhere, or where the directory
+    cannot be written, no lock)."""
+    try:
+        import fcntl
+
+        path = cpu_library.cache_dir() / (CACHE_FILE + ".lock")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path, "a")  # held until the lock is released
+    except (ImportError, OSError):
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _write_cache(key: str, answer: dict) -> None:
