@@ -211,6 +211,20 @@ def linear_problem(rows, k, n, seed, with_bias, members=0, rank=1):
     return x, w, bias, LowRankTerm(inputs, outputs, offsets)
 
 
+def library_calls(monkeypatch) -> list[str]:
+    """The names of the library's linear products (few_rows_linear, packed_linear, lowrank_term) called
+    from now on, in order: `fastes.engine.cpu_linear.linear` runs torch's own where it calls none."""
+    from fastes.engine import cpu_library
+
+    taken: list[str] = []
+    for name in ("few_rows_linear", "packed_linear", "lowrank_term"):
+        real = getattr(cpu_library, name)
+        monkeypatch.setattr(
+            cpu_library, name, lambda *a, _real=real, _name=name: taken.append(_name) or _real(*a)
+        )
+    return taken
+
+
 def linear_tolerance(k: int, rank: int = 0) -> dict:
     """fp32 products summed over k (and the term's r products, each itself a sum over k)."""
     return dict(rtol=1e-5, atol=2e-6 * k * (1 + rank * k**0.5))

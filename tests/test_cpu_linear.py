@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import linear_problem, linear_reference, linear_tolerance
+from conftest import library_calls, linear_problem, linear_reference, linear_tolerance
 
 from fastes.engine import cpu_library, cpu_linear
 from fastes.engine.cpu_linear import Products
@@ -99,23 +99,13 @@ def test_measure_times_each_library_product_against_torchs():
         assert set(pair) == {"library", "torch"} and all(s > 0 for s in pair.values())
 
 
-def _taken(monkeypatch) -> list[str]:
-    taken: list[str] = []
-    for name in ("few_rows_linear", "packed_linear", "lowrank_term"):
-        real = getattr(cpu_library, name)
-        monkeypatch.setattr(
-            cpu_library, name, lambda *a, _real=real, _name=name: taken.append(_name) or _real(*a)
-        )
-    return taken
-
-
 @pytest.mark.parametrize("with_term", [False, True])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_with_torchs_products_linear_takes_torchs_at_every_row_count(
     monkeypatch, fresh_answer, with_term, seed
 ):
     monkeypatch.setenv("FASTES_CPU_PRODUCTS", "torch")
-    taken = _taken(monkeypatch)
+    taken = library_calls(monkeypatch)
     for rows, k, n in (
         (1, 576, 576),
         (cpu_library.FEW_ROWS, 577, 192),
@@ -136,7 +126,7 @@ def test_with_torchs_products_linear_takes_torchs_at_every_row_count(
 def test_each_library_product_is_taken_only_where_chosen(monkeypatch, fresh_answer):
     monkeypatch.setenv("FASTES_CPU_PRODUCTS", "measure")
     _fake_measure(monkeypatch, {"packed"})  # the packed linear faster here, the few-rows pass not
-    taken = _taken(monkeypatch)
+    taken = library_calls(monkeypatch)
     x, w, bias, _ = linear_problem(2, 576, 576, seed=4, with_bias=False)
     cpu_linear.linear(x, w, bias)
     x, w, bias, _ = linear_problem(cpu_linear.PACKED_MIN_ROWS, 576, 576, seed=5, with_bias=False)

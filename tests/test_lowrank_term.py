@@ -9,7 +9,7 @@ rows beside it; `linear` takes each of its paths where its rules say; both refus
 
 import pytest
 import torch
-from conftest import linear_problem, linear_reference, linear_tolerance
+from conftest import library_calls, linear_problem, linear_reference, linear_tolerance
 
 from fastes.engine import cpu_library, cpu_linear
 from fastes.engine.cpu_library import LowRankTerm
@@ -85,20 +85,9 @@ def test_lowrank_term_refuses_what_it_cannot_take(x, y, term, message):
         cpu_library.lowrank_term(x, y, LowRankTerm(inputs, outputs, torch.tensor(offsets)))
 
 
-def _paths(monkeypatch) -> list[str]:
-    """The names of the library's products (and torch's linear) that `cpu_linear.linear` calls, in order."""
-    taken: list[str] = []
-    for name in ("few_rows_linear", "packed_linear", "lowrank_term"):
-        real = getattr(cpu_library, name)
-        monkeypatch.setattr(
-            cpu_library, name, lambda *a, _real=real, _name=name: taken.append(_name) or _real(*a)
-        )
-    return taken
-
-
 @pytest.mark.parametrize("with_term", [False, True])
 def test_linear_takes_each_path_where_its_rules_say_and_matches_the_reference(monkeypatch, with_term):
-    taken = _paths(monkeypatch)
+    taken = library_calls(monkeypatch)
     side = 576  # SmolLM2's projections: a weight of 1.3 MB, in whole panels
     cases = {
         1: ["few_rows_linear"],
