@@ -92,11 +92,26 @@ def test_a_cache_directory_that_cannot_be_written_still_gives_the_answer(monkeyp
         cpu_linear.products.cache_clear()
 
 
-def test_measure_times_each_library_product_against_torchs():
+def test_measure_times_each_product_against_torchs_with_and_without_the_term():
     seconds = cpu_linear.measure(1, repeats=1)
     assert set(seconds) == set(Products._fields)
-    for pair in seconds.values():
-        assert set(pair) == {"library", "torch"} and all(s > 0 for s in pair.values())
+    both = {"library", "torch", "library with term", "torch with term"}
+    assert set(seconds["few_rows"]) == set(seconds["packed"]) == both
+    assert set(seconds["weight_major"]) == {"library", "torch"}  # the term follows either the same way
+    assert all(s > 0 for pair in seconds.values() for s in pair.values())
+
+
+def test_the_library_wins_over_every_way_both_were_timed():
+    # faster plain, slower with the term: plain and ES generation together decide
+    assert cpu_linear.library_wins(
+        {"library": 1.0, "torch": 1.1, "library with term": 1.2, "torch with term": 1.5}
+    )
+    assert not cpu_linear.library_wins(
+        {"library": 1.0, "torch": 1.1, "library with term": 1.7, "torch with term": 1.5}
+    )
+    assert not cpu_linear.library_wins({"library": 2.0, "torch": 2.0})  # a tie keeps torch's
+    assert not cpu_linear.library_wins({"library": 21.22, "torch": 21.82})  # and so does a near-tie
+    assert cpu_linear.library_wins({"library": 2.0, "torch": 2.1})
 
 
 @pytest.mark.parametrize("with_term", [False, True])

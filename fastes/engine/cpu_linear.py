@@ -18,8 +18,10 @@ docs/results/decoding-linears-2026-12-06.md, docs/results/packed-linear-2026-12-
 2-core Intel Xeon torch's MKL was 1.1-2.7x faster than the packed linear and as fast as the few-rows
 pass (docs/results/cpu-products-2026-12-06.md). So each of fastes' three products is used only where it
 measured faster on this machine (`products`): timed once per CPU, torch version, library build and
-thread count against torch's `linear` on a SmolLM2-sized block of layers (about a second), the answer
-kept in the cache directory beside the library (`cpu-products.json`). FASTES_CPU_PRODUCTS=library or
+thread count against torch's `linear` on a SmolLM2-sized block of layers, with and without the low-rank
+population's term (plain and ES generation run the same products), and taken where it needs at most
+WIN_MARGIN of torch's time (about a second in all); the answer is kept in the cache directory beside the
+library (`cpu-products.json`). FASTES_CPU_PRODUCTS=library or
 =torch sets the answer instead (the same products on every machine; the tests use "library").
 
 The choice changes how a layer's sums are ordered, not what it computes: every product agrees with
@@ -36,6 +38,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -129,15 +132,16 @@ def products(threads: int) -> Products:
         if known is not None:
             return known
         timings = measure(threads)
-        chosen = Products(*(timings[name]["library"] < timings[name]["torch"] for name in Products._fields))
+        chosen = Products(*(library_wins(timings[name]) for name in Products._fields))
         _write_cache(key, {**chosen._asdict(), "seconds": timings})
     return chosen
 
 
 def machine_key(threads: int) -> str:
     """What the answer depends on: the CPU (model and features), torch's version (its BLAS), the
-    library's sources and the thread count."""
-    sources = b"".join(path.read_bytes() for path in (*cpu_library.SOURCES, *cpu_library.HEADERS))
+    library's sources, this file (how it is measured) and the thread count."""
+    files = (*cpu_library.SOURCES, *cpu_library.HEADERS, Path(__file__))
+    sources = b"".join(path.read_bytes() for path in files)
     identity = "\0".join([cpu_library.cpu_identity(), torch.__version__, str(threads)]).encode()
     return hashlib.sha256(sources + identity).hexdigest()[:16]
 
@@ -195,58 +199,80 @@ def _write_cache(key: str, answer: dict) -> None:
 
 
 # A SmolLM2-sized block (k = 576: q and o, k and v, gate and up, down) for the few-rows pass and the
-# packed linear, and a vocabulary-wide output for the weight-major product
+# packed linear, and a vocabulary-wide output for the weight-major product; the low-rank population's
+# term of _MEMBERS members, rank 1 (its default)
 _BLOCK = [(576, 576), (576, 576), (192, 576), (192, 576), (1536, 576), (1536, 576), (576, 1536)]
 _VOCABULARY = (49152, 576)  # SmolLM2's
-_FEW, _MANY, _VOCABULARY_BATCH = (1, 4, cpu_library.FEW_ROWS), 256, 64
+_FEW, _MANY, _VOCABULARY_BATCH, _MEMBERS = (1, 4, cpu_library.FEW_ROWS), 256, 64, 8
 
 
 def measure(threads: int, repeats: int = 7) -> dict[str, dict[str, float]]:
-    """Seconds (medians of `repeats` interleaved timings, after a warm-up) of each library product and
-    torch's product in its place, at `threads` torch threads: {"few_rows" | "weight_major" | "packed":
-    {"library": s, "torch": s}}."""
+    """Seconds (medians of `repeats` timings taken in turns, after a warm-up) of each of fastes' products
+    and torch's `linear` in its place, at `threads` torch threads: {"few_rows" | "weight_major" | "packed":
+    {"library": s, "torch": s, ...}}. The few-rows pass and the packed linear are also timed with the
+    low-rank population's term ("library with term", "torch with term": torch's product, then
+    `lowrank_term`), since plain and ES generation run the same products."""
     generator = torch.Generator().manual_seed(0)
 
     def tensor(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator)
 
+    def term(rows: int, n: int, k: int) -> LowRankTerm:
+        offsets = torch.tensor([rows * m // _MEMBERS for m in range(_MEMBERS + 1)])
+        return LowRankTerm(tensor(_MEMBERS, 1, k), tensor(_MEMBERS, 1, n), offsets)
+
     block = [tensor(n, k) for n, k in _BLOCK]
-    few = {rows: {k: tensor(rows, k) for k in (576, 1536)} for rows in _FEW}
-    many = {k: tensor(_MANY, k) for k in (576, 1536)}
+    # (x, weight, term) for every product of the few-rows pass's rows and of the packed linear's
+    few = [(tensor(rows, w.shape[1]), w, term(rows, *w.shape)) for rows in _FEW for w in block]
+    many = [(tensor(_MANY, w.shape[1]), w, term(_MANY, *w.shape)) for w in block]
     vocabulary, batch = tensor(*_VOCABULARY), tensor(_VOCABULARY_BATCH, _VOCABULARY[1])
     torch_linear = torch.nn.functional.linear
-    pairs = {
-        "few_rows": (
-            lambda: [cpu_library.few_rows_linear(x[w.shape[1]], w) for x in few.values() for w in block],
-            lambda: [torch_linear(x[w.shape[1]], w) for x in few.values() for w in block],
-        ),
+
+    def with_and_without_term(library: Callable, products: list) -> dict[str, Callable[[], object]]:
+        return {
+            "library": lambda: [library(x, w) for x, w, _ in products],
+            "torch": lambda: [torch_linear(x, w) for x, w, _ in products],
+            "library with term": lambda: [library(x, w, None, t) for x, w, t in products],
+            "torch with term": lambda: [
+                cpu_library.lowrank_term(x, torch_linear(x, w), t) for x, w, t in products
+            ],
+        }
+
+    calls = {
+        "few_rows": with_and_without_term(cpu_library.few_rows_linear, few),
         # the decoding loop copies the logits out after either (fastes.models.decoding): so does this
-        "weight_major": (
-            lambda: torch.mm(vocabulary, batch.T).T.contiguous(),
-            lambda: torch_linear(batch, vocabulary).clone(),
-        ),
-        "packed": (
-            lambda: [cpu_library.packed_linear(many[w.shape[1]], w) for w in block],
-            lambda: [torch_linear(many[w.shape[1]], w) for w in block],
-        ),
+        "weight_major": {
+            "library": lambda: torch.mm(vocabulary, batch.T).T.contiguous(),
+            "torch": lambda: torch_linear(batch, vocabulary).clone(),
+        },
+        "packed": with_and_without_term(cpu_library.packed_linear, many),
     }
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return {
-            name: _medians(library, torch_product, repeats)
-            for name, (library, torch_product) in pairs.items()
-        }
+        return {name: _medians(product_calls, repeats) for name, product_calls in calls.items()}
     finally:
         torch.set_num_threads(previous)
 
 
-def _medians(library: Callable[[], object], torch_product: Callable[[], object], repeats: int) -> dict:
-    """{"library": s, "torch": s}: the medians of `repeats` timings of each, taken in turns."""
-    seconds: dict[str, list[float]] = {"library": [], "torch": []}
-    library(), torch_product()  # warm: lazy allocations, the library's first load
+# How much less time fastes' product must take to be chosen: near-ties, which timings on a busy machine
+# would settle either way from one measurement to the next, keep torch's
+WIN_MARGIN = 0.97
+
+
+def library_wins(seconds: dict[str, float]) -> bool:
+    """Whether fastes' product took at most WIN_MARGIN of torch's time, over every way both were timed."""
+    library = sum(s for name, s in seconds.items() if name.startswith("library"))
+    return library < WIN_MARGIN * sum(s for name, s in seconds.items() if name.startswith("torch"))
+
+
+def _medians(calls: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """The median seconds of `repeats` timings of each call, taken in turns."""
+    seconds: dict[str, list[float]] = {name: [] for name in calls}
+    for call in calls.values():  # warm: lazy allocations, the library's first load
+        call()
     for _ in range(repeats):
-        for name, call in (("library", library), ("torch", torch_product)):
+        for name, call in calls.items():
             start = time.perf_counter()
             call()
             seconds[name].append(time.perf_counter() - start)
