@@ -43,6 +43,14 @@ def test_the_setting_gives_the_products_without_measuring(monkeypatch, fresh_ans
     assert asked == [] and not (fresh_answer / cpu_linear.CACHE_FILE).exists()
 
 
+def test_without_the_compiled_library_torchs_products_are_the_answer(monkeypatch, fresh_answer):
+    monkeypatch.setenv("FASTES_CPU_PRODUCTS", "measure")
+    monkeypatch.setattr(cpu_library, "available", lambda: False)
+    asked = _fake_measure(monkeypatch, {"few_rows", "weight_major", "packed"})
+    assert cpu_linear.products(1) == Products(False, False, False)
+    assert asked == []
+
+
 def test_an_unknown_setting_is_refused_in_one_line(monkeypatch, fresh_answer):
     monkeypatch.setenv("FASTES_CPU_PRODUCTS", "mkl")
     with pytest.raises(

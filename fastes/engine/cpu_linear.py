@@ -121,6 +121,8 @@ def products(threads: int) -> Products:
         raise ValueError(f"FASTES_CPU_PRODUCTS must be one of {', '.join(CHOICES)}; got {setting!r}")
     if setting != "measure":
         return Products(*[setting == "library"] * 3)
+    if not cpu_library.available():  # no C compiler here (one warning): torch's products throughout
+        return Products(False, False, False)
     key = machine_key(threads)
     known = _cached_answer(key)
     if known is not None:
