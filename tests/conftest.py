@@ -225,6 +225,18 @@ def library_calls(monkeypatch) -> list[str]:
     return taken
 
 
+@pytest.fixture
+def fresh_answer(monkeypatch, tmp_path):
+    """No remembered answer of fastes.engine.cpu_linear.products, and a cache directory of the test's own
+    (the test may set FASTES_CPU_PRODUCTS); the answer forgotten again after."""
+    from fastes.engine import cpu_linear
+
+    monkeypatch.setenv("FASTES_CACHE_DIR", str(tmp_path))
+    cpu_linear.products.cache_clear()
+    yield tmp_path
+    cpu_linear.products.cache_clear()
+
+
 def linear_tolerance(k: int, rank: int = 0) -> dict:
     """fp32 products summed over k (and the term's r products, each itself a sum over k)."""
     return dict(rtol=1e-5, atol=2e-6 * k * (1 + rank * k**0.5))

@@ -12,15 +12,6 @@ from fastes.engine import cpu_library, cpu_linear
 from fastes.engine.cpu_linear import Products
 
 
-@pytest.fixture
-def fresh_answer(monkeypatch, tmp_path):
-    """No remembered answer, a cache directory of the test's own; the answer forgotten again after."""
-    monkeypatch.setenv("FASTES_CACHE_DIR", str(tmp_path))
-    cpu_linear.products.cache_clear()
-    yield tmp_path
-    cpu_linear.products.cache_clear()
-
-
 def _fake_measure(monkeypatch, faster: set[str]) -> list[int]:
     """Replace the timing with one where the library wins at `faster`; returns the thread counts asked."""
     asked: list[int] = []

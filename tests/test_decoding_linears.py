@@ -129,20 +129,16 @@ def test_a_prefill_of_many_rows_takes_the_packed_linear_and_gives_transformers_g
     assert len(calls) == 2 * 7  # every projection of the prefill; the vocabulary sees the last positions
 
 
-def test_with_torchs_products_decoding_gives_transformers_greedy_tokens(monkeypatch):
+def test_with_torchs_products_decoding_gives_transformers_greedy_tokens(monkeypatch, fresh_answer):
     """Where torch's products are the faster ones (cpu_linear.products), no library product runs."""
     monkeypatch.setenv("FASTES_CPU_PRODUCTS", "torch")
     for name in ("few_rows_linear", "packed_linear"):
         monkeypatch.setattr(cpu_library, name, lambda *a, _name=name: pytest.fail(f"{_name} ran"))
-    cpu_linear.products.cache_clear()
-    try:
-        model = _model(4)
-        ids = torch.randint(1, VOCABULARY_ROWS, (8, 40), generator=torch.Generator().manual_seed(4))
-        for rows in (1, 3, ids.shape[0]):  # few rows, and a prefill of many
-            ours, theirs = _greedy_both_ways(model, ids[:rows], new_tokens=6)
-            assert torch.equal(ours, theirs)
-    finally:
-        cpu_linear.products.cache_clear()
+    model = _model(4)
+    ids = torch.randint(1, VOCABULARY_ROWS, (8, 40), generator=torch.Generator().manual_seed(4))
+    for rows in (1, 3, ids.shape[0]):  # few rows, and a prefill of many
+        ours, theirs = _greedy_both_ways(model, ids[:rows], new_tokens=6)
+        assert torch.equal(ours, theirs)
 
 
 def test_a_lora_wrapped_model_decodes_through_them_as_transformers_does():

@@ -43,6 +43,8 @@ from typing import NamedTuple
 
 import torch
 
+from fastes.checkpoint import write_atomic
+
 from . import cpu_library
 from .cpu_library import LowRankTerm
 
@@ -188,14 +190,12 @@ def _cache_lock() -> Iterator[None]:
 
 
 def _write_cache(key: str, answer: dict) -> None:
-    """Add `answer` under `key`, written under a temporary name and renamed (a reader never sees half a
-    file); a cache directory that cannot be written only means measuring again next time."""
+    """Add `answer` under `key` (written atomically: a reader never sees half a file); a cache directory
+    that cannot be written only means measuring again next time."""
     path = cpu_library.cache_dir() / CACHE_FILE
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(json.dumps({**_read_cache(), key: answer}, indent=1))
-        os.replace(partial, path)
+        write_atomic(path, json.dumps({**_read_cache(), key: answer}, indent=1))
     except OSError:
         pass
 
