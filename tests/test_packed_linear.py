@@ -149,6 +149,21 @@ def test_the_low_rank_layer_takes_unequal_row_groups(counts):
         reference_layer.set_member_rows(counts)
 
 
+def test_the_layers_share_one_offsets_tensor_per_grouping():
+    """Every layer asks for the members' row offsets whenever rows leave the batch: one tensor serves all
+    the layers with the same groups, and each row count (a row's positions at a prefill) gets its own."""
+    first, _ = _low_rank_layers(bias=False)
+    second, _ = _low_rank_layers(bias=False)
+    counts = [2, 0, 1, 3, 0, 1, 0, 1]
+    for layer in (first, second):
+        layer.set_member_rows(counts)
+    assert first._row_offsets(8) is second._row_offsets(8)
+    assert first._row_offsets(8).tolist() == [0, 2, 2, 3, 6, 6, 7, 7, 8]
+    assert second._row_offsets(16).tolist() == [0, 4, 4, 6, 12, 12, 14, 14, 16]  # two positions a row
+    first.set_member_rows(None)
+    assert first._row_offsets(16).tolist() == list(range(0, 17, 2))
+
+
 def test_the_low_rank_layer_keeps_its_base_when_it_is_more_than_a_linear():
     base = torch.nn.Linear(576, 192)
     base.register_forward_hook(lambda module, args, out: out * 2)

@@ -16,6 +16,7 @@ On exit the original modules are put back; the base weights are never written, s
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -87,13 +88,21 @@ class _PopulationLayer(torch.nn.Module):
     def _row_offsets(self, rows: int) -> torch.Tensor:
         """Where each member's rows of the flattened input [rows, in] start, and the end, for the compiled
         CPU products. Every layer asks at every decode step, so the answer is kept while the rows stay the
-        same (keep_members and set_member_rows forget it)."""
+        same (keep_members and set_member_rows forget it), and the layers share one tensor per grouping
+        (`_offsets_of`)."""
         if self._offsets_for != rows:
-            counts = self._member_rows or [1] * self.population_members
+            counts = tuple(self._member_rows or [1] * self.population_members)
             per_count = rows // sum(counts)  # an equal group's rows, or a batch row's positions
-            self._offsets = torch.tensor([0, *itertools.accumulate(c * per_count for c in counts)])
-            self._offsets_for = rows
+            self._offsets, self._offsets_for = _offsets_of(counts, per_count), rows
         return self._offsets
+
+
+@functools.lru_cache(maxsize=256)
+def _offsets_of(counts: tuple[int, ...], per_count: int) -> torch.Tensor:
+    """[0, per_count * counts[0], ...]: where each member's rows start, made once for all the layers
+    (each asks whenever rows leave the batch; a tensor made in every layer cost a tiny model's
+    population generation ~2%: docs/results/population-overheads-2026-12-06.md). The C products only read it."""
+    return torch.tensor([0, *itertools.accumulate(c * per_count for c in counts)])
 
 
 class PopulationLinear(_PopulationLayer):
