@@ -212,12 +212,12 @@ def linear_problem(rows, k, n, seed, with_bias, members=0, rank=1):
 
 
 def library_calls(monkeypatch) -> list[str]:
-    """The names of the library's linear products (few_rows_linear, packed_linear, lowrank_term) called
-    from now on, in order: `fastes.engine.cpu_linear.linear` runs torch's own where it calls none."""
+    """The names of the library's products (few_rows_linear, packed_linear, lowrank_term, member_matmul)
+    called from now on, in order: where none is called, torch's own ran."""
     from fastes.engine import cpu_library
 
     taken: list[str] = []
-    for name in ("few_rows_linear", "packed_linear", "lowrank_term"):
+    for name in ("few_rows_linear", "packed_linear", "lowrank_term", "member_matmul"):
         real = getattr(cpu_library, name)
         monkeypatch.setattr(
             cpu_library, name, lambda *a, _real=real, _name=name: taken.append(_name) or _real(*a)

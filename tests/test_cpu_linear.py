@@ -25,7 +25,7 @@ def _fake_measure(monkeypatch, faster: set[str]) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    "setting,expected", [("library", Products(True, True, True)), ("torch", Products(False, False, False))]
+    "setting,expected", [("library", Products(*[True] * 4)), ("torch", Products(*[False] * 4))]
 )
 def test_the_setting_gives_the_products_without_measuring(monkeypatch, fresh_answer, setting, expected):
     monkeypatch.setenv("FASTES_CPU_PRODUCTS", setting)
@@ -37,8 +37,8 @@ def test_the_setting_gives_the_products_without_measuring(monkeypatch, fresh_ans
 def test_without_the_compiled_library_torchs_products_are_the_answer(monkeypatch, fresh_answer):
     monkeypatch.setenv("FASTES_CPU_PRODUCTS", "measure")
     monkeypatch.setattr(cpu_library, "available", lambda: False)
-    asked = _fake_measure(monkeypatch, {"few_rows", "weight_major", "packed"})
-    assert cpu_linear.products(1) == Products(False, False, False)
+    asked = _fake_measure(monkeypatch, set(Products._fields))
+    assert cpu_linear.products(1) == Products(False, False, False, False)
     assert asked == []
 
 
@@ -53,15 +53,17 @@ def test_an_unknown_setting_is_refused_in_one_line(monkeypatch, fresh_answer):
 def test_the_measured_answer_is_kept_on_disk_and_read_back(monkeypatch, fresh_answer):
     monkeypatch.setenv("FASTES_CPU_PRODUCTS", "measure")
     asked = _fake_measure(monkeypatch, {"packed"})
-    assert cpu_linear.products(1) == Products(few_rows=False, weight_major=False, packed=True)
+    assert cpu_linear.products(1) == Products(
+        few_rows=False, weight_major=False, packed=True, member_matmul=False
+    )
     saved = json.loads((fresh_answer / cpu_linear.CACHE_FILE).read_text())
     assert saved[cpu_linear.machine_key(1)]["packed"] is True
     assert saved[cpu_linear.machine_key(1)]["seconds"]["packed"] == {"library": 1.0, "torch": 2.0}
     cpu_linear.products.cache_clear()  # a new process: the file answers
-    assert cpu_linear.products(1) == Products(False, False, True)
+    assert cpu_linear.products(1) == Products(False, False, True, False)
     assert asked == [1]
-    _fake_measure(monkeypatch, {"few_rows"})  # another thread count is another answer, kept beside it
-    assert cpu_linear.products(2) == Products(True, False, False)
+    _fake_measure(monkeypatch, {"few_rows", "member_matmul"})  # another thread count: another answer
+    assert cpu_linear.products(2) == Products(True, False, False, True)
     saved = json.loads((fresh_answer / cpu_linear.CACHE_FILE).read_text())
     assert set(saved) == {cpu_linear.machine_key(1), cpu_linear.machine_key(2)}
     assert cpu_linear.machine_key(1) != cpu_linear.machine_key(2)
@@ -73,7 +75,7 @@ def test_a_damaged_cache_file_is_measured_again_and_rewritten(monkeypatch, fresh
     path = fresh_answer / cpu_linear.CACHE_FILE
     path.write_text(damage.replace("KEY", cpu_linear.machine_key(1)))
     asked = _fake_measure(monkeypatch, {"weight_major"})
-    assert cpu_linear.products(1) == Products(False, True, False)
+    assert cpu_linear.products(1) == Products(False, True, False, False)
     assert asked == [1]
     assert json.loads(path.read_text())[cpu_linear.machine_key(1)]["weight_major"] is True
 
@@ -86,7 +88,7 @@ def test_a_cache_directory_that_cannot_be_written_still_gives_the_answer(monkeyp
     cpu_linear.products.cache_clear()
     try:
         _fake_measure(monkeypatch, {"few_rows", "packed"})
-        assert cpu_linear.products(1) == Products(True, False, True)
+        assert cpu_linear.products(1) == Products(True, False, True, False)
     finally:
         cpu_linear.products.cache_clear()
 
@@ -97,6 +99,7 @@ def test_measure_times_each_product_against_torchs_with_and_without_the_term():
     both = {"library", "torch", "library with term", "torch with term"}
     assert set(seconds["few_rows"]) == set(seconds["packed"]) == both
     assert set(seconds["weight_major"]) == {"library", "torch"}  # the term follows either the same way
+    assert set(seconds["member_matmul"]) == {"library", "torch"}  # the materialised layer: no term
     assert all(s > 0 for pair in seconds.values() for s in pair.values())
 
 
@@ -163,9 +166,16 @@ def test_a_process_that_waits_for_anothers_measurement_takes_its_answer(monkeypa
         waiting.join(timeout=0.5)
         assert waiting.is_alive() and not answers  # it waits for the lock
         (fresh_answer / cpu_linear.CACHE_FILE).write_text(
-            json.dumps({cpu_linear.machine_key(1): {"few_rows": True, "weight_major": False, "packed": True}})
+            json.dumps(
+                {
+                    cpu_linear.machine_key(1): {
+                        **dict.fromkeys(Products._fields, False),
+                        **{"few_rows": True, "packed": True},
+                    }
+                }
+            )
         )
         fcntl.flock(other, fcntl.LOCK_UN)
     waiting.join(timeout=10)
-    assert answers == [Products(True, False, True)]
+    assert answers == [Products(True, False, True, False)]
     assert asked == []  # it did not measure again

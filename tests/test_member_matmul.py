@@ -124,3 +124,35 @@ def test_without_the_compiled_matmul_the_layer_keeps_equal_groups():
         layer.set_member_rows([1, 1])
     float64 = PopulationLinear(base.double(), torch.randn(2, 8, 8, dtype=torch.float64))
     assert not float64.takes_unequal_groups  # the library's matmul is fp32
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("faster", ["library", "torch"])
+def test_the_layer_takes_the_member_matmul_only_where_it_measured_faster(monkeypatch, fresh_answer, faster):
+    """Where torch's batched matmul measured faster, the layer runs it on equal groups (finished rows
+    leave by whole columns); either way each member's rows go through its own weights."""
+    from conftest import library_calls
+
+    from fastes.engine import cpu_linear
+
+    monkeypatch.setenv("FASTES_CPU_PRODUCTS", "measure")
+    monkeypatch.setattr(
+        cpu_linear,
+        "measure",
+        lambda threads: {
+            name: {"library": 1.0 if name == "member_matmul" and faster == "library" else 3.0, "torch": 2.0}
+            for name in cpu_linear.Products._fields
+        },
+    )
+    taken = library_calls(monkeypatch)
+    torch.manual_seed(1)
+    base = torch.nn.Linear(24, 40)
+    weights = torch.randn(3, 40, 24)
+    layer = PopulationLinear(base, weights)
+    assert layer.compiled == layer.takes_unequal_groups == (faster == "library")
+    x = torch.randn(6, 2, 24)  # two batch rows a member, of 2 positions
+    expected = torch.cat(
+        [torch.nn.functional.linear(x[2 * m : 2 * m + 2], weights[m], base.bias) for m in range(3)]
+    )
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+    assert taken == (["member_matmul"] if faster == "library" else [])

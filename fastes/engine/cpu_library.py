@@ -649,8 +649,9 @@ def member_matmul(
 ) -> torch.Tensor:
     """x[i] @ w[m] (+ bias) for the rows offsets[m] <= i < offsets[m + 1] of x [rows, k]: torch.bmm over
     the members' row groups, which may differ in size. w [members, k, n] (contiguous), offsets int64
-    [members + 1] from 0 to rows, bias [n]; fp32 on the CPU. See csrc/member_matmul_cpu.c for why it is
-    faster than torch's batched matmul at these sizes.
+    [members + 1] from 0 to rows, bias [n]; fp32 on the CPU. See csrc/member_matmul_cpu.c for why it can
+    be faster than torch's batched matmul at these sizes; `cpu_linear.products` says whether it is on
+    this machine.
 
     It runs in torch's own OpenMP threads (torch.get_num_threads() of them): the library is built with
     -fopenmp and so links libgomp.so.1, which the loader finds already loaded with torch. Threads of our

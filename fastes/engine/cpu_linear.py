@@ -24,6 +24,13 @@ WIN_MARGIN of torch's time (about a second in all); the answer is kept in the ca
 library (`cpu-products.json`). FASTES_CPU_PRODUCTS=library or
 =torch sets the answer instead (the same products on every machine; the tests use "library").
 
+The materialised population layer (`fastes.es.population.PopulationLinear`) has a fourth choice, made
+the same way: the library's member matmul (`cpu_library.member_matmul`, which takes the members' rows
+in groups of any size, so that every finished row leaves the batch) or torch's batched matmul (equal
+groups: finished rows leave by whole columns). On the AMD EPYC the member matmul ran the tiny model's
+population generation 6-7% faster (docs/results/member-matmul-2026-12-06.md); on the Intel Xeon torch's
+was 6-37% faster per call and its generation 3-6% faster (docs/results/population-overheads-2026-12-06.md).
+
 The choice changes how a layer's sums are ordered, not what it computes: every product agrees with
 torch's to float tolerance, and ES and plain generation run the same products.
 """
@@ -66,6 +73,7 @@ class Products(NamedTuple):
     few_rows: bool  # the library's few-rows pass, up to cpu_library.FEW_ROWS rows
     weight_major: bool  # (W x^T)^T for a vocabulary-wide output (torch's mm, the other way round)
     packed: bool  # the library's packed linear, where `packs`
+    member_matmul: bool  # the library's member matmul for materialised population layers (else torch.bmm)
 
 
 def packs(rows: int, weight: torch.Tensor) -> bool:
@@ -122,9 +130,9 @@ def products(threads: int) -> Products:
     if setting not in CHOICES:
         raise ValueError(f"FASTES_CPU_PRODUCTS must be one of {', '.join(CHOICES)}; got {setting!r}")
     if setting != "measure":
-        return Products(*[setting == "library"] * 3)
+        return Products(*[setting == "library"] * len(Products._fields))
     if not cpu_library.available():  # no C compiler here (one warning): torch's products throughout
-        return Products(False, False, False)
+        return Products(*[False] * len(Products._fields))
     key = machine_key(threads)
     known = _cached_answer(key)
     if known is not None:
@@ -206,14 +214,21 @@ def _write_cache(key: str, answer: dict) -> None:
 _BLOCK = [(576, 576), (576, 576), (192, 576), (192, 576), (1536, 576), (1536, 576), (576, 1536)]
 _VOCABULARY = (49152, 576)  # SmolLM2's
 _FEW, _MANY, _VOCABULARY_BATCH, _MEMBERS = (1, 4, cpu_library.FEW_ROWS), 256, 64, 8
+# The materialised layer's products, (members, rows a member, in, out): a tiny model's block (hidden 64,
+# MLP 256; materialised is a small model's default mode) at a decode step of the demo's 16 members x 32
+# rows and at its prefill (20 positions a row), and a SmolLM2-sized weight at 8 members of 8 rows
+_MEMBER_SHAPES = [(16, rows, k, n) for rows in (32, 640) for k, n in ((64, 64), (64, 256), (256, 64))] + [
+    (8, 8, 576, 576)
+]
 
 
 def measure(threads: int, repeats: int = 7) -> dict[str, dict[str, float]]:
     """Seconds (medians of `repeats` timings taken in turns, after a warm-up) of each of fastes' products
-    and torch's `linear` in its place, at `threads` torch threads: {"few_rows" | "weight_major" | "packed":
-    {"library": s, "torch": s, ...}}. The few-rows pass and the packed linear are also timed with the
-    low-rank population's term ("library with term", "torch with term": torch's product, then
-    `lowrank_term`), since plain and ES generation run the same products."""
+    and torch's in its place, at `threads` torch threads: {"few_rows" | "weight_major" | "packed" |
+    "member_matmul": {"library": s, "torch": s, ...}}. The few-rows pass and the packed linear are also
+    timed with the low-rank population's term ("library with term", "torch with term": torch's product,
+    then `lowrank_term`), since plain and ES generation run the same products; the member matmul against
+    torch's batched matmul of equal groups."""
     generator = torch.Generator().manual_seed(0)
 
     def tensor(*shape: int) -> torch.Tensor:
@@ -228,6 +243,11 @@ def measure(threads: int, repeats: int = 7) -> dict[str, dict[str, float]]:
     few = [(tensor(rows, w.shape[1]), w, term(rows, *w.shape)) for rows in _FEW for w in block]
     many = [(tensor(_MANY, w.shape[1]), w, term(_MANY, *w.shape)) for w in block]
     vocabulary, batch = tensor(*_VOCABULARY), tensor(_VOCABULARY_BATCH, _VOCABULARY[1])
+    # (x, the members' weights [members, in, out], where each member's rows start) for the member matmul
+    grouped = [
+        (tensor(members * rows, k), tensor(members, k, n), torch.arange(0, members * rows + 1, rows))
+        for members, rows, k, n in _MEMBER_SHAPES
+    ]
     torch_linear = torch.nn.functional.linear
 
     def with_and_without_term(library: Callable, products: list) -> dict[str, Callable[[], object]]:
@@ -248,6 +268,10 @@ def measure(threads: int, repeats: int = 7) -> dict[str, dict[str, float]]:
             "torch": lambda: torch_linear(batch, vocabulary).clone(),
         },
         "packed": with_and_without_term(cpu_library.packed_linear, many),
+        "member_matmul": {
+            "library": lambda: [cpu_library.member_matmul(x, w, rows, None) for x, w, rows in grouped],
+            "torch": lambda: [torch.bmm(x.view(w.shape[0], -1, x.shape[1]), w) for x, w, _ in grouped],
+        },
     }
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)

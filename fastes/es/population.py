@@ -100,8 +100,8 @@ class _PopulationLayer(torch.nn.Module):
 @functools.lru_cache(maxsize=256)
 def _offsets_of(counts: tuple[int, ...], per_count: int) -> torch.Tensor:
     """[0, per_count * counts[0], ...]: where each member's rows start, made once for all the layers
-    (each asks whenever rows leave the batch; a tensor made in every layer cost a tiny model's
-    population generation ~2%: docs/results/population-overheads-2026-12-06.md). The C products only read it."""
+    (each asks whenever rows leave the batch; a tensor made in every layer cost a tiny model's population
+    generation ~2%: docs/results/population-overheads-2026-12-06.md). The C products only read it."""
     return torch.tensor([0, *itertools.accumulate(c * per_count for c in counts)])
 
 
@@ -114,10 +114,12 @@ class PopulationLinear(_PopulationLayer):
     CPU backend's matmul reads that layout as it lies. `_materialised` writes them so; weights given in
     another layout are copied into it.
 
-    With the compiled CPU backend (fp32 on the CPU) the product is `cpu_library.member_matmul`: it skips
-    the packing of each member's weights that makes torch's batched matmul slower than the plain model's
-    GEMM while decoding (fastes/engine/csrc/member_matmul_cpu.c), and it takes the members' rows in
-    groups of any size (`set_member_rows`). Otherwise torch.bmm.
+    With the compiled CPU backend (fp32 on the CPU), where it measures faster than torch's batched matmul
+    on this machine (`cpu_linear.products`: on an AMD EPYC, not on an Intel Xeon), the product is
+    `cpu_library.member_matmul`: it skips the packing of each member's weights that made torch's batched
+    matmul slower than the plain model's GEMM while decoding there (fastes/engine/csrc/member_matmul_cpu.c),
+    and it takes the members' rows in groups of any size (`set_member_rows`). Otherwise torch.bmm, on
+    equal groups.
     """
 
     def __init__(
@@ -130,7 +132,11 @@ class PopulationLinear(_PopulationLayer):
         self.weights = (weights if transposed else weights.transpose(1, 2)).contiguous()
         self.transposed = transposed
         compiled = ops.resolve_backend([self.weights], backend) == "cpu"
-        self.compiled = compiled and self.weights.dtype == torch.float32  # the library's matmul is fp32
+        self.compiled = (
+            compiled
+            and self.weights.dtype == torch.float32  # the library's matmul is fp32
+            and cpu_linear.products(torch.get_num_threads()).member_matmul
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         members = self.weights.shape[0]
