@@ -83,13 +83,15 @@ def test_normals_within_contract_tolerance(seed, offset, numel):
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_many_tensors_normals_in_shared_calls_equal_each_tensors(seed):
-    """cpu_library.normals packs small tensors into shared calls and cuts large ones at CHUNK: each tensor's
-    normals are still its own stream's, bit for bit against one call per tensor."""
+    """cpu_library.normals packs small tensors into shared calls (views of the call's lanes) and cuts large
+    ones at CHUNK: each tensor's normals are still its own stream's, bit for bit against one call per
+    tensor, empty and chunk-sized tensors included."""
     key = noise.member_key(seed, 3, 0)
-    numels = [1, 5, 4099, chunks.CHUNK + 3, 70, 2 * chunks.CHUNK]
+    numels = [1, 5, 4099, chunks.CHUNK + 3, 0, 70, 2 * chunks.CHUNK, chunks.CHUNK]
     ids = [noise.tensor_id(f"t{i}") for i in range(len(numels))]
     together = cpu_library.normals(key, ids, numels, noise.STREAM_LOWRANK_A)
     for tid, numel, values in zip(ids, numels, together):
+        assert values.shape == (numel,)
         assert torch.equal(values, cpu_library.normal(key, tid, numel, stream=noise.STREAM_LOWRANK_A))
 
 

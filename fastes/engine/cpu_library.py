@@ -434,14 +434,21 @@ def normal(
 
 def normals(key: Key, tensor_ids: Sequence[int], numels: Sequence[int], stream: int) -> list[torch.Tensor]:
     """normal(key, tensor_ids[i], numels[i], stream=stream) for every i, in as few library calls as the
-    chunk plan packs them into (small tensors share a call): one call per tensor costs more than its noise."""
+    chunk plan packs them into (small tensors share a call): one call per tensor costs more than its noise.
+    A tensor that lies whole in one chunk is a view of that chunk's lanes (as on a GPU, views of one
+    buffer): a copy and an allocation per tensor cost a tiny model's factors more than their noise."""
     keys = round_keys(key)
-    out = [torch.empty(numel, dtype=torch.float32) for numel in numels]
+    out: list[torch.Tensor | None] = [None] * len(numels)
     for chunk, table in _planned(tuple(numels), tuple(tensor_ids), 4):
-        lanes = _run("normal", table, stream, keys, chunk.lanes // 4)
+        lanes = _run("normal", table, stream, keys, chunk.lanes // 4, torch.empty(chunk.lanes))
         for index, start, n, lane in chunk.parts:
+            if n == numels[index]:
+                out[index] = lanes[lane : lane + n]
+                continue
+            if out[index] is None:  # a large tensor, cut over several chunks
+                out[index] = torch.empty(numels[index], dtype=torch.float32)
             out[index][start : start + n] = lanes[lane : lane + n]
-    return out
+    return [torch.empty(0) if t is None else t for t in out]
 
 
 def words(
