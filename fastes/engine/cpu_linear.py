@@ -20,7 +20,7 @@ pass (docs/results/cpu-products-2026-12-06.md). So each of fastes' three product
 measured faster on this machine (`products`): timed once per CPU, torch version, library build and
 thread count against torch's `linear` on a SmolLM2-sized block of layers, with and without the low-rank
 population's term (plain and ES generation run the same products), and taken where it needs at most
-WIN_MARGIN of torch's time (about a second in all); the answer is kept in the cache directory beside the
+WIN_MARGIN of torch's time (one to two seconds in all); the answer is kept in the cache directory beside the
 library (`cpu-products.json`). FASTES_CPU_PRODUCTS=library or
 =torch sets the answer instead (the same products on every machine; the tests use "library").
 
@@ -29,7 +29,7 @@ the same way: the library's member matmul (`cpu_library.member_matmul`, which ta
 in groups of any size, so that every finished row leaves the batch) or torch's batched matmul (equal
 groups: finished rows leave by whole columns). On the AMD EPYC the member matmul ran the tiny model's
 population generation 6-7% faster (docs/results/member-matmul-2026-12-06.md); on the Intel Xeon torch's
-was 6-37% faster per call and its generation 3-6% faster (docs/results/population-overheads-2026-12-06.md).
+was 7-37% faster per call and its generation 1.4-6% faster (docs/results/population-overheads-2026-12-06.md).
 
 The choice changes how a layer's sums are ordered, not what it computes: every product agrees with
 torch's to float tolerance, and ES and plain generation run the same products.
