@@ -95,6 +95,21 @@ def test_many_tensors_normals_in_shared_calls_equal_each_tensors(seed):
         assert torch.equal(values, cpu_library.normal(key, tid, numel, stream=noise.STREAM_LOWRANK_A))
 
 
+def test_normals_are_fp32_whatever_the_default_dtype():
+    """The library writes fp32: the buffers it writes into are fp32 even where torch's default is not."""
+    key, numels = noise.member_key(5, 1, 0), [3, 40, 0]
+    ids = [noise.tensor_id(f"d{i}") for i in range(len(numels))]
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        together = cpu_library.normals(key, ids, numels, noise.STREAM_LOWRANK_B)
+    finally:
+        torch.set_default_dtype(previous)
+    for tid, numel, values in zip(ids, numels, together):
+        assert values.dtype == torch.float32
+        assert torch.equal(values, cpu_library.normal(key, tid, numel, stream=noise.STREAM_LOWRANK_B))
+
+
 def test_docs_test_vectors():
     """docs/noise.md section 12: member_key(42, 0, 0), tensor model.layers.0.mlp.up_proj.weight."""
     key, tid = noise.member_key(42, 0, 0), 0xB16528AF

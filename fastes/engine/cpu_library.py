@@ -440,7 +440,8 @@ def normals(key: Key, tensor_ids: Sequence[int], numels: Sequence[int], stream: 
     keys = round_keys(key)
     out: list[torch.Tensor | None] = [None] * len(numels)
     for chunk, table in _planned(tuple(numels), tuple(tensor_ids), 4):
-        lanes = _run("normal", table, stream, keys, chunk.lanes // 4, torch.empty(chunk.lanes))
+        lanes = torch.empty(chunk.lanes, dtype=torch.float32)  # kept: the tensors below are views of it
+        _run("normal", table, stream, keys, chunk.lanes // 4, lanes)
         for index, start, n, lane in chunk.parts:
             if n == numels[index]:
                 out[index] = lanes[lane : lane + n]
@@ -448,7 +449,7 @@ def normals(key: Key, tensor_ids: Sequence[int], numels: Sequence[int], stream: 
             if out[index] is None:  # a large tensor, cut over several chunks
                 out[index] = torch.empty(numels[index], dtype=torch.float32)
             out[index][start : start + n] = lanes[lane : lane + n]
-    return [torch.empty(0) if t is None else t for t in out]
+    return [torch.empty(0, dtype=torch.float32) if t is None else t for t in out]
 
 
 def words(
