@@ -225,6 +225,24 @@ def library_calls(monkeypatch) -> list[str]:
     return taken
 
 
+def measured_faster(monkeypatch, faster: set[str]) -> list[int]:
+    """Replace fastes.engine.cpu_linear's timing with one where the library wins at the products named in
+    `faster` (and loses elsewhere); returns the thread counts it is asked for."""
+    from fastes.engine import cpu_linear
+
+    asked: list[int] = []
+
+    def measure(threads: int) -> dict:
+        asked.append(threads)
+        return {
+            name: {"library": 1.0 if name in faster else 3.0, "torch": 2.0}
+            for name in cpu_linear.Products._fields
+        }
+
+    monkeypatch.setattr(cpu_linear, "measure", measure)
+    return asked
+
+
 @pytest.fixture
 def fresh_answer(monkeypatch, tmp_path):
     """No remembered answer of fastes.engine.cpu_linear.products, and a cache directory of the test's own

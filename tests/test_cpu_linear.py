@@ -6,22 +6,10 @@ import json
 
 import pytest
 import torch
-from conftest import library_calls, linear_problem, linear_reference, linear_tolerance
+from conftest import library_calls, linear_problem, linear_reference, linear_tolerance, measured_faster
 
 from fastes.engine import cpu_library, cpu_linear
 from fastes.engine.cpu_linear import Products
-
-
-def _fake_measure(monkeypatch, faster: set[str]) -> list[int]:
-    """Replace the timing with one where the library wins at `faster`; returns the thread counts asked."""
-    asked: list[int] = []
-
-    def measure(threads: int) -> dict:
-        asked.append(threads)
-        return {name: {"library": 1.0 if name in faster else 3.0, "torch": 2.0} for name in Products._fields}
-
-    monkeypatch.setattr(cpu_linear, "measure", measure)
-    return asked
 
 
 @pytest.mark.parametrize(
@@ -29,7 +17,7 @@ def _fake_measure(monkeypatch, faster: set[str]) -> list[int]:
 )
 def test_the_setting_gives_the_products_without_measuring(monkeypatch, fresh_answer, setting, expected):
     monkeypatch.setenv("FASTES_CPU_PRODUCTS", setting)
-    asked = _fake_measure(monkeypatch, set())
+    asked = measured_faster(monkeypatch, set())
     assert cpu_linear.products(1) == expected
     assert asked == [] and not (fresh_answer / cpu_linear.CACHE_FILE).exists()
 
@@ -37,7 +25,7 @@ def test_the_setting_gives_the_products_without_measuring(monkeypatch, fresh_ans
 def test_without_the_compiled_library_torchs_products_are_the_answer(monkeypatch, fresh_answer):
     monkeypatch.setenv("FASTES_CPU_PRODUCTS", "measure")
     monkeypatch.setattr(cpu_library, "available", lambda: False)
-    asked = _fake_measure(monkeypatch, set(Products._fields))
+    asked = measured_faster(monkeypatch, set(Products._fields))
     assert cpu_linear.products(1) == Products(False, False, False, False)
     assert asked == []
 
@@ -52,7 +40,7 @@ def test_an_unknown_setting_is_refused_in_one_line(monkeypatch, fresh_answer):
 
 def test_the_measured_answer_is_kept_on_disk_and_read_back(monkeypatch, fresh_answer):
     monkeypatch.setenv("FASTES_CPU_PRODUCTS", "measure")
-    asked = _fake_measure(monkeypatch, {"packed"})
+    asked = measured_faster(monkeypatch, {"packed"})
     assert cpu_linear.products(1) == Products(
         few_rows=False, weight_major=False, packed=True, member_matmul=False
     )
@@ -62,7 +50,7 @@ def test_the_measured_answer_is_kept_on_disk_and_read_back(monkeypatch, fresh_an
     cpu_linear.products.cache_clear()  # a new process: the file answers
     assert cpu_linear.products(1) == Products(False, False, True, False)
     assert asked == [1]
-    _fake_measure(monkeypatch, {"few_rows", "member_matmul"})  # another thread count: another answer
+    measured_faster(monkeypatch, {"few_rows", "member_matmul"})  # another thread count: another answer
     assert cpu_linear.products(2) == Products(True, False, False, True)
     saved = json.loads((fresh_answer / cpu_linear.CACHE_FILE).read_text())
     assert set(saved) == {cpu_linear.machine_key(1), cpu_linear.machine_key(2)}
@@ -74,7 +62,7 @@ def test_a_damaged_cache_file_is_measured_again_and_rewritten(monkeypatch, fresh
     monkeypatch.setenv("FASTES_CPU_PRODUCTS", "measure")
     path = fresh_answer / cpu_linear.CACHE_FILE
     path.write_text(damage.replace("KEY", cpu_linear.machine_key(1)))
-    asked = _fake_measure(monkeypatch, {"weight_major"})
+    asked = measured_faster(monkeypatch, {"weight_major"})
     assert cpu_linear.products(1) == Products(False, True, False, False)
     assert asked == [1]
     assert json.loads(path.read_text())[cpu_linear.machine_key(1)]["weight_major"] is True
@@ -87,7 +75,7 @@ def test_a_cache_directory_that_cannot_be_written_still_gives_the_answer(monkeyp
     monkeypatch.setenv("FASTES_CPU_PRODUCTS", "measure")
     cpu_linear.products.cache_clear()
     try:
-        _fake_measure(monkeypatch, {"few_rows", "packed"})
+        measured_faster(monkeypatch, {"few_rows", "packed"})
         assert cpu_linear.products(1) == Products(True, False, True, False)
     finally:
         cpu_linear.products.cache_clear()
@@ -142,7 +130,7 @@ def test_with_torchs_products_linear_takes_torchs_at_every_row_count(
 
 def test_each_library_product_is_taken_only_where_chosen(monkeypatch, fresh_answer):
     monkeypatch.setenv("FASTES_CPU_PRODUCTS", "measure")
-    _fake_measure(monkeypatch, {"packed"})  # the packed linear faster here, the few-rows pass not
+    measured_faster(monkeypatch, {"packed"})  # the packed linear faster here, the few-rows pass not
     taken = library_calls(monkeypatch)
     x, w, bias, _ = linear_problem(2, 576, 576, seed=4, with_bias=False)
     cpu_linear.linear(x, w, bias)
@@ -157,7 +145,7 @@ def test_a_process_that_waits_for_anothers_measurement_takes_its_answer(monkeypa
     import threading
 
     monkeypatch.setenv("FASTES_CPU_PRODUCTS", "measure")
-    asked = _fake_measure(monkeypatch, set())
+    asked = measured_faster(monkeypatch, set())
     with open(fresh_answer / (cpu_linear.CACHE_FILE + ".lock"), "a") as other:
         fcntl.flock(other, fcntl.LOCK_EX)  # another process is measuring
         answers: list[Products] = []

@@ -131,19 +131,10 @@ def test_without_the_compiled_matmul_the_layer_keeps_equal_groups():
 def test_the_layer_takes_the_member_matmul_only_where_it_measured_faster(monkeypatch, fresh_answer, faster):
     """Where torch's batched matmul measured faster, the layer runs it on equal groups (finished rows
     leave by whole columns); either way each member's rows go through its own weights."""
-    from conftest import library_calls
-
-    from fastes.engine import cpu_linear
+    from conftest import library_calls, measured_faster
 
     monkeypatch.setenv("FASTES_CPU_PRODUCTS", "measure")
-    monkeypatch.setattr(
-        cpu_linear,
-        "measure",
-        lambda threads: {
-            name: {"library": 1.0 if name == "member_matmul" and faster == "library" else 3.0, "torch": 2.0}
-            for name in cpu_linear.Products._fields
-        },
-    )
+    measured_faster(monkeypatch, {"member_matmul"} if faster == "library" else set())
     taken = library_calls(monkeypatch)
     torch.manual_seed(1)
     base = torch.nn.Linear(24, 40)

@@ -20,9 +20,9 @@ pass (docs/results/cpu-products-2026-12-06.md). So each of fastes' three product
 measured faster on this machine (`products`): timed once per CPU, torch version, library build and
 thread count against torch's `linear` on a SmolLM2-sized block of layers, with and without the low-rank
 population's term (plain and ES generation run the same products), and taken where it needs at most
-WIN_MARGIN of torch's time (one to two seconds in all); the answer is kept in the cache directory beside the
-library (`cpu-products.json`). FASTES_CPU_PRODUCTS=library or
-=torch sets the answer instead (the same products on every machine; the tests use "library").
+WIN_MARGIN of torch's time. Measuring takes one to two seconds; the answer is kept in the cache
+directory beside the library (`cpu-products.json`). FASTES_CPU_PRODUCTS=library or =torch sets the
+answer instead (the same products on every machine; the tests use "library").
 
 The materialised population layer (`fastes.es.population.PopulationLinear`) has a fourth choice, made
 the same way: the library's member matmul (`cpu_library.member_matmul`, which takes the members' rows
@@ -68,7 +68,8 @@ CACHE_FILE = "cpu-products.json"
 
 
 class Products(NamedTuple):
-    """Which of fastes' own products `linear` uses on this machine (False: torch's `linear` there)."""
+    """Which of fastes' own products run on this machine (False: torch's in their place): the first three
+    in `linear`, the member matmul in the materialised population layer."""
 
     few_rows: bool  # the library's few-rows pass, up to cpu_library.FEW_ROWS rows
     weight_major: bool  # (W x^T)^T for a vocabulary-wide output (torch's mm, the other way round)
@@ -124,8 +125,8 @@ def linear(
 
 @functools.cache
 def products(threads: int) -> Products:
-    """The products `linear` uses at `threads` torch threads: FASTES_CPU_PRODUCTS's, or this machine's
-    measured answer (from the cache file, else measured now and written there)."""
+    """The products taken at `threads` torch threads: FASTES_CPU_PRODUCTS's, or this machine's measured
+    answer (from the cache file, else measured now and written there)."""
     setting = os.environ.get("FASTES_CPU_PRODUCTS", "measure")
     if setting not in CHOICES:
         raise ValueError(f"FASTES_CPU_PRODUCTS must be one of {', '.join(CHOICES)}; got {setting!r}")
@@ -269,7 +270,7 @@ def measure(threads: int, repeats: int = 7) -> dict[str, dict[str, float]]:
         },
         "packed": with_and_without_term(cpu_library.packed_linear, many),
         "member_matmul": {
-            "library": lambda: [cpu_library.member_matmul(x, w, rows, None) for x, w, rows in grouped],
+            "library": lambda: [cpu_library.member_matmul(x, w, starts, None) for x, w, starts in grouped],
             "torch": lambda: [torch.bmm(x.view(w.shape[0], -1, x.shape[1]), w) for x, w, _ in grouped],
         },
     }
