@@ -30,15 +30,22 @@ from fastes.tasks import Example, Task
 
 
 @torch.inference_mode()
-def transformers_generate(model, tokenizer, prompts: list[str], max_new_tokens: int) -> Generation:
-    """Greedy completions by transformers' `generate`, prompts tokenized as fastes tokenizes them."""
+def transformers_generate(
+    model, tokenizer, prompts: list[str], max_new_tokens: int, stop_at_eos: bool = True
+) -> Generation:
+    """Greedy completions by transformers' `generate`, prompts tokenized as fastes tokenizes them; with
+    stop_at_eos=False every row decodes max_new_tokens tokens (min_new_tokens: EOS is never chosen)."""
     enc = encode_prompts(tokenizer, prompts)
     eos = eos_token_ids(model, tokenizer)
     config = GenerationConfig(
-        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=0 if stop_at_eos else max_new_tokens,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=tokenizer.pad_token_id,
     )
     out = model.generate(**enc, generation_config=config)[:, enc["input_ids"].shape[1] :].tolist()
-    completions = [until_eos(row, eos) for row in out]
+    completions = [until_eos(row, eos) if stop_at_eos else row for row in out]
     prompt_ids = prompt_token_ids(enc)
     texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
     return Generation(texts=texts, completion_ids=completions, prompt_ids=prompt_ids)

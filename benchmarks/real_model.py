@@ -17,7 +17,9 @@ finished rows leave the batch; each round also times transformers' `generate` of
 row decoding until the last stops), the baseline before that loop. Beside it, the median over the
 rounds whose ES iteration decoded as many steps as plain generation did: a member whose answer runs
 longer than the unperturbed model's makes the iteration decode more steps (for its rows), work that
-the headline charges to ES. Member by member, likewise against plain generation of each member's rows one
+the headline charges to ES. Then the same rounds again with EOS stopping no row (every row decodes
+`max_new_tokens` in all three, as inference throughput benchmarks measure, e.g. vLLM's with
+--ignore-eos): both sides do the same work, so that ratio is the engine's speed alone. Member by member, likewise against plain generation of each member's rows one
 call at a time (first shape).
 
 Then each variant in a fresh process (so that no variant's peak memory is hidden by what an earlier one
@@ -62,6 +64,7 @@ TARGET_RATE_RATIO = 0.95  # an ES iteration's token rate over plain batched gene
 TARGET_MEMBER_RATIO = 0.7  # member by member over plain generation of each member's rows
 TARGET_NAIVE_RATIO = 2.0
 TARGET_MEMORY_RATIO = 1.1
+FIXED_LENGTH = "fixed-length"  # `--only`'s prefix for the rounds in which EOS stops no row
 # glibc's starting mmap threshold, set explicitly, which also stops glibc from raising it (mallopt(3)); other
 # C libraries ignore the variable
 FIXED_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": "131072"}
@@ -177,7 +180,7 @@ def _fastest_ratio(rounds: list[dict]) -> float:
     return es / max(r["plain_tokens"] / r["plain_seconds"] for r in rounds)
 
 
-def interleaved(args: argparse.Namespace, mode: str) -> dict:
+def interleaved(args: argparse.Namespace, mode: str, fixed_length: bool = False) -> dict:
     """ES iterations of eval mode `mode` and plain generation of the same rows, warm, alternating.
 
     Plain generation is one batched call of every member's rows, or in "member" mode one call per member
@@ -192,7 +195,11 @@ def interleaved(args: argparse.Namespace, mode: str) -> dict:
     Both decode with fastes' loop, in which finished rows leave the batch (fastes.models.decoding). Each
     round also generates the same rows with transformers' `generate`, which decodes every row until the
     last stops: "transformers_rate_ratio" is the ES iteration's rate over that one's, and
-    "plain_over_transformers" plain generation's (medians over all rounds)."""
+    "plain_over_transformers" plain generation's (medians over all rounds).
+
+    With `fixed_length`, EOS stops no row, in any of the three: every row decodes max_new_tokens tokens,
+    so both sides do the same work whatever the members answer (as inference throughput benchmarks
+    measure), and the ratio is the engine's speed alone."""
     import fastes.run.es_loop as es_loop
     from fastes.models.generation import generate
     from fastes.run.es_loop import es_iteration
@@ -202,8 +209,10 @@ def interleaved(args: argparse.Namespace, mode: str) -> dict:
     calls = [prompts] * args.population if mode == "member" else [prompts * args.population]
     generated = []  # the Generation of each call of the ES iteration under way
 
+    stop_at_eos = not fixed_length
+
     def recording(*positional, **keywords):
-        generated.append(generate(*positional, **keywords))
+        generated.append(generate(*positional, **keywords, stop_at_eos=stop_at_eos))
         return generated[-1]
 
     es_loop.generate = recording  # this process measures and exits: nothing else uses the module
@@ -214,12 +223,18 @@ def interleaved(args: argparse.Namespace, mode: str) -> dict:
 
     def plain() -> tuple[float, int, int]:
         start = time.perf_counter()
-        gens = [generate(run.model, run.tokenizer, rows, max_new_tokens=args.new_tokens) for rows in calls]
+        gens = [
+            generate(run.model, run.tokenizer, rows, max_new_tokens=args.new_tokens, stop_at_eos=stop_at_eos)
+            for rows in calls
+        ]
         return time.perf_counter() - start, *counted(gens)
 
     def reference() -> tuple[float, int, int]:
         start = time.perf_counter()
-        gens = [transformers_generate(run.model, run.tokenizer, rows, args.new_tokens) for rows in calls]
+        gens = [
+            transformers_generate(run.model, run.tokenizer, rows, args.new_tokens, stop_at_eos)
+            for rows in calls
+        ]
         return time.perf_counter() - start, *counted(gens)
 
     def iteration() -> tuple[float, int, int, dict]:
@@ -236,6 +251,7 @@ def interleaved(args: argparse.Namespace, mode: str) -> dict:
     equal = [r for r in rounds if r["es_steps"] == r["plain_steps"]]
     return {
         "mode": mode,
+        "fixed_length": fixed_length,
         "rate_ratio": median(r["rate_ratio"] for r in rounds),
         "rate_ratio_range": [min(r["rate_ratio"] for r in rounds), max(r["rate_ratio"] for r in rounds)],
         "same_steps_ratio": median(same) if (same := [r["rate_ratio"] for r in equal]) else None,
@@ -357,6 +373,8 @@ def run(args: argparse.Namespace) -> dict:
         label = "x".join(map(str, shape))
         _progress(f"{label}: {default_mode} ES and plain batched generation, {args.rounds} rounds")
         entry = {"interleaved": _child(args, shape, f"interleaved {default_mode}")}
+        _progress(f"{label}: the same, every row decoding {shape[2]} tokens, {args.rounds} rounds")
+        entry["fixed_length_interleaved"] = _child(args, shape, f"{FIXED_LENGTH} interleaved {default_mode}")
         # peak memory of one call each, in fresh processes; every other mode at the first shape only
         modes = [default_mode] + (
             [m for m in ("lowrank", "materialised", "member") if m != default_mode] if shape == first else []
@@ -387,6 +405,10 @@ def run(args: argparse.Namespace) -> dict:
             targets[f"{label}: the same, the fastest of those rounds"] = entry["interleaved"][
                 "fastest_same_steps_ratio"
             ]
+        fixed = entry["fixed_length_interleaved"]
+        targets[f"{label}: the same, every row decoding max_new_tokens (EOS stops no row, in either)"] = (
+            fixed["rate_ratio"]
+        )
         es_variant, plain_variant = variants[f"fastes {default_mode}"], variants["plain batched inference"]
         fixed_es, fixed_plain = es_variant["fixed mmap threshold"], plain_variant["fixed mmap threshold"]
         memory = f"{label}: ES peak RSS <= {TARGET_MEMORY_RATIO}x plain batched generation's"
@@ -448,16 +470,19 @@ def markdown(report: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, entry in report["shapes"].items():
-        for key in ("interleaved", "member_interleaved"):
-            if key not in entry:
+        for key in ("interleaved", "fixed_length_interleaved", "member_interleaved"):
+            if key not in entry:  # results files before 2026-12-07 have no fixed-length rounds
                 continue
             e = entry[key]
+            mode = (
+                f"{e['mode']}, every row {label.split('x')[2]} tokens" if e.get("fixed_length") else e["mode"]
+            )
             parts = e["es_parts"]
             low, high = e["rate_ratio_range"]
             same = "-" if e["same_steps_ratio"] is None else f"{e['same_steps_ratio']:.3f}"
             fastest = "-" if e["fastest_same_steps_ratio"] is None else f"{e['fastest_same_steps_ratio']:.3f}"
             lines.append(
-                f"| {label} {e['mode']} | {e['rate_ratio']:.3f} ({low:.3f}-{high:.3f}) | "
+                f"| {label} {mode} | {e['rate_ratio']:.3f} ({low:.3f}-{high:.3f}) | "
                 f"{same} ({e['same_steps_rounds']} of {len(e['rounds'])} rounds) | {fastest} | "
                 f"{e['plain_seconds']:.2f} | {e['es_seconds']:.2f} | {parts['time/generation']:.2f} / "
                 f"{parts['time/noise']:.2f} / "
@@ -527,6 +552,10 @@ def main(argv: list[str] | None = None) -> int:
         args.population, args.prompts, args.new_tokens = args.shapes[0]
         if args.only.startswith("interleaved "):
             result = interleaved(args, args.only.removeprefix("interleaved "))
+        elif args.only.startswith(FIXED_LENGTH + " interleaved "):
+            result = interleaved(
+                args, args.only.removeprefix(FIXED_LENGTH + " interleaved "), fixed_length=True
+            )
         else:
             result = measure(args, args.only)
         print(json.dumps(result))

@@ -251,3 +251,25 @@ def test_the_transformers_baseline_generates_what_fastes_generates():
     assert theirs.completion_ids == ours.completion_ids and theirs.prompt_ids == ours.prompt_ids
     assert theirs.texts == ours.texts
     assert len(set(ours.lengths)) > 1  # rows stopped at different steps: some left fastes' batch early
+
+
+def test_the_fixed_length_rounds_give_both_sides_the_same_work(tmp_path):
+    """benchmarks.real_model's equal-work rounds (EOS stops no row) on the shipped tiny checkpoint: plain
+    generation, the ES iteration and transformers' generate each process every row's prompt and
+    max_new_tokens tokens, where with EOS the rows stop at different steps."""
+    import argparse
+
+    from benchmarks import real_model
+    from fastes.models.loading import tiny_model_path
+
+    args = argparse.Namespace(
+        model=str(tiny_model_path()), population=2, prompts=3, new_tokens=5, out=tmp_path, rounds=2
+    )
+    fixed = real_model.interleaved(args, "lowrank", fixed_length=True)
+    stopping = real_model.interleaved(args, "lowrank")
+    for r in fixed["rounds"]:
+        assert r["plain_tokens"] == r["es_tokens"] == r["transformers_tokens"]
+        assert r["plain_steps"] == r["es_steps"] == args.new_tokens
+    assert fixed["fixed_length"] and not stopping["fixed_length"]
+    # some rows of the checkpoint stop at EOS within the tokens: with EOS, fewer tokens are processed
+    assert all(r["plain_tokens"] < fixed["rounds"][0]["plain_tokens"] for r in stopping["rounds"])

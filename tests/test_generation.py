@@ -83,6 +83,19 @@ def test_stops_at_eos_and_strips_special_tokens():
     assert out.texts == [tok.decode(ids[:-1]) for ids in out.completion_ids]
 
 
+def test_without_stopping_at_eos_every_row_decodes_max_new_tokens():
+    """The benchmarks' equal-work setting: the rows answer as they do when stopping (greedy), then go on."""
+    from fastes.tasks import get_task
+
+    model, tok = load_model(tiny_model_path())
+    prompts = [ex.prompt for ex in get_task("countdown", seed=0).split("test")[:8]]
+    stopped = generate(model, tok, prompts, max_new_tokens=40)
+    full = generate(model, tok, prompts, max_new_tokens=40, stop_at_eos=False)
+    assert full.lengths == [40] * len(prompts) and full.num_tokens == 40 * len(prompts)
+    for short, long in zip(stopped.completion_ids, full.completion_ids, strict=True):
+        assert long[: len(short)] == short and short[-1] == tok.eos_token_id
+
+
 def test_bad_arguments(model_and_tok):
     model, tok = model_and_tok
     with pytest.raises(ValueError, match="temperature"):

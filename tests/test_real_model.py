@@ -66,6 +66,8 @@ def test_the_benchmark_reports_every_mode(tmp_path):
     assert runs["plain batched inference"] == runs["fastes lowrank"] == 2 and runs["naive loop"] == 1
     fixed = first["variants"]["fastes lowrank"]["fixed mmap threshold"]
     assert len(fixed["runs"]) == 2 and fixed["peak_bytes"] > 0
+    for entry in (first["fixed_length_interleaved"], second["fixed_length_interleaved"]):
+        assert all(r["es_tokens"] == r["plain_tokens"] for r in entry["rounds"])
     for entry in (first["interleaved"], first["member_interleaved"], second["interleaved"]):
         assert len(entry["rounds"]) == 2 and entry["rate_ratio"] > 0
         equal = [r["rate_ratio"] for r in entry["rounds"] if r["es_steps"] == r["plain_steps"]]

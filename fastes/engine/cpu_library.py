@@ -50,7 +50,6 @@ import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
@@ -689,38 +688,56 @@ def member_matmul(
 # ---------------------------------------------------------------------------------------------------
 
 
-class LowRankTerm(NamedTuple):
+class LowRankTerm:
     """The members' rank-r term of a low-rank population layer: row i of member m (offsets[m] <= i <
     offsets[m + 1]) gets (x[i] . inputs[m, j]) outputs[m, j] for each j < r. inputs [members, r, in],
     outputs [members, r, out] (the members' scales folded in), offsets int64 [members + 1] from 0 to
-    the rows; all contiguous, on the CPU."""
+    the rows; all contiguous, on the CPU.
 
-    inputs: torch.Tensor
-    outputs: torch.Tensor
-    offsets: torch.Tensor
+    A layer makes one per grouping of its rows and passes it at every decoding step: the checks run on
+    its first use (`arguments`) and their answer is kept (~30 us a call in a SmolLM2 decoding step when
+    they ran every time: docs/results/population-overheads-2026-12-07.md). The tensors must not be
+    resized or moved while the term is in use."""
+
+    __slots__ = ("inputs", "outputs", "offsets", "_checked")
+
+    def __init__(self, inputs: torch.Tensor, outputs: torch.Tensor, offsets: torch.Tensor) -> None:
+        self.inputs, self.outputs, self.offsets = inputs, outputs, offsets
+        self._checked: tuple[int, int, tuple] | None = None  # (k, n, the library's arguments)
+
+    def arguments(self, name: str, k: int, n: int) -> tuple:
+        """(inputs, outputs, offsets, rank, members) as the library takes them (addresses), the term
+        checked against a product of width k and n on its first use with them; `name` is the caller's,
+        for the error."""
+        if self._checked is None or self._checked[:2] != (k, n):
+            self._checked = (k, n, self._check(name, k, n))
+        return self._checked[2]
+
+    def _check(self, name: str, k: int, n: int) -> tuple:
+        members, rank = self.inputs.shape[:2]
+        if (
+            self.inputs.shape != (members, rank, k)
+            or self.outputs.shape != (members, rank, n)
+            or self.offsets.shape != (members + 1,)
+        ):
+            raise ValueError(
+                f"{name}: the term's inputs {tuple(self.inputs.shape)}, outputs {tuple(self.outputs.shape)} "
+                f"and offsets {tuple(self.offsets.shape)} do not match a product of {k} inputs and {n} "
+                "outputs"
+            )
+        if not all(
+            t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() for t in (self.inputs, self.outputs)
+        ):
+            raise ValueError(f"{name} takes the term's factors as contiguous fp32 CPU tensors")
+        if self.offsets.dtype != torch.int64 or not self.offsets.is_contiguous():
+            raise ValueError(f"{name} takes the term's row offsets as a contiguous int64 tensor")
+        addresses = (t.data_ptr() for t in (self.inputs, self.outputs, self.offsets))
+        return (*addresses, rank, members)
 
 
 def _term_arguments(name: str, term: LowRankTerm | None, k: int, n: int) -> tuple:
-    """(inputs, outputs, offsets, rank, members) as the library takes them (addresses; None and zeros
-    without a term), the term checked against a product of width k and n."""
-    if term is None:
-        return None, None, None, 0, 0
-    members, rank = term.inputs.shape[:2]
-    if (
-        term.inputs.shape != (members, rank, k)
-        or term.outputs.shape != (members, rank, n)
-        or term.offsets.shape != (members + 1,)
-    ):
-        raise ValueError(
-            f"{name}: the term's inputs {tuple(term.inputs.shape)}, outputs {tuple(term.outputs.shape)} "
-            f"and offsets {tuple(term.offsets.shape)} do not match a product of {k} inputs and {n} outputs"
-        )
-    # every projection calls this at every decoding step: the cheapest checks (is_cpu, not .device)
-    if not all(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() for t in term[:2]):
-        raise ValueError(f"{name} takes the term's factors as contiguous fp32 CPU tensors")
-    if term.offsets.dtype != torch.int64 or not term.offsets.is_contiguous():
-        raise ValueError(f"{name} takes the term's row offsets as a contiguous int64 tensor")
-    return (*(t.data_ptr() for t in term), rank, members)
+    """The term's arguments for the library (`LowRankTerm.arguments`); None and zeros without a term."""
+    return (None, None, None, 0, 0) if term is None else term.arguments(name, k, n)
 
 
 def _offsets_refused(name: str, term: LowRankTerm, rows: int) -> ValueError:

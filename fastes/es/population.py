@@ -275,6 +275,11 @@ class LowRankLinear(_PopulationLayer):
         # the library computes the base as it computes a plain layer while decoding, term included, only
         # where the base is x W^T + b and nothing more (the same rule: fastes.models.decoding_linears)
         self.library_base = self.compiled and cpu_linear.linear_applies(base)
+        # the base's weight and bias as plain tensors (sharing their memory), read at every call without
+        # nn.Module's attribute lookups; the layer lives for one population's generation
+        self._weight = weight.detach()
+        self._bias = None if base.bias is None else base.bias.detach()
+        self._term: cpu_library.LowRankTerm | None = None  # _term_for's last answer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         members, _, out_features = self.outputs.shape
@@ -306,7 +311,7 @@ class LowRankLinear(_PopulationLayer):
         self._set_inputs(self.inputs[index])
         self.outputs = self.outputs[index]
         self._output_columns = self.outputs.split(1, dim=1)
-        self._offsets_for = -1
+        self._offsets_for, self._term = -1, None
 
     def _set_inputs(self, inputs: torch.Tensor) -> None:
         """Hold the input factors [members, r, in] in row-major strides, and `_inputs_t`, the batched
@@ -321,11 +326,21 @@ class LowRankLinear(_PopulationLayer):
         self._inputs_t = self.inputs.transpose(1, 2)
 
     def _compiled(self, flat: torch.Tensor) -> torch.Tensor:
-        term = cpu_library.LowRankTerm(self.inputs, self.outputs, self._row_offsets(flat.shape[0]))
         flat = flat.to(torch.float32).contiguous()
+        term = self._term_for(flat.shape[0])
         if self.library_base:
-            return cpu_linear.linear(flat, self.base.weight, self.base.bias, term)
+            return cpu_linear.linear(flat, self._weight, self._bias, term)
         return cpu_library.lowrank_term(flat, self.base(flat).contiguous(), term)
+
+    def _term_for(self, rows: int) -> cpu_library.LowRankTerm:
+        """The library's term for `rows` rows, made (and checked, on its first use) once per grouping of
+        the rows, as `_row_offsets`: the layer runs for every token, and a term made and checked at every
+        call cost ~30 us of a SmolLM2 decoding step's ~650 us a layer
+        (docs/results/population-overheads-2026-12-07.md)."""
+        offsets = self._row_offsets(rows)
+        if self._term is None or self._term.offsets is not offsets:
+            self._term = cpu_library.LowRankTerm(self.inputs, self.outputs, offsets)
+        return self._term
 
     def _fused(self, flat: torch.Tensor) -> torch.Tensor:
         from fastes.engine.kernels import launch_lowrank_linear

@@ -70,6 +70,7 @@ def generate(
     top_k: int = 0,
     min_p: float | None = None,
     repetition_penalty: float = 1.0,
+    stop_at_eos: bool = True,
 ) -> Generation:
     """Complete every prompt: greedy when temperature == 0, else sampled at the temperature.
 
@@ -78,7 +79,9 @@ def generate(
     already in a row (prompt and completion) have their logits divided by repetition_penalty (multiplied
     when negative) first, also when decoding greedily; 1 is off.
 
-    Each row stops at EOS (or after max_new_tokens). Prompts should already be formatted
+    Each row stops at EOS (or after max_new_tokens); with stop_at_eos=False every row decodes
+    max_new_tokens tokens and its completion keeps them all (what an inference throughput benchmark
+    measures: the same work whatever the rows answer). Prompts should already be formatted
     (see fastes.models.loading.format_prompt). With `seed`, the result is deterministic. Row i of this call
     (sample i % num_return_sequences of prompt i // num_return_sequences) samples as row first_row + i:
     give each process its rows' global index and a shared seed to split one batch over processes.
@@ -131,11 +134,11 @@ def generate(
         input_ids,
         mask,
         max_new_tokens=max_new_tokens,
-        eos_ids=eos,
+        eos_ids=eos if stop_at_eos else [],
         pad_id=pad,
         choose=choose,
     )
-    completion_ids = [until_eos(row, eos) for row in out.tolist()]
+    completion_ids = [until_eos(row, eos) if stop_at_eos else row for row in out.tolist()]
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
 
     prompt_ids = [ids for ids in prompt_token_ids(enc) for _ in range(num_return_sequences)]
