@@ -19,8 +19,8 @@ rounds whose ES iteration decoded as many steps as plain generation did: a membe
 longer than the unperturbed model's makes the iteration decode more steps (for its rows), work that
 the headline charges to ES. Then the same rounds again with EOS stopping no row (every row decodes
 `max_new_tokens` in all three, as inference throughput benchmarks measure, e.g. vLLM's with
---ignore-eos): both sides do the same work, so that ratio is the engine's speed alone. Member by member, likewise against plain generation of each member's rows one
-call at a time (first shape).
+--ignore-eos): both sides do the same work, so that ratio is the engine's speed alone. Member by
+member, likewise against plain generation of each member's rows one call at a time (first shape).
 
 Then each variant in a fresh process (so that no variant's peak memory is hidden by what an earlier one
 left allocated): plain batched inference, fastes' default eval mode for this model and the other modes,
@@ -53,6 +53,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -215,8 +216,6 @@ def interleaved(args: argparse.Namespace, mode: str, fixed_length: bool = False)
         generated.append(generate(*positional, **keywords, stop_at_eos=stop_at_eos))
         return generated[-1]
 
-    es_loop.generate = recording  # this process measures and exits: nothing else uses the module
-
     def counted(gens: list) -> tuple[int, int]:
         """Tokens processed (every row's prompt and generated tokens) and decode steps of some calls."""
         return prompt_tokens + sum(g.num_tokens for g in gens), sum(map(_steps, gens))
@@ -243,10 +242,11 @@ def interleaved(args: argparse.Namespace, mode: str, fixed_length: bool = False)
         parts = {k: v for k, v in record.items() if k.startswith("time/")}
         return record["seconds"], *counted(generated), parts
 
-    cold = iteration()
-    plain()
-    with long_lived_objects_frozen():  # as `fastes train` runs its steps
-        rounds = [_round(index, plain, iteration, reference) for index in range(args.rounds)]
+    with mock.patch.object(es_loop, "generate", recording):  # the ES iteration's generate call
+        cold = iteration()
+        plain()
+        with long_lived_objects_frozen():  # as `fastes train` runs its steps
+            rounds = [_round(index, plain, iteration, reference) for index in range(args.rounds)]
     median = statistics.median
     equal = [r for r in rounds if r["es_steps"] == r["plain_steps"]]
     return {

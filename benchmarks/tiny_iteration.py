@@ -1,7 +1,7 @@
 """Where one ES iteration of the tiny model spends its time, against plain batched generation.
 
     python -m benchmarks.tiny_iteration [--threads 1] [--rounds 9] [--modes materialised,lowrank]
-                                        [--antithetic] [--out DIR]
+                                        [--antithetic] [--fixed-length] [--out DIR]
 
 The demo's setting (16 members x 32 countdown prompts x 12 new tokens, greedy; antithetic off as in the
 iteration suite, or on, as a run has it by default, with --antithetic), each round interleaved: plain
@@ -10,7 +10,9 @@ perturbed weights or factors in place, built once outside the timing); entering 
 `population_batched` alone; and a whole `es_iteration`, whose own split (generation, noise, scoring,
 update) it records. The headline is the iteration's time over plain generation's for the same rows and
 max_new_tokens (in both, a row leaves the batch when it finishes; the generated-token rate is also
-reported, and is lower for ES whenever perturbed members stop earlier at EOS). Medians over rounds
+reported, and is lower for ES whenever perturbed members stop earlier at EOS). With --fixed-length, EOS
+stops no row in any of them (every row decodes max_new_tokens: the same work on both sides, whatever the
+members answer, so the ratio is the engine's speed alone). Medians over rounds
 (and, beside them, the fastest round of each), run as `fastes train` runs its steps: with the objects
 made before them frozen out of full garbage collections. Measured, never asserted. Writes
 <out>/tiny-iteration-<date>.json and .md. One thread by default, the count `fastes.run.auto_settings`
@@ -22,10 +24,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import statistics
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -47,12 +51,16 @@ def _timed(call) -> tuple[float, object]:
     return time.perf_counter() - start, result
 
 
-def measure_mode(mode: str, rounds: int, antithetic: bool = False) -> dict:
-    """Interleaved rounds of plain generation, population generation, enter/exit and a whole iteration."""
+def measure_mode(mode: str, rounds: int, antithetic: bool = False, fixed_length: bool = False) -> dict:
+    """Interleaved rounds of plain generation, population generation, enter/exit and a whole iteration;
+    with `fixed_length`, EOS stops no row in any of them."""
+    import fastes.run.es_loop as es_loop
     from fastes.es.population import population_batched
-    from fastes.models.generation import generate
+    from fastes.models.generation import generate as generate_stopping
     from fastes.run.es_loop import es_iteration
     from fastes.run.shared import batch_for, long_lived_objects_frozen
+
+    generate = functools.partial(generate_stopping, stop_at_eos=not fixed_length)
 
     bench = load_bench_model("tiny", torch.device("cpu"), torch.float32)
     run, es = make_run(bench.clone(), SETTING, "auto", mode, antithetic)
@@ -71,23 +79,24 @@ def measure_mode(mode: str, rounds: int, antithetic: bool = False) -> dict:
             pass
 
     calls = {"plain": plain, "population generation": population, "enter and exit": enter_exit}
-    for call in calls.values():  # warm: lazy allocations, the compiled library
-        call()
-    es_iteration(run, es, 0)
-    seconds: dict[str, list[float]] = {name: [] for name in [*calls, "ES iteration"]}
-    tokens: dict[str, int] = {}
-    parts: list[dict] = []
-    with long_lived_objects_frozen():  # as `fastes train` runs its steps
-        for _ in range(rounds):
-            for name, call in calls.items():
-                s, out = _timed(call)
-                seconds[name].append(s)
-                if out is not None:
-                    tokens[name] = out.num_tokens
-            s, record = _timed(lambda: es_iteration(run, es, 0))
-            seconds["ES iteration"].append(s)
-            tokens["ES iteration"] = round(record["tokens_per_second"] * record["seconds"])
-            parts.append({k: v for k, v in record.items() if k.startswith("time/")})
+    with mock.patch.object(es_loop, "generate", generate):  # the iteration's generate call, likewise
+        for call in calls.values():  # warm: lazy allocations, the compiled library
+            call()
+        es_iteration(run, es, 0)
+        seconds: dict[str, list[float]] = {name: [] for name in [*calls, "ES iteration"]}
+        tokens: dict[str, int] = {}
+        parts: list[dict] = []
+        with long_lived_objects_frozen():  # as `fastes train` runs its steps
+            for _ in range(rounds):
+                for name, call in calls.items():
+                    s, out = _timed(call)
+                    seconds[name].append(s)
+                    if out is not None:
+                        tokens[name] = out.num_tokens
+                s, record = _timed(lambda: es_iteration(run, es, 0))
+                seconds["ES iteration"].append(s)
+                tokens["ES iteration"] = round(record["tokens_per_second"] * record["seconds"])
+                parts.append({k: v for k, v in record.items() if k.startswith("time/")})
     median = {name: statistics.median(values) for name, values in seconds.items()}
     split = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
     return {
@@ -113,7 +122,9 @@ def markdown(report: dict) -> str:
         f"Measured {report['date']} {report['time']}; {report['cpu']}; {report['threads']} torch thread(s); "
         f"load average {report['load_average_at_start']} at the start; {SETTING.population} members x "
         f"{SETTING.batch} prompts x {SETTING.max_new_tokens} new tokens; antithetic pairs "
-        f"{'on' if report['antithetic'] else 'off'}; median of {report['rounds']} "
+        f"{'on' if report['antithetic'] else 'off'}; "
+        f"{'EOS stops no row (every row decodes the max_new_tokens); ' if report.get('fixed_length') else ''}"
+        f"median of {report['rounds']} "
         "interleaved rounds (`python -m benchmarks.tiny_iteration`).",
         "",
         "| mode | plain ms | population generation ms | enter + exit ms | ES iteration ms | its generation / "
@@ -153,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--modes", default="materialised,lowrank")
     parser.add_argument("--antithetic", action="store_true", help="antithetic pairs, as a run's default")
+    parser.add_argument(
+        "--fixed-length", action="store_true", help="EOS stops no row: every row decodes max_new_tokens"
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -164,11 +178,12 @@ def main(argv: list[str] | None = None) -> int:
         "threads": args.threads,
         "rounds": args.rounds,
         "antithetic": args.antithetic,
+        "fixed_length": args.fixed_length,
         "load_average_at_start": load_average(),
         "modes": {},
     }
     for mode in args.modes.split(","):
-        report["modes"][mode] = measure_mode(mode, args.rounds, args.antithetic)
+        report["modes"][mode] = measure_mode(mode, args.rounds, args.antithetic, args.fixed_length)
         print(f"{mode}: iteration time ratio {report['modes'][mode]['time_ratio']:.3f}", flush=True)
     print(f"wrote {write_results(args.out, 'tiny-iteration', report, markdown(report))}")
     return 0

@@ -119,3 +119,30 @@ def test_linear_takes_each_path_where_its_rules_say_and_matches_the_reference(mo
     taken.clear()
     cpu_linear.linear(x, w, bias, term)
     assert taken == (["lowrank_term"] if with_term else [])
+
+
+def test_a_term_is_checked_once_and_a_layer_keeps_one_per_grouping_of_its_rows(monkeypatch):
+    """A low-rank layer runs for every token: it makes its term once per row grouping (as its row
+    offsets), and the term's checks run on its first use only, not at every decoding step."""
+    from fastes.es.population import LowRankLinear
+
+    checks = []
+    original = LowRankTerm._check
+    monkeypatch.setattr(LowRankTerm, "_check", lambda self, *a: checks.append(id(self)) or original(self, *a))
+    torch.manual_seed(0)
+    base = torch.nn.Linear(24, 16, bias=False)
+    factors = [(torch.randn(16, 1), torch.randn(24, 1)) for _ in range(3)]
+    layer = LowRankLinear(base, factors, [1e-2, -1e-2, 2e-2], backend="cpu")
+    x = torch.randn(6, 24)
+    first = layer(x)
+    assert torch.equal(layer(x), first) and torch.equal(layer(x), first)
+    assert len(checks) == 1  # three calls at six rows: one term, checked once
+    layer(torch.randn(9, 24))
+    assert len(checks) == 2 and checks[0] != checks[1]  # nine rows: another grouping, another term
+    expected = base(x) + torch.cat(
+        [
+            (x[2 * m : 2 * m + 2] @ b) @ a.T * s
+            for m, ((a, b), s) in enumerate(zip(factors, [1e-2, -1e-2, 2e-2]))
+        ]
+    )
+    torch.testing.assert_close(layer(x), expected)
