@@ -695,9 +695,9 @@ class LowRankTerm:
     the rows; all contiguous, on the CPU.
 
     A layer makes one per grouping of its rows and passes it at every decoding step: the checks run on
-    its first use (`arguments`) and their answer is kept (~30 us a call in a SmolLM2 decoding step when
-    they ran every time: docs/results/population-overheads-2026-12-07.md). The tensors must not be
-    resized or moved while the term is in use."""
+    its first use (`arguments`) and their answer is kept. (Made and checked at every call, the term cost
+    62 us a call at SmolLM2's decoding steps, 31 us since: docs/results/population-overheads-2026-12-07.md,
+    section 1.) The tensors must not be resized or moved while the term is in use."""
 
     __slots__ = ("inputs", "outputs", "offsets", "_checked")
 

@@ -334,9 +334,7 @@ class LowRankLinear(_PopulationLayer):
 
     def _term_for(self, rows: int) -> cpu_library.LowRankTerm:
         """The library's term for `rows` rows, made (and checked, on its first use) once per grouping of
-        the rows, as `_row_offsets`: the layer runs for every token, and a term made and checked at every
-        call cost ~30 us of a SmolLM2 decoding step's ~650 us a layer
-        (docs/results/population-overheads-2026-12-07.md)."""
+        the rows, as `_row_offsets`: the layer runs for every token (`cpu_library.LowRankTerm`)."""
         offsets = self._row_offsets(rows)
         if self._term is None or self._term.offsets is not offsets:
             self._term = cpu_library.LowRankTerm(self.inputs, self.outputs, offsets)
