@@ -217,11 +217,16 @@ def library_calls(monkeypatch) -> list[str]:
     from fastes.engine import cpu_library
 
     taken: list[str] = []
-    for name in ("few_rows_linear", "packed_linear", "lowrank_term", "member_matmul"):
+    for name in ("few_rows_linear", "packed_linear", "lowrank_term"):
         real = getattr(cpu_library, name)
         monkeypatch.setattr(
             cpu_library, name, lambda *a, _real=real, _name=name: taken.append(_name) or _real(*a)
         )
+    # member_matmul and the population layers' prepared products (MemberMatmul) all run this
+    real_call = cpu_library.MemberMatmul.__call__
+    monkeypatch.setattr(
+        cpu_library.MemberMatmul, "__call__", lambda *a: taken.append("member_matmul") or real_call(*a)
+    )
     return taken
 
 

@@ -175,57 +175,55 @@ def member_rows_reference(x, weight, bias, factors, scales, counts):
 @torch.no_grad()
 @pytest.mark.parametrize("rank", [1, 3])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_a_small_low_rank_layer_applies_its_members_weights(monkeypatch, rank, with_bias):
-    """A layer too small for the library's products, whose members' weights fit MEMBER_WEIGHTS_MAX_BYTES,
-    builds them once and runs the member matmul (no term pass) where that is this machine's product:
-    each member's rows get its own perturbed weight, in equal groups, groups of any size (decoding's
-    finished rows leaving) and after members leave. Too large, or without the member matmul, it adds the
-    term after torch's product as before, with the same result."""
-    from fastes.engine import cpu_linear
-    from fastes.es import population
+def test_a_small_low_rank_layer_forms_its_members_weights_in_the_member_matmul(monkeypatch, rank, with_bias):
+    """A layer too small for the library's products runs the member matmul with its members' factors
+    (each member's weight formed as the shared weight is loaded; no term pass) where that is this
+    machine's product: each member's rows get its own perturbed weight, in equal groups, in groups of
+    any size (decoding's finished rows leaving) and after members leave. Without the member matmul, or
+    with a base of another kind, it adds the term after the base's product as before, with the same
+    result."""
+    from conftest import library_calls
 
-    taken = []
-    for name in ("member_matmul", "lowrank_term"):
-        original = getattr(cpu_library, name)
-        monkeypatch.setattr(cpu_library, name, lambda *a, _n=name, _o=original: taken.append(_n) or _o(*a))
-    members, in_features, out_features = 4, 37, 53
+    from fastes.engine import cpu_linear
+
+    taken = library_calls(monkeypatch)
+    members, in_features, out_features = 4, 37, 53  # odd widths: the last columns one by one
+    tolerance = {"rtol": 1e-5, "atol": 1e-5}
     for seed in (0, 1, 2):
         torch.manual_seed(seed)
         base = torch.nn.Linear(in_features, out_features, bias=with_bias)
         factors = [(torch.randn(out_features, rank), torch.randn(in_features, rank)) for _ in range(members)]
         scales = (torch.randn(members) * 0.1).tolist()
         layer = LowRankLinear(base, factors, scales, backend="cpu")
-        assert layer.member_weights is not None and layer.member_weights.shape == (members, 37, 53)
-        x = torch.randn(members * 5, in_features)
+        x = torch.randn(members * 5, 2, in_features)  # [batch, positions, in]
         taken.clear()
-        tolerance = {"rtol": 1e-5, "atol": 1e-5}
         expected = rank_term_reference(x, base.weight, base.bias, factors, scales)
-        torch.testing.assert_close(layer(x).double(), expected, **tolerance)
+        torch.testing.assert_close(layer(x).double().reshape(-1, out_features), expected, **tolerance)
         assert taken == ["member_matmul"]
         counts = [2, 0, 5, 1]  # rows leaving one by one while decoding
         layer.set_member_rows(counts)
-        expected = member_rows_reference(x[:8], base.weight, base.bias, factors, scales, counts)
-        torch.testing.assert_close(layer(x[:8]).double(), expected, **tolerance)
+        flat = x[:8, 0]
+        expected = member_rows_reference(flat, base.weight, base.bias, factors, scales, counts)
+        torch.testing.assert_close(layer(flat).double(), expected, **tolerance)
         layer.set_member_rows(None)
         layer.keep_members([1, 3])
         kept = [factors[1], factors[3]], [scales[1], scales[3]]
         expected = rank_term_reference(x[:6], base.weight, base.bias, *kept)
-        torch.testing.assert_close(layer(x[:6]).double(), expected, **tolerance)
-        for setting in ("too large", "no member matmul"):
+        torch.testing.assert_close(layer(x[:6]).double().reshape(-1, out_features), expected, **tolerance)
+        for setting in ("no member matmul", "another base"):
             with monkeypatch.context() as m:
-                if setting == "too large":
-                    m.setattr(
-                        population, "MEMBER_WEIGHTS_MAX_BYTES", members * in_features * out_features * 4 - 1
-                    )
-                else:
+                if setting == "no member matmul":
                     m.setattr(
                         cpu_linear, "products", lambda threads: cpu_linear.Products(True, True, True, False)
                     )
-                layer = LowRankLinear(base, factors, scales, backend="cpu")
-                assert layer.member_weights is None
+                    layer = LowRankLinear(base, factors, scales, backend="cpu")
+                else:
+                    other = CountingLinear(in_features, out_features, bias=with_bias)
+                    other.load_state_dict(base.state_dict())
+                    layer = LowRankLinear(other, factors, scales, backend="cpu")
                 taken.clear()
                 expected = rank_term_reference(x, base.weight, base.bias, factors, scales)
-                torch.testing.assert_close(layer(x).double(), expected, **tolerance)
+                torch.testing.assert_close(layer(x).double().reshape(-1, out_features), expected, **tolerance)
                 assert taken == ["lowrank_term"]
 
 

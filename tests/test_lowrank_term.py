@@ -124,11 +124,11 @@ def test_linear_takes_each_path_where_its_rules_say_and_matches_the_reference(mo
 def test_a_term_is_checked_once_and_a_layer_keeps_one_per_grouping_of_its_rows(monkeypatch):
     """A low-rank layer runs for every token: it makes its term once per row grouping (as its row
     offsets), and the term's checks run on its first use only, not at every decoding step. (A layer this
-    small would hold its members' weights instead: not here.)"""
-    from fastes.es import population
+    small takes the member matmul where that is the machine's product: not here.)"""
+    from fastes.engine import cpu_linear
     from fastes.es.population import LowRankLinear
 
-    monkeypatch.setattr(population, "MEMBER_WEIGHTS_MAX_BYTES", 0)
+    monkeypatch.setattr(cpu_linear, "products", lambda threads: cpu_linear.Products(True, True, True, False))
 
     checks = []
     original = LowRankTerm._check

@@ -3,7 +3,9 @@ against the plain-torch reference: each member's rows times its own weights, in 
 
 Odd sizes on every axis (rows around the row blocks of 6 and 12, columns around the 16- and 32-wide
 panels, a member with no rows), with and without a bias, several seeds; the thread count and the rows
-beside a row never change its bits; and the population layer reads unequal row groups with it.
+beside a row never change its bits; and the population layer reads unequal row groups with it. With the
+low-rank population's factors (`MemberMatmul(w, bias, (inputs, outputs))`), each member's weight is
+w + sum_j inputs[m, j]^T outputs[m, j], against the same reference on those weights.
 """
 
 import pytest
@@ -56,6 +58,46 @@ def test_member_matmul_matches_the_reference(seed, counts, with_bias, threads):
         torch.set_num_threads(previous)
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("counts", ROW_GROUPS, ids=str)
+@pytest.mark.parametrize("rank", [1, 2, 5])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_member_matmul_forms_each_members_weight_from_its_factors(seed, counts, rank, threads):
+    """One shared weight [k, n] and the members' factors: the reference on the members' weights formed in
+    float64, w + inputs[m]^T outputs[m], over odd sizes, ranks, row groups and seeds."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for k in (1, 17, 64):
+            for n in COLUMNS:
+                x, w, bias = problem(counts, k, n, seed, with_bias=seed != 1)
+                generator = torch.Generator().manual_seed(seed + 7)
+                inputs = torch.randn(len(counts), rank, k, generator=generator)
+                outputs = torch.randn(len(counts), rank, n, generator=generator) * 0.1
+                product = cpu_library.MemberMatmul(w[0].contiguous(), bias, (inputs, outputs))
+                got = product(x, offsets_of(counts))
+                members_weights = w[0].double() + inputs.double().transpose(1, 2) @ outputs.double()
+                expected = reference(x, members_weights, counts, bias)
+                torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=4e-6 * k)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_member_matmul_refuses_factors_that_do_not_match():
+    x, w, _ = problem([3, 4], 8, 16, seed=0, with_bias=False)
+    inputs, outputs = torch.randn(2, 1, 8), torch.randn(2, 1, 16)
+    with pytest.raises(ValueError, match="are not"):  # factors need one shared weight [k, n]
+        cpu_library.MemberMatmul(w, None, (inputs, outputs))
+    with pytest.raises(ValueError, match="are not"):
+        cpu_library.MemberMatmul(w[0], None, (inputs[:, :, :5].contiguous(), outputs))
+    with pytest.raises(ValueError, match="are not"):
+        cpu_library.MemberMatmul(w[0], None, (inputs, torch.randn(2, 2, 16)))
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        cpu_library.MemberMatmul(w[0], None, (inputs.double(), outputs))
+    with pytest.raises(ValueError, match="do not match"):  # 3 members' offsets for 2 members' factors
+        cpu_library.MemberMatmul(w[0].contiguous(), None, (inputs, outputs))(x, offsets_of([3, 2, 2]))
+
+
 def test_a_rows_result_depends_on_neither_the_threads_nor_the_rows_beside_it():
     counts = [13, 7, 30, 2]  # enough work for torch's threads to share it
     x, w, bias = problem(counts, 96, 80, seed=5, with_bias=True)
@@ -86,6 +128,10 @@ def test_member_matmul_refuses_what_it_cannot_compute():
         cpu_library.member_matmul(x, w.transpose(1, 2).contiguous().transpose(1, 2), offsets_of([3, 4]))
     with pytest.raises(ValueError, match="int64"):
         cpu_library.member_matmul(x, w, offsets_of([3, 4]).int())
+    with pytest.raises(ValueError, match="do not split 7 rows"):  # checked in C, before anything is read
+        cpu_library.member_matmul(x, w, offsets_of([3, 5]))
+    with pytest.raises(ValueError, match="do not split 7 rows"):  # a member's rows past the end
+        cpu_library.member_matmul(x, w, torch.tensor([0, 8, 7]))
 
 
 @torch.no_grad()

@@ -103,8 +103,9 @@ _SIGNATURES = {
     + [_FLOAT, _FLOAT],
     # (w, a, b transposed, columns, a's columns, decay, first row, end row): lowrank_cpu.c
     "fastes_lowrank_update_f32": [_POINTER] * 3 + [_I64, _I64, _FLOAT, _I64, _I64],
-    # (x, w, bias or NULL, y, row offsets, k, n, members, threads): member_matmul_cpu.c
-    "fastes_member_matmul_f32": [_POINTER] * 5 + [_I64] * 4,
+    # (x, w, bias or NULL, y, row offsets, rows, k, n, members, inputs or NULL, outputs or NULL, rank,
+    # threads): member_matmul_cpu.c
+    "fastes_member_matmul_f32": [_POINTER] * 5 + [_I64] * 4 + [_POINTER] * 2 + [_I64] * 2,
     # (x, w, bias or NULL, y, rows, k, n, inputs, outputs or NULL, offsets, rank, members, threads):
     # few_rows_linear_cpu.c, packed_linear_cpu.c; (x, inputs, outputs, y, offsets, rows, k, n, rank,
     # members, threads): packed_linear_cpu.c
@@ -116,6 +117,7 @@ _SIGNATURES = {
 # the functions that return a value (the others return nothing)
 _RESULTS = {
     "fastes_lowrank_update_f32": _FLOAT,
+    "fastes_member_matmul_f32": _I64,
     "fastes_few_rows_linear_f32": _I64,
     "fastes_packed_linear_f32": _I64,
     "fastes_lowrank_term_f32": _I64,
@@ -658,28 +660,99 @@ def member_matmul(
     the members' row groups, which may differ in size. w [members, k, n] (contiguous), offsets int64
     [members + 1] from 0 to rows, bias [n]; fp32 on the CPU. See csrc/member_matmul_cpu.c for why it can
     be faster than torch's batched matmul at these sizes; `cpu_linear.products` says whether it is on
-    this machine.
+    this machine. A layer that applies the same weights at every token holds a `MemberMatmul`.
 
     It runs in torch's own OpenMP threads (torch.get_num_threads() of them): the library is built with
     -fopenmp and so links libgomp.so.1, which the loader finds already loaded with torch. Threads of our
     own beside torch's pool contended with its spinning threads (SmolLM2's materialised generation at
     0.62x of plain generation, against 0.96x with torch.bmm: docs/results/member-matmul-2026-12-06.md)."""
-    members, k, n = w.shape
-    rows = x.shape[0]
-    if x.dim() != 2 or x.shape[1] != k or offsets.shape != (members + 1,):
-        raise ValueError(
-            f"member_matmul: x {tuple(x.shape)}, w {tuple(w.shape)} and offsets {tuple(offsets.shape)} "
-            "do not match"
+    if x.dim() != 2:
+        raise ValueError(f"member_matmul: x {tuple(x.shape)} is not [rows, k]")
+    return MemberMatmul(w, bias)(x, offsets)
+
+
+class MemberMatmul:
+    """x[i] @ w_m (+ bias) for the rows of each member m (offsets[m] <= i < offsets[m + 1]), with the
+    weights and bias checked once: a population layer applies the same weights at every token, where the
+    checks and reshapes around the library's call cost more than the call itself at a tiny model's
+    decoding steps (docs/results/tiny-lowrank-2026-12-07.md).
+
+    The members' weights are `weights` [members, k, n], or, with `factors` (inputs [members, r, k] and
+    outputs [members, r, n], the members' scales folded in), weights [k, n] that every member shares
+    and member m's w + sum_j inputs[m, j]^T outputs[m, j], formed as each weight vector is loaded
+    (csrc/member_matmul_cpu.c). fp32, contiguous, on the CPU; bias [n]. The tensors must not be resized
+    or moved while in use."""
+
+    __slots__ = ("weights", "bias", "factors", "_arguments")
+
+    def __init__(
+        self,
+        weights: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        factors: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        k, n = weights.shape[-2:] if weights.dim() >= 2 else (-1, -1)
+        members = factors[0].shape[0] if factors is not None else weights.shape[0]
+        inputs, outputs = factors if factors is not None else (None, None)
+        expected = (
+            weights.dim() == (2 if factors is not None else 3)
+            and (bias is None or bias.shape == (n,))
+            and (
+                factors is None
+                or (inputs.shape[::2] == (members, k) and outputs.shape == (members, inputs.shape[1], n))
+            )
         )
-    x, bias = _matmul_operands("member_matmul", x, w, bias)
-    if offsets.dtype != torch.int64 or not offsets.is_contiguous():
-        raise ValueError("member_matmul takes the row offsets as a contiguous int64 tensor")
-    y = torch.empty(rows, n, dtype=torch.float32)
-    bias_address, threads = None if bias is None else bias.data_ptr(), _matmul_threads(rows, k, n)
-    _load().fastes_member_matmul_f32(
-        x.data_ptr(), w.data_ptr(), bias_address, y.data_ptr(), offsets.data_ptr(), k, n, members, threads
-    )
-    return y
+        if not expected:
+            shapes = ", ".join(
+                f"{name} {None if t is None else tuple(t.shape)}"
+                for name, t in (("w", weights), ("bias", bias), ("inputs", inputs), ("outputs", outputs))
+            )
+            raise ValueError(
+                f"member_matmul: {shapes} are not [members, k, n] and [n] (or [k, n], [n], [members, r, k] "
+                "and [members, r, n] with factors)"
+            )
+        tensors = [t for t in (weights, bias, inputs, outputs) if t is not None]
+        if any(t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous() for t in tensors):
+            raise ValueError("member_matmul takes contiguous fp32 CPU tensors")
+        self.weights, self.bias, self.factors = weights, bias, factors
+        addresses = [None if t is None else t.data_ptr() for t in (weights, bias, inputs, outputs)]
+        rank = 0 if inputs is None else inputs.shape[1]
+        self._arguments = (*addresses, members, k, n, rank)
+
+    def __call__(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """y [..., n] for x [..., k] (its rows flattened: member m's are offsets[m] <= i < offsets[m + 1])."""
+        weights, bias, inputs, outputs, members, k, n, rank = self._arguments
+        if x.shape[-1] != k or offsets.shape != (members + 1,):
+            raise ValueError(
+                f"member_matmul: x {tuple(x.shape)}, w {tuple(self.weights.shape)} and offsets "
+                f"{tuple(offsets.shape)} do not match"
+            )
+        if x.dtype != torch.float32 or not x.is_cpu:
+            raise ValueError("member_matmul takes contiguous fp32 CPU tensors")
+        if offsets.dtype != torch.int64 or not offsets.is_contiguous():
+            raise ValueError("member_matmul takes the row offsets as a contiguous int64 tensor")
+        x = x.contiguous()
+        rows = x.numel() // k
+        y = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
+        threads = _matmul_threads(rows, k, n)
+        status = _load().fastes_member_matmul_f32(
+            x.data_ptr(),
+            weights,
+            bias,
+            y.data_ptr(),
+            offsets.data_ptr(),
+            rows,
+            k,
+            n,
+            members,
+            inputs,
+            outputs,
+            rank,
+            threads,
+        )
+        if status == -2:
+            raise ValueError(f"member_matmul: the row offsets {offsets.tolist()} do not split {rows} rows")
+        return y
 
 
 # ---------------------------------------------------------------------------------------------------

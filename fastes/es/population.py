@@ -10,8 +10,7 @@ KV cache works unchanged. Three modes:
 - "virtual": `VirtualLinear` runs the Triton kernel that regenerates each member's noise tile in
   registers inside the matmul: no per-member weights exist, memory stays that of plain inference.
 - "lowrank" (for ES(noise_type="lowrank")): `LowRankLinear` adds sigma (x B_m) A_m^T / sqrt(r) to
-  x W^T; only the members' factors exist, (out + in) r numbers each (a small layer on the CPU: its
-  members' weights, LowRankLinear's docstring).
+  x W^T; only the members' factors exist, (out + in) r numbers each.
 On exit the original modules are put back; the base weights are never written, so nothing needs restoring.
 """
 
@@ -138,16 +137,13 @@ class PopulationLinear(_PopulationLayer):
             and self.weights.dtype == torch.float32  # the library's matmul is fp32
             and cpu_linear.products(torch.get_num_threads()).member_matmul
         )
+        self._product = cpu_library.MemberMatmul(self.weights, base.bias) if self.compiled else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         members = self.weights.shape[0]
         self._check_rows(x.shape[0])
-        if self.compiled:
-            flat = x.reshape(-1, x.shape[-1])
-            y = cpu_library.member_matmul(
-                flat, self.weights, self._row_offsets(flat.shape[0]), self.base.bias
-            )
-            return y.view(*x.shape[:-1], y.shape[-1])
+        if self._product is not None:
+            return self._product(x, self._row_offsets(x.numel() // x.shape[-1]))
         grouped = x.reshape(members, -1, x.shape[-1])  # [members, rows * positions, in]
         y = torch.bmm(grouped, self.weights)
         if self.base.bias is not None:
@@ -164,6 +160,8 @@ class PopulationLinear(_PopulationLayer):
             if new != old:
                 self.weights[new].copy_(self.weights[old])
         self.weights = self.weights[: len(positions)]
+        if self._product is not None:
+            self._product = cpu_library.MemberMatmul(self.weights, self.base.bias)
         self._offsets_for = -1
 
 
@@ -225,14 +223,8 @@ class VirtualLinear(_PopulationLayer):
         self.keys, self.scales = self.keys[index], self.scales[index]
 
 
-# A low-rank layer holds its members' full weights where they take at most this many bytes: read at every
-# call, they stay in a core's L2 (2 MiB on the machines measured); a tiny model's largest are 1 MiB
-MEMBER_WEIGHTS_MAX_BYTES = 2 * 1024 * 1024
-
-
 class LowRankLinear(_PopulationLayer):
-    """y_m = x_m W^T + scale_m / sqrt(r) * (x_m B_m) A_m^T: the members' rank-r noise is never formed
-    (but in a small layer's weights, below).
+    """y_m = x_m W^T + scale_m / sqrt(r) * (x_m B_m) A_m^T: the members' rank-r noise is never stored.
 
     With the Triton backend (CUDA tensors) one GEMM (fastes/engine/kernels/lowrank_linear.py) adds each
     row's r products with its member's input factors times the output factors in its epilogue and writes
@@ -251,15 +243,12 @@ class LowRankLinear(_PopulationLayer):
     read the same input (q, k and v) could share one product: tried on 2026-12-05, one batched matmul
     for them was 3x faster alone and no faster in the model. The output side is stored pre-scaled.
 
-    A layer too small for the library's products (torch's `linear`, then the term's pass) whose members'
-    weights W + scale_m / sqrt(r) A_m B_m^T fit MEMBER_WEIGHTS_MAX_BYTES (a tiny model's) holds them
-    instead, built once, and applies them with the library's member matmul where that is this machine's
-    product for materialised layers (`cpu_linear.products`): at such sizes the term's pass over every
-    output cost 20-35% of the product (docs/results/tiny-lowrank-2026-12-07.md). Its sums are then the
-    materialised mode's.
-
-    The factors follow the weight's own layout (eps = A B^T has the weight's shape): for a Conv1D weight
-    [in, out], A is the input side and B the output side, so the roles swap.
+    A layer too small for the library's products (whose weight stays in the caches; else torch's `linear`,
+    then the term's pass) runs the library's member matmul where that is this machine's product for
+    materialised layers (`cpu_linear.products`), with the members' factors: each member's weight W +
+    scale_m / sqrt(r) A_m B_m^T is formed as the product loads the shared W, never stored. At a tiny
+    model's sizes the term's pass over every output cost more than the product saved
+    (docs/results/tiny-lowrank-2026-12-07.md).
     """
 
     def __init__(
@@ -294,11 +283,16 @@ class LowRankLinear(_PopulationLayer):
         self._weight = weight.detach()
         self._bias = None if base.bias is None else base.bias.detach()
         self._term: cpu_library.LowRankTerm | None = None  # _term_for's last answer
-        self.member_weights = self._member_weights() if self._holds_member_weights() else None
+        # the member matmul's shared weight [in, out] where the members' weights are formed in it
+        self._weight_t = self._weight.t().contiguous() if self._perturbs_in_product() else None
+        self._product = self._member_product()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         members, _, out_features = self.outputs.shape
         self._check_rows(x.shape[0])
+        if self._product is not None:  # each member's weight formed in the member matmul
+            x = x if x.dtype == torch.float32 else x.float()
+            return self._product(x, self._row_offsets(x.numel() // x.shape[-1]))
         flat = x.reshape(-1, x.shape[-1])  # member m's rows, from _row_offsets (equal blocks by default)
         if self.fused:
             return self._fused(flat).view(*x.shape[:-1], out_features)
@@ -326,8 +320,7 @@ class LowRankLinear(_PopulationLayer):
         self._set_inputs(self.inputs[index])
         self.outputs = self.outputs[index]
         self._output_columns = self.outputs.split(1, dim=1)
-        if self.member_weights is not None:
-            self.member_weights = self.member_weights[index]
+        self._product = self._member_product()
         self._offsets_for, self._term = -1, None
 
     def _set_inputs(self, inputs: torch.Tensor) -> None:
@@ -342,35 +335,28 @@ class LowRankLinear(_PopulationLayer):
         self.inputs = inputs.clone(memory_format=torch.contiguous_format)
         self._inputs_t = self.inputs.transpose(1, 2)
 
-    def _holds_member_weights(self) -> bool:
-        """Whether the layer computes with its members' full weights (see the class docstring): fp32 on
-        the CPU, a plain nn.Linear base (x W^T + b, nothing more) too small for the library's own products
-        (which add the term as they store each output), the members' weights within
-        MEMBER_WEIGHTS_MAX_BYTES, and the member matmul measured faster than torch's batched matmul here."""
-        base, members = self.base, self.outputs.shape[0]
+    def _perturbs_in_product(self) -> bool:
+        """Whether the member matmul forms each member's weight (see the class docstring): fp32 on the CPU,
+        a plain nn.Linear base (x W^T + b, nothing more) too small for the library's own products (which
+        add the term as they store each output), and the member matmul measured faster than torch's
+        batched matmul here."""
+        base = self.base
         return (
             self.compiled
             and not self.library_base
             and type(base) is torch.nn.Linear
             and not (base._forward_hooks or base._forward_pre_hooks)
-            and members * self._weight.numel() * self._weight.element_size() <= MEMBER_WEIGHTS_MAX_BYTES
             and cpu_linear.products(torch.get_num_threads()).member_matmul
         )
 
-    def _member_weights(self) -> torch.Tensor:
-        """W^T + (each rank's input factor x its scaled output factor) for every member: [members, in,
-        out], the layout the member matmul reads."""
-        weights = self._weight.t().contiguous().expand(self.outputs.shape[0], -1, -1)
-        for j, output in enumerate(self._output_columns):
-            weights = torch.addcmul(weights, self._inputs_t[:, :, j : j + 1], output)
-        return weights
+    def _member_product(self) -> cpu_library.MemberMatmul | None:
+        """The member matmul of the current members' factors, where the layer takes it."""
+        if self._weight_t is None:
+            return None
+        return cpu_library.MemberMatmul(self._weight_t, self._bias, (self.inputs, self.outputs))
 
     def _compiled(self, flat: torch.Tensor) -> torch.Tensor:
         flat = flat.to(torch.float32).contiguous()
-        if self.member_weights is not None:
-            return cpu_library.member_matmul(
-                flat, self.member_weights, self._row_offsets(flat.shape[0]), self._bias
-            )
         term = self._term_for(flat.shape[0])
         if self.library_base:
             return cpu_linear.linear(flat, self._weight, self._bias, term)

@@ -96,7 +96,8 @@ int64_t fastes_few_rows_linear_f32(const float *x, const float *w, const float *
         for (int64_t i = offsets[m]; i < offsets[m + 1]; i++) member_of[i] = m;
         products_of(x, inputs, products, m, offsets[m], offsets[m + 1], k, rank);
     }
-    const term_t term = {products, outputs, offsets, rank, members};
+    const term_t term = {
+        .products = products, .outputs = outputs, .offsets = offsets, .rank = rank, .members = members};
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t t = 0; t < threads; t++)
         weight_rows(rows, x, w, bias, y, n * t / threads, n * (t + 1) / threads, k, n, &term, member_of);

@@ -3,7 +3,12 @@
        y[i] = x[i] @ w[m] (+ bias)        for the rows offsets[m] <= i < offsets[m + 1]
 
    x [rows, k], w [members, k, n], y [rows, n], all row-major and contiguous, fp32. Members may have
-   different numbers of rows (none, once all of a member's rows have finished decoding).
+   different numbers of rows (none, once all of a member's rows have finished decoding). With the
+   low-rank population's factors (inputs [members, rank, k], outputs [members, rank, n], scaled), w is
+   one weight [k, n] that every member shares, and member m's is w + sum_j inputs[m, j]^T outputs[m, j],
+   formed as each weight vector is loaded (products.h's term_t): for a small layer, whose weight stays in
+   the caches, that costs one multiply-add per weight vector and rank where the term added after a
+   product read every output again (docs/results/tiny-lowrank-2026-12-07.md).
 
    torch's batched matmul hands each member's small GEMM to BLAS, which packs the member's weight panel
    before using it for only a few rows (32 a member while the tiny model decodes), so the population's
@@ -22,36 +27,57 @@
 #include <stdint.h>
 
 /* Columns [c, end) of member m's rows: 16 * COLUMN_VECTORS-wide panels, then 16-wide ones, then the last
-   columns, fewer than a vector's 16, one by one. */
-static void columns(const float *x, const float *w, const float *bias, float *y, const int64_t *offsets,
+   columns, fewer than a vector's 16, one by one. `term`: the members' factors, w the shared weight. */
+static void columns(const float *x, const float *w, const float *bias, float *y, const term_t *term,
                     int64_t m, int64_t c, int64_t end, int64_t k, int64_t n) {
-    const int64_t rows = offsets[m + 1] - offsets[m];
-    const float *x_m = x + offsets[m] * k, *w_m = w + m * k * n;
+    const int64_t *offsets = term->offsets, rows = offsets[m + 1] - offsets[m];
+    const int perturbed = term->inputs != NULL;
+    const float *x_m = x + offsets[m] * k, *w_m = perturbed ? w : w + m * k * n;
     float *y_m = y + offsets[m] * n;
-    for (; c + 16 * COLUMN_VECTORS <= end; c += 16 * COLUMN_VECTORS)
-        row_blocks(COLUMN_VECTORS, x_m, w_m + c, n, bias ? bias + c : NULL, y_m + c, k, n, NULL, 0, 0, rows,
-                   c);
+#define PANELS(vectors)                                                                                  \
+    do {                                                                                                 \
+        if (perturbed)                                                                                   \
+            row_blocks(vectors, 1, x_m, w_m + c, n, bias ? bias + c : NULL, y_m + c, k, n, term, m, 0,   \
+                       rows, c);                                                                         \
+        else                                                                                             \
+            row_blocks(vectors, 0, x_m, w_m + c, n, bias ? bias + c : NULL, y_m + c, k, n, NULL, 0, 0,   \
+                       rows, c);                                                                         \
+    } while (0)
+    for (; c + 16 * COLUMN_VECTORS <= end; c += 16 * COLUMN_VECTORS) PANELS(COLUMN_VECTORS);
 #if COLUMN_VECTORS > 1
-    for (; c + 16 <= end; c += 16)
-        row_blocks(1, x_m, w_m + c, n, bias ? bias + c : NULL, y_m + c, k, n, NULL, 0, 0, rows, c);
+    for (; c + 16 <= end; c += 16) PANELS(1);
 #endif
+#undef PANELS
     for (; c < end; c++)
         for (int64_t r = 0; r < rows; r++) {
             float sum = bias ? bias[c] : 0.0f;
-            for (int64_t p = 0; p < k; p++) sum += x_m[r * k + p] * w_m[p * n + c];
+            for (int64_t p = 0; p < k; p++) {
+                float w_pc = w_m[p * n + c];
+                for (int64_t j = 0; perturbed && j < term->rank; j++) {
+                    const int64_t factor = m * term->rank + j;
+                    w_pc += term->inputs[factor * k + p] * term->outputs[factor * n + c];
+                }
+                sum += x_m[r * k + p] * w_pc;
+            }
             y_m[r * n + c] = sum;
         }
 }
 
 /* The work is split into (member, panel of columns) pieces over `threads` OpenMP threads: torch's own
-   pool, where the library shares torch's OpenMP runtime (cpu_library.py). */
-void fastes_member_matmul_f32(const float *x, const float *w, const float *bias, float *y,
-                              const int64_t *offsets, int64_t k, int64_t n, int64_t members,
-                              int64_t threads) {
+   pool, where the library shares torch's OpenMP runtime (cpu_library.py). inputs and outputs NULL: each
+   member's own weight w[m]; else the shared weight w and the members' factors (see the top). Returns 0,
+   or -2 (nothing computed) where the offsets do not split the rows into the members' groups. */
+int64_t fastes_member_matmul_f32(const float *x, const float *w, const float *bias, float *y,
+                                 const int64_t *offsets, int64_t rows, int64_t k, int64_t n, int64_t members,
+                                 const float *inputs, const float *outputs, int64_t rank, int64_t threads) {
+    if (!splits_rows(offsets, members, rows)) return -2;
+    const term_t term = {
+        .inputs = inputs, .outputs = outputs, .offsets = offsets, .rank = rank, .members = members};
     const int64_t width = 16 * COLUMN_VECTORS, panels = (n + width - 1) / width;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t piece = 0; piece < members * panels; piece++) {
         const int64_t m = piece / panels, c = (piece % panels) * width;
-        columns(x, w, bias, y, offsets, m, c, c + width < n ? c + width : n, k, n);
+        columns(x, w, bias, y, &term, m, c, c + width < n ? c + width : n, k, n);
     }
+    return 0;
 }

@@ -66,7 +66,11 @@ int64_t fastes_packed_linear_f32(const float *x, const float *w, const float *bi
     float *products = outputs ? malloc((size_t)(rows * rank) * sizeof(float)) : NULL;
     if (outputs && !products) return -1;
     const int64_t one_group[2] = {0, rows};
-    const term_t term = {products, outputs, outputs ? offsets : one_group, rank, outputs ? members : 1};
+    const term_t term = {.products = products,
+                         .outputs = outputs,
+                         .offsets = outputs ? offsets : one_group,
+                         .rank = rank,
+                         .members = outputs ? members : 1};
     const int64_t panels = n / PANEL;
     int64_t failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1) reduction(| : failed)
@@ -85,8 +89,8 @@ int64_t fastes_packed_linear_f32(const float *x, const float *w, const float *bi
             const int64_t c = q * PANEL;
             pack_panel(w, c, k, panel);
             for (int64_t m = 0; m < term.members; m++)
-                row_blocks(COLUMN_VECTORS, x, panel, PANEL, bias ? bias + c : NULL, y + c, k, n, &term, m,
-                           term.offsets[m], term.offsets[m + 1], c);
+                row_blocks(COLUMN_VECTORS, 0, x, panel, PANEL, bias ? bias + c : NULL, y + c, k, n, &term,
+                           m, term.offsets[m], term.offsets[m + 1], c);
         }
         free(panel);
     }

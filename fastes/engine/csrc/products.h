@@ -30,11 +30,15 @@ typedef float vec16 __attribute__((vector_size(64)));
 #define COLUMN_VECTORS 1
 #endif
 
-/* The low-rank population's term, added to the sums before they are stored: row i of member m gets
-   sum_j products[i * rank + j] * outputs[(m * rank + j) * n + column] (few_rows_linear_cpu.c,
-   packed_linear_cpu.c). */
+/* The low-rank population's term: row i of member m gets sum_j (x[i] . inputs[m, j]) outputs[m, j].
+   Either added to the sums before they are stored, from the products x[i] . inputs[m, j] computed
+   first: row i gets sum_j products[i * rank + j] * outputs[(m * rank + j) * n + column]
+   (few_rows_linear_cpu.c, packed_linear_cpu.c); or, in row_block's `perturbed` form, added to member
+   m's weight as it is loaded, w[p, column] + sum_j inputs[(m * rank + j) * k + p] * outputs[...]
+   (member_matmul_cpu.c, for weights small enough to be read again for every member). */
 typedef struct {
-    const float *products; /* [rows, rank] */
+    const float *products; /* [rows, rank]: the products, for the term added to the sums */
+    const float *inputs;   /* [members, rank, k]: the input factors, for the term in the weights */
     const float *outputs;  /* [members, rank, n], scaled; NULL: no term */
     const int64_t *offsets; /* [members + 1]: where each member's rows start */
     int64_t rank, members;
@@ -42,14 +46,16 @@ typedef struct {
 
 /* y[r, 0:16 * vectors] = x[r, :] @ w[:, 0:16 * vectors] (+ bias) (+ the term) for r < rows <= ROW_BLOCK;
    x rows of length k, w rows `w_stride` apart, y rows n apart; the block's rows are rows first_row...
-   of member m, its columns start at column c of the layer (for the term's outputs). Constant arguments
-   after inlining (rows, vectors, and term where NULL), so the loops over rows and vectors unroll and
-   the sums live in registers. Each sum runs over k in order. */
+   of member m, its columns start at column c of the layer (for the term's outputs). `perturbed`: the
+   term goes into the weights as they are loaded (term_t), else into the sums. Constant arguments after
+   inlining (rows, vectors, perturbed, and term where NULL), so the loops over rows and vectors unroll
+   and the sums live in registers. Each sum runs over k in order. */
 static inline __attribute__((always_inline)) void row_block(const int rows, const int vectors,
-                                                            const float *x, const float *w,
-                                                            int64_t w_stride, const float *bias, float *y,
-                                                            int64_t k, int64_t n, const term_t *term,
-                                                            int64_t m, int64_t first_row, int64_t c) {
+                                                            const int perturbed, const float *x,
+                                                            const float *w, int64_t w_stride,
+                                                            const float *bias, float *y, int64_t k, int64_t n,
+                                                            const term_t *term, int64_t m, int64_t first_row,
+                                                            int64_t c) {
     vec16 sum[ROW_BLOCK][COLUMN_VECTORS];
     _Pragma("GCC unroll 16") for (int v = 0; v < vectors; v++) {
         vec16 start = {0};
@@ -60,12 +66,22 @@ static inline __attribute__((always_inline)) void row_block(const int rows, cons
         vec16 w_p[COLUMN_VECTORS];
         _Pragma("GCC unroll 16") for (int v = 0; v < vectors; v++)
             memcpy(&w_p[v], w + p * w_stride + 16 * v, sizeof w_p[v]);
+        if (perturbed)
+            for (int64_t j = 0; j < term->rank; j++) {
+                const float in_jp = term->inputs[(m * term->rank + j) * k + p];
+                const float *a = term->outputs + (m * term->rank + j) * n + c;
+                _Pragma("GCC unroll 16") for (int v = 0; v < vectors; v++) {
+                    vec16 a_v;
+                    memcpy(&a_v, a + 16 * v, sizeof a_v);
+                    w_p[v] += in_jp * a_v;
+                }
+            }
         _Pragma("GCC unroll 16") for (int r = 0; r < rows; r++) {
             const float x_rp = x[r * k + p];
             _Pragma("GCC unroll 16") for (int v = 0; v < vectors; v++) sum[r][v] += x_rp * w_p[v];
         }
     }
-    if (term && term->outputs)
+    if (!perturbed && term && term->outputs)
         for (int64_t j = 0; j < term->rank; j++) {
             const float *a = term->outputs + (m * term->rank + j) * n + c;
             _Pragma("GCC unroll 16") for (int v = 0; v < vectors; v++) {
@@ -84,12 +100,12 @@ static inline __attribute__((always_inline)) void row_block(const int rows, cons
    each case with a constant row count so that its loops unroll as in the full blocks. x and y point at
    row 0 (y and bias at the panel's first column, c); the arguments are row_block's. */
 #define ROWS_BLOCK(rows_) \
-    row_block(rows_, vectors, x + r * k, w, w_stride, bias, y + r * n, k, n, term, m, r, c)
-static inline __attribute__((always_inline)) void row_blocks(const int vectors, const float *x,
-                                                             const float *w, int64_t w_stride,
-                                                             const float *bias, float *y, int64_t k,
-                                                             int64_t n, const term_t *term, int64_t m,
-                                                             int64_t lo, int64_t hi, int64_t c) {
+    row_block(rows_, vectors, perturbed, x + r * k, w, w_stride, bias, y + r * n, k, n, term, m, r, c)
+static inline __attribute__((always_inline)) void row_blocks(const int vectors, const int perturbed,
+                                                             const float *x, const float *w,
+                                                             int64_t w_stride, const float *bias, float *y,
+                                                             int64_t k, int64_t n, const term_t *term,
+                                                             int64_t m, int64_t lo, int64_t hi, int64_t c) {
     int64_t r = lo;
     for (; r + ROW_BLOCK <= hi; r += ROW_BLOCK) ROWS_BLOCK(ROW_BLOCK);
     switch (hi - r) {
