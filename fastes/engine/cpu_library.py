@@ -699,7 +699,11 @@ class MemberMatmul:
             and (bias is None or bias.shape == (n,))
             and (
                 factors is None
-                or (inputs.shape[::2] == (members, k) and outputs.shape == (members, inputs.shape[1], n))
+                or (
+                    inputs.dim() == 3
+                    and inputs.shape[::2] == (members, k)
+                    and outputs.shape == (members, inputs.shape[1], n)
+                )
             )
         )
         if not expected:

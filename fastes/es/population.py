@@ -249,6 +249,9 @@ class LowRankLinear(_PopulationLayer):
     scale_m / sqrt(r) A_m B_m^T is formed as the product loads the shared W, never stored. At a tiny
     model's sizes the term's pass over every output cost more than the product saved
     (docs/results/tiny-lowrank-2026-12-07.md).
+
+    The factors follow the weight's own layout (eps = A B^T has the weight's shape): for a Conv1D weight
+    [in, out], A is the input side and B the output side, so the roles swap.
     """
 
     def __init__(

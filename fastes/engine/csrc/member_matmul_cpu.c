@@ -27,7 +27,8 @@
 #include <stdint.h>
 
 /* Columns [c, end) of member m's rows: 16 * COLUMN_VECTORS-wide panels, then 16-wide ones, then the last
-   columns, fewer than a vector's 16, one by one. `term`: the members' factors, w the shared weight. */
+   columns, fewer than a vector's 16, one by one. `term` holds the rows' offsets and, where its inputs are
+   set, the members' factors (w then the weight they share). */
 static void columns(const float *x, const float *w, const float *bias, float *y, const term_t *term,
                     int64_t m, int64_t c, int64_t end, int64_t k, int64_t n) {
     const int64_t *offsets = term->offsets, rows = offsets[m + 1] - offsets[m];
