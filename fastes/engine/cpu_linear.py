@@ -83,16 +83,21 @@ def packs(rows: int, weight: torch.Tensor) -> bool:
     return rows >= PACKED_MIN_ROWS and weight.shape[0] % 32 == 0 and weight.numel() * 4 >= MIN_WEIGHT_BYTES
 
 
+def is_plain_linear(module: torch.nn.Module) -> bool:
+    """Whether `module` computes x W^T + b and nothing more: an nn.Linear itself (no subclass with a forward
+    of its own) without hooks, which another product may compute in its place."""
+    return type(module) is torch.nn.Linear and not (module._forward_hooks or module._forward_pre_hooks)
+
+
 def linear_applies(module: torch.nn.Module) -> bool:
-    """Whether `linear` computes `module` at least as fast as its own forward: a plain nn.Linear (no hooks)
-    with a contiguous fp32 CPU weight of at least MIN_WEIGHT_BYTES."""
+    """Whether `linear` computes `module` at least as fast as its own forward: a plain nn.Linear
+    (`is_plain_linear`) with a contiguous fp32 CPU weight of at least MIN_WEIGHT_BYTES."""
     return (
-        type(module) is torch.nn.Linear
+        is_plain_linear(module)
         and module.weight.device.type == "cpu"
         and module.weight.dtype == torch.float32
         and module.weight.is_contiguous()
         and module.weight.numel() * 4 >= MIN_WEIGHT_BYTES
-        and not (module._forward_hooks or module._forward_pre_hooks)
     )
 
 

@@ -343,12 +343,10 @@ class LowRankLinear(_PopulationLayer):
         a plain nn.Linear base (x W^T + b, nothing more) too small for the library's own products (which
         add the term as they store each output), and the member matmul measured faster than torch's
         batched matmul here."""
-        base = self.base
         return (
             self.compiled
             and not self.library_base
-            and type(base) is torch.nn.Linear
-            and not (base._forward_hooks or base._forward_pre_hooks)
+            and cpu_linear.is_plain_linear(self.base)
             and cpu_linear.products(torch.get_num_threads()).member_matmul
         )
 
