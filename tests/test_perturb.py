@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 from conftest import NOISE_KINDS, bits, make_tensors, ordered
 
-from fastes.engine import noise, ops
+from fastes.engine import cpu_library, noise, ops
 from fastes.engine.kernels.rounding import round_to
 
 SHAPES = [(1,), (7,), (33, 5), (4097,)]  # odd sizes; the last spans 33 sign blocks and 5 kernel tiles
@@ -283,6 +283,31 @@ def test_transposed_destinations_and_twins_hold_what_one_call_per_sign_writes(
     alone = transposed_buffers()  # transposed destinations without twins
     ops.perturb(src, alone, ids, key, -SIGMA, noise_kind=noise_kind, backend=backend)
     assert all(torch.equal(a, b) for a, b in zip(bits(contiguous(alone)), bits(expected[-1])))
+
+
+@pytest.mark.parametrize("noise_kind", NOISE_KINDS)
+@pytest.mark.parametrize("seed", [0, 7])
+def test_wide_transposed_destinations_split_over_two_threads(noise_kind, seed):
+    """The compiled library writes a transposed destination in panels of whole rows; two threads split a
+    wide matrix's blocks mid-row and mid-panel, and the matrix's rows are longer than a panel's tile.
+    The destinations and twins still hold, bit for bit, what contiguous ones get from one thread."""
+    key = noise.member_key(seed, 1, 3)
+    src = make_tensors(torch.float32, seed, [(513, 1031), (37, 19)])
+    ids = [noise.tensor_id(f"wide.{i}") for i in range(len(src))]
+    blocks = sum(-(-t.numel() // noise.elements_per_block(noise_kind)) for t in src)
+    assert blocks >= 2 * cpu_library._MIN_BLOCKS_PER_THREAD  # so that two threads share the call
+    expected = {sign: [torch.empty_like(t) for t in src] for sign in (1, -1)}
+    for sign, destinations in expected.items():
+        ops.perturb(src, destinations, ids, key, sign * SIGMA, noise_kind=noise_kind, backend="cpu")
+    plus, minus = ([torch.empty(t.shape[::-1]).t() for t in src] for _ in range(2))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ops.perturb(src, plus, ids, key, SIGMA, noise_kind=noise_kind, backend="cpu", twins=minus)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(bits(contiguous(plus)), bits(expected[1])))
+    assert all(torch.equal(a, b) for a, b in zip(bits(contiguous(minus)), bits(expected[-1])))
 
 
 def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):

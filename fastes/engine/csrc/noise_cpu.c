@@ -18,6 +18,7 @@
    ulps (~1e-6) of the reference's torch.log / cos / sin. */
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <math.h>
 
@@ -199,23 +200,37 @@ typedef struct {
 typedef void (*tile_fn)(const job_t *job, const int64_t *row, const uint32_t *c0, const uint32_t *c1,
                         const uint32_t *c2, int64_t m, int64_t lane_block);
 
+/* The counters of blocks t .. t + m - 1 (lane blocks) of part `row`. */
+static void tile_counters(const int64_t *row, int64_t t, int64_t m, uint32_t *c0, uint32_t *c1, uint32_t *c2) {
+    uint64_t first = (uint64_t)row[0] + (uint64_t)(t - row[1]); /* block indices are 64-bit */
+    for (int64_t j = 0; j < m; j++) {
+        c0[j] = (uint32_t)(first + (uint64_t)j);
+        c1[j] = (uint32_t)((first + (uint64_t)j) >> 32);
+        c2[j] = (uint32_t)row[3];
+    }
+}
+
+/* Lane blocks [lo, hi) of a part's range, clipped to the part: whether any are left. */
+static int clip_to_part(const int64_t *row, int64_t lo, int64_t hi, int64_t *start, int64_t *end) {
+    *start = lo > row[1] ? lo : row[1];
+    *end = hi < row[1] + row[2] ? hi : row[1] + row[2];
+    return *start < *end;
+}
+
+static void part_tiles(const int64_t *row, int64_t lo, int64_t hi, int64_t tile, tile_fn work, const job_t *job) {
+    uint32_t c0[TILE], c1[TILE], c2[TILE];
+    int64_t start, end;
+    if (!clip_to_part(row, lo, hi, &start, &end)) return;
+    for (int64_t t = start; t < end; t += tile) {
+        int64_t m = end - t < tile ? end - t : tile;
+        tile_counters(row, t, m, c0, c1, c2);
+        work(job, row, c0, c1, c2, m, t);
+    }
+}
+
 static void for_each_tile(const int64_t *table, int64_t n_parts, int64_t lo, int64_t hi, int64_t tile,
                           tile_fn work, const job_t *job) {
-    uint32_t c0[TILE], c1[TILE], c2[TILE];
-    for (int64_t p = 0; p < n_parts; p++) {
-        const int64_t *row = table + 4 * p; /* first block, first lane block, blocks, tensor id */
-        int64_t start = lo > row[1] ? lo : row[1], end = hi < row[1] + row[2] ? hi : row[1] + row[2];
-        for (int64_t t = start; t < end; t += tile) {
-            int64_t m = end - t < tile ? end - t : tile;
-            uint64_t first = (uint64_t)row[0] + (uint64_t)(t - row[1]); /* block indices are 64-bit */
-            for (int64_t j = 0; j < m; j++) {
-                c0[j] = (uint32_t)(first + (uint64_t)j);
-                c1[j] = (uint32_t)((first + (uint64_t)j) >> 32);
-                c2[j] = (uint32_t)row[3];
-            }
-            work(job, row, c0, c1, c2, m, t);
-        }
-    }
+    for (int64_t p = 0; p < n_parts; p++) part_tiles(table + 4 * p, lo, hi, tile, work, job);
 }
 
 /* Tiles of TILE blocks for normals and words, TILE / 32 sign blocks for signs: 4 * TILE values each. */
@@ -266,11 +281,16 @@ static void tile_sum(const job_t *job, const uint32_t *c0, const uint32_t *c1, c
     }
 }
 
+/* A part's row of the io table. */
+static const int64_t *io_row(const job_t *job, const int64_t *row) {
+    return job->io + IO_COLUMNS * ((row - job->table) / 4);
+}
+
 /* The tile's elements inside its part (the part's last block may reach past the tensor's end): the
    first element's offset in the part, and how many. */
 static int64_t part_elements(const job_t *job, const int64_t *row, int64_t m, int64_t lane_block,
                              const int64_t **io, int64_t *first) {
-    *io = job->io + IO_COLUMNS * ((row - job->table) / 4);
+    *io = io_row(job, row);
     *first = job->per_block * (lane_block - row[1]);
     int64_t count = job->per_block * m;
     return *first + count > (*io)[2] ? (*io)[2] - *first : count;
@@ -297,46 +317,125 @@ static void sum_work(const job_t *job, const int64_t *row, const uint32_t *c0, c
     tile_sum(job, c0, c1, c2, m, (float *)job->out + job->per_block * lane_block);
 }
 
-/* The values of source elements first .. first + count - 1 of a [rows, columns] source, written into
-   its transpose: element e goes to (e % columns) * rows + e / columns. A tile that covers a row or more
-   is written column by column, so that each column's stores (one per row it touches) land side by side,
-   and the loop over columns costs no more than the tile; a shorter tile element by element. */
-static void write_transposed(float *dst, int64_t columns, int64_t elements, int64_t first, const float *values,
-                             int64_t count) {
-    int64_t rows = elements / columns, end = first + count;
-    if (count < columns) {
-        for (int64_t i = 0, r = first / columns, c = first % columns; i < count; i++) {
-            dst[c * rows + r] = values[i];
-            if (++c == columns) c = 0, r++;
-        }
-        return;
+/* The transpose of a [rows, columns] source, written from the values of its elements first .. first +
+   count - 1 (a run of rows, the first and last maybe partial): element e goes to
+   (e % columns) * rows + e / columns. Whole rows go through a block of BLOCK_ROWS rows and BLOCK_COLUMNS
+   columns, so that each column's values are stored side by side (16 fp32: a 64-byte line), not one
+   line per value; a partial row's values one by one. */
+#define BLOCK_ROWS 16
+#define BLOCK_COLUMNS 8
+
+#if defined(__AVX2__)
+/* 8 rows of 8 values at v (row stride `columns`) stored as 8 columns of 8 at dst (column stride `rows`):
+   the usual unpack, shuffle and lane-permute transpose in registers. */
+static inline void transpose_8x8(float *dst, int64_t rows, int64_t columns, const float *v) {
+    __m256 r[8], t[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(v + i * columns);
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
     }
-    int64_t r_first = first / columns, r_last = (end - 1) / columns;
-    for (int64_t c = 0; c < columns; c++) {
-        float *column = dst + c * rows;
-        int64_t r = r_first + (r_first * columns + c < first); /* the first row holds this column's element */
-        int64_t r_end = r_last + (r_last * columns + c < end);
-        for (; r < r_end; r++) column[r] = values[r * columns + c - first];
+    for (int i = 0; i < 8; i += 4) {
+        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int i = 0; i < 4; i++) {
+        _mm256_storeu_ps(dst + i * rows, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+        _mm256_storeu_ps(dst + (i + 4) * rows, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
     }
 }
+#endif
 
-/* fp32: dst = src + scale * eps, and the twin's destination (where given) src - scale * eps. */
-static void perturb_work(const job_t *job, const int64_t *row, const uint32_t *c0, const uint32_t *c1,
-                         const uint32_t *c2, int64_t m, int64_t lane_block) {
-    float eps[4 * TILE], out[4 * TILE];
+static void transpose_block(float *dst, int64_t rows, int64_t columns, const float *v, int64_t h, int64_t w) {
+    float block[BLOCK_COLUMNS][BLOCK_ROWS];
+#if defined(__AVX2__)
+    if (h == BLOCK_ROWS && w == BLOCK_COLUMNS) {
+        transpose_8x8(dst, rows, columns, v);
+        transpose_8x8(dst + 8, rows, columns, v + 8 * columns);
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < h; i++)
+        for (int64_t j = 0; j < w; j++) block[j][i] = v[i * columns + j];
+    for (int64_t j = 0; j < w; j++) memcpy(dst + j * rows, block[j], sizeof(float) * (size_t)h);
+}
+
+static void write_transposed(float *dst, int64_t columns, int64_t elements, int64_t first, const float *values,
+                             int64_t count) {
+    const int64_t rows = elements / columns, end = first + count;
+    int64_t whole = (first + columns - 1) / columns * columns; /* the first whole row's first element */
+    whole = whole < end ? whole : end;
+    int64_t whole_end = end / columns * columns;
+    whole_end = whole_end > whole ? whole_end : whole;
+    for (int64_t e = first; e < whole; e++) dst[(e % columns) * rows + e / columns] = values[e - first];
+    const float *v = values + (whole - first);
+    const int64_t r0 = whole / columns, n_rows = (whole_end - whole) / columns;
+    for (int64_t c = 0; c < columns; c += BLOCK_COLUMNS)
+        for (int64_t i = 0; i < n_rows; i += BLOCK_ROWS)
+            transpose_block(dst + c * rows + r0 + i, rows, columns, v + i * columns + c,
+                            n_rows - i < BLOCK_ROWS ? n_rows - i : BLOCK_ROWS,
+                            columns - c < BLOCK_COLUMNS ? columns - c : BLOCK_COLUMNS);
+    for (int64_t e = whole_end; e < end; e++) dst[(e % columns) * rows + e / columns] = values[e - first];
+}
+
+/* fp32: the perturbed values of a tile's elements, src + scale * eps into `plus` and, where `minus` is
+   given, src - scale * eps (an antithetic twin's, the bits a call with -scale writes). Returns how many;
+   *first is the tile's first element in its part. */
+static int64_t perturbed_values(const job_t *job, const int64_t *row, const uint32_t *c0, const uint32_t *c1,
+                                const uint32_t *c2, int64_t m, int64_t lane_block, float *plus, float *minus,
+                                int64_t *first) {
+    float eps[4 * TILE];
     eps_tile(job, job->round_keys, c0, c1, c2, m, eps);
     const int64_t *io;
-    int64_t first, count = part_elements(job, row, m, lane_block, &io, &first);
-    const float *src = (const float *)(intptr_t)io[0] + first;
-    /* the twin is written as a call with -scale would write it: src + (-scale) * eps, the same bits */
-    float scales[2] = {job->scale, -job->scale};
-    for (int twin = 0; twin < 2; twin++) {
-        float *dst = (float *)(intptr_t)io[1 + 2 * twin];
-        if (dst == NULL) continue;
-        float *direct = io[4] ? out : dst + first;
-        for (int64_t i = 0; i < count; i++) direct[i] = src[i] + scales[twin] * eps[i];
-        if (io[4]) write_transposed(dst, io[4], io[2], first, out, count);
+    int64_t count = part_elements(job, row, m, lane_block, &io, first);
+    const float *src = (const float *)(intptr_t)io[0] + *first;
+    for (int64_t i = 0; i < count; i++) plus[i] = src[i] + job->scale * eps[i];
+    if (minus != NULL)
+        for (int64_t i = 0; i < count; i++) minus[i] = src[i] + (-job->scale) * eps[i];
+    return count;
+}
+
+/* A contiguous destination (and twin): written straight from the tile. */
+static void perturb_work(const job_t *job, const int64_t *row, const uint32_t *c0, const uint32_t *c1,
+                         const uint32_t *c2, int64_t m, int64_t lane_block) {
+    const int64_t *io = io_row(job, row), first = job->per_block * (lane_block - row[1]);
+    float *dst = (float *)(intptr_t)io[1], *twin = (float *)(intptr_t)io[3];
+    int64_t at;
+    perturbed_values(job, row, c0, c1, c2, m, lane_block, dst + first, twin ? twin + first : NULL, &at);
+}
+
+/* A transposed destination (and twin), in panels of whole tiles that hold at least BLOCK_ROWS of the
+   source's rows: the panel's values are gathered, then written as whole lines of the transpose. A wide
+   source's tile holds less than a row (SmolLM2: 576-1536 columns), and written tile by tile each value of
+   the transpose went to a line of its own, the writes several times the cost of the noise. */
+static void perturb_transposed_part(const job_t *job, const int64_t *row, int64_t lo, int64_t hi) {
+    const int64_t *io = io_row(job, row), columns = io[4], tile = tile_blocks(job->per_block);
+    float *dst = (float *)(intptr_t)io[1], *twin = (float *)(intptr_t)io[3];
+    int64_t start, end;
+    if (!clip_to_part(row, lo, hi, &start, &end)) return;
+    int64_t panel = tile * ((BLOCK_ROWS * columns + 4 * TILE - 1) / (4 * TILE)); /* lane blocks */
+    float on_stack[2 * 4 * TILE], *heap = NULL;
+    if (panel > tile) heap = malloc(sizeof(float) * (size_t)(2 * 4 * TILE * (panel / tile)));
+    if (heap == NULL) panel = tile; /* a narrow source, or no memory: a tile at a time */
+    float *plus = heap ? heap : on_stack, *minus = twin ? plus + 4 * TILE * (panel / tile) : NULL;
+    uint32_t c0[TILE], c1[TILE], c2[TILE];
+    for (int64_t p = start; p < end; p += panel) {
+        const int64_t p_end = end - p < panel ? end : p + panel;
+        int64_t first = 0, count = 0;
+        for (int64_t t = p; t < p_end; t += tile) {
+            const int64_t m = p_end - t < tile ? p_end - t : tile, at = job->per_block * (t - p);
+            int64_t tile_first;
+            tile_counters(row, t, m, c0, c1, c2);
+            count = at + perturbed_values(job, row, c0, c1, c2, m, t, plus + at, minus ? minus + at : NULL,
+                                          &tile_first);
+            if (t == p) first = tile_first;
+        }
+        write_transposed(dst, columns, io[2], first, plus, count);
+        if (minus != NULL) write_transposed(twin, columns, io[2], first, minus, count);
     }
+    free(heap);
 }
 
 /* fp32 in place: theta = theta * decay + coef * sum_d w_d eps_d (the update's apply, rounded as the
@@ -383,7 +482,12 @@ void fastes_perturb_f32(const int64_t *table, const int64_t *io, int64_t n_parts
                         uint32_t c3, const uint32_t *rk, int64_t per_block, float scale) {
     job_t job = {.c3 = c3, .round_keys = rk, .per_block = (int)per_block, .table = table, .io = io,
                  .scale = scale};
-    for_each_tile(table, n_parts, lo, hi, tile_blocks(job.per_block), perturb_work, &job);
+    for (int64_t p = 0; p < n_parts; p++) {
+        if (io[IO_COLUMNS * p + 4])
+            perturb_transposed_part(&job, table + 4 * p, lo, hi);
+        else
+            part_tiles(table + 4 * p, lo, hi, tile_blocks(job.per_block), perturb_work, &job);
+    }
 }
 
 /* fp32 tensors in place (the destination addresses of io): theta = theta * decay + coef * sum. */
