@@ -8,7 +8,9 @@
    one weight [k, n] that every member shares, and member m's is w + sum_j inputs[m, j]^T outputs[m, j],
    formed as each weight vector is loaded (products.h's term_t): for a small layer, whose weight stays in
    the caches, that costs one multiply-add per weight vector and rank where the term added after a
-   product read every output again (docs/results/tiny-lowrank-2026-12-07.md).
+   product read every output again (docs/results/tiny-lowrank-2026-12-07.md). A member with two row
+   blocks or more has its panel formed once, into a buffer of the thread's, for all of them: formed in
+   each block, it cost the tiny model's decoding layers (32 rows a member) 4-9% of their time.
 
    torch's batched matmul hands each member's small GEMM to BLAS, which packs the member's weight panel
    before using it for only a few rows (32 a member while the tiny model decodes), so the population's
@@ -25,19 +27,27 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 /* Columns [c, end) of member m's rows: 16 * COLUMN_VECTORS-wide panels, then 16-wide ones, then the last
    columns, fewer than a vector's 16, one by one. `term` holds the rows' offsets and, where its inputs are
    set, the members' factors (w then the weight they share). */
 static void columns(const float *x, const float *w, const float *bias, float *y, const term_t *term,
-                    int64_t m, int64_t c, int64_t end, int64_t k, int64_t n) {
+                    int64_t m, int64_t c, int64_t end, int64_t k, int64_t n, float *panel) {
     const int64_t *offsets = term->offsets, rows = offsets[m + 1] - offsets[m];
     const int perturbed = term->inputs != NULL;
     const float *x_m = x + offsets[m] * k, *w_m = perturbed ? w : w + m * k * n;
     float *y_m = y + offsets[m] * n;
+    /* two row blocks or more: the member's perturbed weights formed once, into `panel` (for fewer rows,
+       forming them in each block measured as fast or faster) */
+    const int form_once = perturbed && panel != NULL && rows >= 2 * ROW_BLOCK;
 #define PANELS(vectors)                                                                                  \
     do {                                                                                                 \
-        if (perturbed)                                                                                   \
+        if (form_once) {                                                                                 \
+            formed_panel(vectors, w_m + c, term, m, k, n, c, panel);                                     \
+            row_blocks(vectors, 0, x_m, panel, 16 * (vectors), bias ? bias + c : NULL, y_m + c, k, n,    \
+                       NULL, 0, 0, rows, c);                                                             \
+        } else if (perturbed)                                                                            \
             row_blocks(vectors, 1, x_m, w_m + c, n, bias ? bias + c : NULL, y_m + c, k, n, term, m, 0,   \
                        rows, c);                                                                         \
         else                                                                                             \
@@ -75,10 +85,17 @@ int64_t fastes_member_matmul_f32(const float *x, const float *w, const float *bi
     const term_t term = {
         .inputs = inputs, .outputs = outputs, .offsets = offsets, .rank = rank, .members = members};
     const int64_t width = 16 * COLUMN_VECTORS, panels = (n + width - 1) / width;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t piece = 0; piece < members * panels; piece++) {
-        const int64_t m = piece / panels, c = (piece % panels) * width;
-        columns(x, w, bias, y, &term, m, c, c + width < n ? c + width : n, k, n);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        /* each thread's room for a member's formed weight panel (NULL, where malloc fails: formed in the
+           row blocks) */
+        float *panel = inputs != NULL ? aligned_alloc(64, sizeof(float) * (size_t)(k * width)) : NULL;
+#pragma omp for schedule(static)
+        for (int64_t piece = 0; piece < members * panels; piece++) {
+            const int64_t m = piece / panels, c = (piece % panels) * width;
+            columns(x, w, bias, y, &term, m, c, c + width < n ? c + width : n, k, n, panel);
+        }
+        free(panel);
     }
     return 0;
 }

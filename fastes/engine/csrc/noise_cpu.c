@@ -201,7 +201,8 @@ typedef void (*tile_fn)(const job_t *job, const int64_t *row, const uint32_t *c0
                         const uint32_t *c2, int64_t m, int64_t lane_block);
 
 /* The counters of blocks t .. t + m - 1 (lane blocks) of part `row`. */
-static void tile_counters(const int64_t *row, int64_t t, int64_t m, uint32_t *c0, uint32_t *c1, uint32_t *c2) {
+static void tile_counters(const int64_t *row, int64_t t, int64_t m, uint32_t *c0, uint32_t *c1,
+                          uint32_t *c2) {
     uint64_t first = (uint64_t)row[0] + (uint64_t)(t - row[1]); /* block indices are 64-bit */
     for (int64_t j = 0; j < m; j++) {
         c0[j] = (uint32_t)(first + (uint64_t)j);
@@ -217,7 +218,8 @@ static int clip_to_part(const int64_t *row, int64_t lo, int64_t hi, int64_t *sta
     return *start < *end;
 }
 
-static void part_tiles(const int64_t *row, int64_t lo, int64_t hi, int64_t tile, tile_fn work, const job_t *job) {
+static void part_tiles(const int64_t *row, int64_t lo, int64_t hi, int64_t tile, tile_fn work,
+                       const job_t *job) {
     uint32_t c0[TILE], c1[TILE], c2[TILE];
     int64_t start, end;
     if (!clip_to_part(row, lo, hi, &start, &end)) return;
