@@ -45,8 +45,9 @@ typedef struct {
 } term_t;
 
 /* w_p[0 .. vectors) += sum_j inputs[m, j, p] * outputs[m, j, c ...]: member m's term added to row p of
-   the weight panel that starts at column c (term_t). A macro, not a function: passed the vectors by
-   pointer, the compiler kept them in memory, and the perturbed row blocks ran 5-7% slower. */
+   the weight panel that starts at column c (term_t). A macro, not a function: as a function taking the
+   vectors by pointer, the perturbed row blocks measured 5-7% slower
+   (docs/results/perturb-and-member-panel-2026-12-07.md). */
 #define ADD_MEMBER_TERM(w_p, vectors, term, m, p, k, n, c)                                              \
     for (int64_t j = 0; j < (term)->rank; j++) {                                                         \
         const float in_jp = (term)->inputs[((m) * (term)->rank + j) * (k) + (p)];                        \
