@@ -383,16 +383,15 @@ static void write_transposed(float *dst, int64_t columns, int64_t elements, int6
 }
 
 /* fp32: the perturbed values of a tile's elements, src + scale * eps into `plus` and, where `minus` is
-   given, src - scale * eps (an antithetic twin's, the bits a call with -scale writes). Returns how many;
-   *first is the tile's first element in its part. */
+   given, src - scale * eps (an antithetic twin's, the bits a call with -scale writes). Returns how many
+   (the tile's first element in its part is per_block * (lane_block - row[1])). */
 static int64_t perturbed_values(const job_t *job, const int64_t *row, const uint32_t *c0, const uint32_t *c1,
-                                const uint32_t *c2, int64_t m, int64_t lane_block, float *plus, float *minus,
-                                int64_t *first) {
+                                const uint32_t *c2, int64_t m, int64_t lane_block, float *plus, float *minus) {
     float eps[4 * TILE];
     eps_tile(job, job->round_keys, c0, c1, c2, m, eps);
     const int64_t *io;
-    int64_t count = part_elements(job, row, m, lane_block, &io, first);
-    const float *src = (const float *)(intptr_t)io[0] + *first;
+    int64_t first, count = part_elements(job, row, m, lane_block, &io, &first);
+    const float *src = (const float *)(intptr_t)io[0] + first;
     for (int64_t i = 0; i < count; i++) plus[i] = src[i] + job->scale * eps[i];
     if (minus != NULL)
         for (int64_t i = 0; i < count; i++) minus[i] = src[i] + (-job->scale) * eps[i];
@@ -404,8 +403,7 @@ static void perturb_work(const job_t *job, const int64_t *row, const uint32_t *c
                          const uint32_t *c2, int64_t m, int64_t lane_block) {
     const int64_t *io = io_row(job, row), first = job->per_block * (lane_block - row[1]);
     float *dst = (float *)(intptr_t)io[1], *twin = (float *)(intptr_t)io[3];
-    int64_t at;
-    perturbed_values(job, row, c0, c1, c2, m, lane_block, dst + first, twin ? twin + first : NULL, &at);
+    perturbed_values(job, row, c0, c1, c2, m, lane_block, dst + first, twin ? twin + first : NULL);
 }
 
 /* A transposed destination (and twin), in panels of whole tiles that hold at least BLOCK_ROWS of the
@@ -424,15 +422,12 @@ static void perturb_transposed_part(const job_t *job, const int64_t *row, int64_
     float *plus = heap ? heap : on_stack, *minus = twin ? plus + 4 * TILE * (panel / tile) : NULL;
     uint32_t c0[TILE], c1[TILE], c2[TILE];
     for (int64_t p = start; p < end; p += panel) {
-        const int64_t p_end = end - p < panel ? end : p + panel;
-        int64_t first = 0, count = 0;
+        const int64_t p_end = end - p < panel ? end : p + panel, first = job->per_block * (p - row[1]);
+        int64_t count = 0;
         for (int64_t t = p; t < p_end; t += tile) {
             const int64_t m = p_end - t < tile ? p_end - t : tile, at = job->per_block * (t - p);
-            int64_t tile_first;
             tile_counters(row, t, m, c0, c1, c2);
-            count = at + perturbed_values(job, row, c0, c1, c2, m, t, plus + at, minus ? minus + at : NULL,
-                                          &tile_first);
-            if (t == p) first = tile_first;
+            count = at + perturbed_values(job, row, c0, c1, c2, m, t, plus + at, minus ? minus + at : NULL);
         }
         write_transposed(dst, columns, io[2], first, plus, count);
         if (minus != NULL) write_transposed(twin, columns, io[2], first, minus, count);
