@@ -6,15 +6,16 @@
 The demo's setting (16 members x 32 countdown prompts x 12 new tokens, greedy; antithetic off as in the
 iteration suite, or on, as a run has it by default, with --antithetic), each round interleaved: plain
 batched generation of the same 512 rows; the same generate call inside `population_batched` (the members'
-perturbed weights or factors in place, built once outside the timing); entering and leaving
-`population_batched` alone; and a whole `es_iteration`, whose own split (generation, noise, scoring,
-update) it records. The headline is the iteration's time over plain generation's for the same rows and
-max_new_tokens (in both, a row leaves the batch when it finishes; the generated-token rate is also
-reported, and is lower for ES whenever perturbed members stop earlier at EOS). With --fixed-length, EOS
-stops no row in any of them (every row decodes max_new_tokens: the same work on both sides, whatever the
-members answer, so the ratio is the engine's speed alone). Medians over rounds
-(and, beside them, the fastest round of each), run as `fastes train` runs its steps: with the objects
-made before them frozen out of full garbage collections. Measured, never asserted. Writes
+perturbed weights or factors in place, built before the call is timed; in the runs up to
+tiny-iteration-2026-12-07-22 its time included building them, charged to the generation); entering
+and leaving `population_batched` alone; and a whole `es_iteration`, whose own split (generation, noise,
+scoring, update) it records. The headline is the iteration's time over plain generation's for the same
+rows and max_new_tokens (in both, a row leaves the batch when it finishes; the generated-token rate is
+also reported, and is lower for ES whenever perturbed members stop earlier at EOS). With
+--fixed-length, EOS stops no row in any of them (every row decodes max_new_tokens: the same work on both
+sides, whatever the members answer, so the ratio is the engine's speed alone). Medians over rounds (and,
+beside them, the fastest round of each), run as `fastes train` runs its steps: with the objects made
+before them frozen out of full garbage collections. Measured, never asserted. Writes
 <out>/tiny-iteration-<date>.json and .md. One thread by default, the count `fastes.run.auto_settings`
 gives a tiny model; a lone `fastes` command then generates with its share of the cores, every core
 (fastes.engine.cpu_share): `--threads 2` measures that on a 2-core machine.
@@ -67,18 +68,23 @@ def measure_mode(mode: str, rounds: int, antithetic: bool = False, fixed_length:
     prompts = run.prompts(batch_for(run, "es", 0)) * SETTING.population
     members = list(es.members())
 
-    def plain():
+    def generated():
         return generate(run.model, run.tokenizer, prompts, max_new_tokens=SETTING.max_new_tokens)
 
-    def population():
+    def population():  # the generate call alone, the population's layers in place
         with population_batched(es, run.model, mode=run.cfg.es.eval_mode, members=members):
-            return generate(run.model, run.tokenizer, prompts, max_new_tokens=SETTING.max_new_tokens)
+            return _timed(generated)
 
     def enter_exit():
         with population_batched(es, run.model, mode=run.cfg.es.eval_mode, members=members):
             pass
 
-    calls = {"plain": plain, "population generation": population, "enter and exit": enter_exit}
+    # each call gives its seconds and its generation (None: enter and exit)
+    calls = {
+        "plain": lambda: _timed(generated),
+        "population generation": population,
+        "enter and exit": lambda: (_timed(enter_exit)[0], None),
+    }
     with mock.patch.object(es_loop, "generate", generate):  # the iteration's generate call, likewise
         for call in calls.values():  # warm: lazy allocations, the compiled library
             call()
@@ -89,7 +95,7 @@ def measure_mode(mode: str, rounds: int, antithetic: bool = False, fixed_length:
         with long_lived_objects_frozen():  # as `fastes train` runs its steps
             for _ in range(rounds):
                 for name, call in calls.items():
-                    s, out = _timed(call)
+                    s, out = call()
                     seconds[name].append(s)
                     if out is not None:
                         tokens[name] = out.num_tokens
@@ -151,7 +157,8 @@ def markdown(report: dict) -> str:
         "Time ratio: plain generation's time over the ES iteration's, the same rows and decode steps "
         "(target >= 0.95). Fastest rounds: plain generation's fastest round over the ES iteration's fastest. "
         "Generation only: plain over the same generate call with the population layers in "
-        "place. Generated-token rate ratio: the ES iteration's generated tokens per second over plain's "
+        "place (built before it is timed). Generated-token rate ratio: the ES iteration's generated "
+        "tokens per second over plain's "
         f"(tokens: {json.dumps({mode: r['tokens'] for mode, r in report['modes'].items()})}).",
         "",
     ]

@@ -216,6 +216,42 @@ def test_the_tiny_iteration_benchmark_reports_its_medians_and_fastest_rounds():
     assert f"{result['fastest_time_ratio']:.3f}" in markdown(report)
 
 
+def test_the_tiny_iteration_benchmark_times_the_population_generation_alone(monkeypatch):
+    """The "population generation" column times the generate call with the population's layers already
+    in place: entering (which writes the members' weights) and leaving are timed apart."""
+    from contextlib import contextmanager
+
+    import fastes.es.population as population
+    from benchmarks import tiny_iteration
+
+    events = []
+    entered = population.population_batched
+
+    @contextmanager
+    def recorded(*args, **kwargs):
+        with entered(*args, **kwargs) as members:
+            events.append("enter")
+            yield members
+        events.append("exit")
+
+    untimed = tiny_iteration._timed
+
+    def timed(call):
+        events.append("start")
+        result = untimed(call)
+        events.append("stop")
+        return result
+
+    monkeypatch.setattr(population, "population_batched", recorded)
+    monkeypatch.setattr(tiny_iteration, "_timed", timed)
+    tiny_iteration.measure_mode("materialised", rounds=1)
+    # the last round: plain generation; the population's generate call; enter and exit; the ES iteration
+    # (which enters through fastes.run.es_loop's own reference, not recorded here)
+    plain, generation = ["start", "stop"], ["enter", "start", "stop", "exit"]
+    enter_exit, iteration = ["start", "enter", "exit", "stop"], ["start", "stop"]
+    assert events[-12:] == plain + generation + enter_exit + iteration
+
+
 def test_each_round_rotates_its_three_measurements_and_reads_the_ratios_off_them():
     """benchmarks.real_model's round: plain generation, the ES iteration and transformers' generate, in an
     order that rotates, each ratio a quotient of two of their token rates."""

@@ -310,6 +310,47 @@ def test_wide_transposed_destinations_split_over_two_threads(noise_kind, seed):
     assert all(torch.equal(a, b) for a, b in zip(bits(contiguous(minus)), bits(expected[-1])))
 
 
+@pytest.mark.parametrize("noise_kind", NOISE_KINDS)
+@pytest.mark.parametrize("seed", [0, 7])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_several_members_written_in_one_call(noise_kind, seed, threads):
+    """perturb_each writes several members' weights (pairs with twins, a member alone, transposed and
+    contiguous destinations) in one pass split over the threads as one range, so a thread's range
+    starts and ends inside a member's tensors: each destination holds, bit for bit, what a call of its
+    own writes."""
+    src = make_tensors(torch.float32, seed, [(97, 33), (1,), (4097,), (513, 400)])
+    ids = [noise.tensor_id(f"members.{i}") for i in range(len(src))]
+    blocks = sum(-(-t.numel() // noise.elements_per_block(noise_kind)) for t in src)
+    assert 3 * blocks >= 2 * cpu_library._MIN_BLOCKS_PER_THREAD  # so that two threads share the call
+    keys = [noise.member_key(seed, 2, direction) for direction in range(3)]
+    scales = [SIGMA, -0.5 * SIGMA, 2 * SIGMA]
+
+    def destinations(transposed: bool) -> list[torch.Tensor]:
+        return [
+            torch.empty(t.shape[::-1]).t() if transposed and t.dim() == 2 else torch.empty_like(t)
+            for t in src
+        ]
+
+    writes = [
+        ops.Write(keys[0], scales[0], destinations(True), destinations(True)),
+        ops.Write(keys[1], scales[1], destinations(False)),
+        ops.Write(keys[2], scales[2], destinations(False), destinations(False)),
+    ]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ops.perturb_each(src, ids, writes, noise_kind=noise_kind, backend="cpu")
+    finally:
+        torch.set_num_threads(before)
+    for write in writes:
+        alone = [torch.empty_like(t) for t in src]
+        ops.perturb(src, alone, ids, write.key, write.scale, noise_kind=noise_kind, backend="cpu")
+        assert all(torch.equal(a, b) for a, b in zip(bits(contiguous(write.destinations)), bits(alone)))
+        if write.twins is not None:
+            ops.perturb(src, alone, ids, write.key, -write.scale, noise_kind=noise_kind, backend="cpu")
+            assert all(torch.equal(a, b) for a, b in zip(bits(contiguous(write.twins)), bits(alone)))
+
+
 def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     t = [torch.zeros(8)]

@@ -117,9 +117,9 @@ def test_members_weights_are_held_in_the_batched_matmuls_layout(transposed):
 
 @torch.no_grad()
 def test_materialised_antithetic_pairs_are_written_from_one_pass_over_their_noise(tiny, monkeypatch):
-    """Building the members' weights perturbs an antithetic pair with one call (the twin from the same
-    noise); a member whose twin is not in the group gets a call of its own. The logits equal member by
-    member evaluation's."""
+    """Building the members' weights writes an antithetic pair from one pass over its noise (the twin
+    from the same noise); a member whose twin is not in the group gets a write of its own; all of them
+    in one call. The logits equal member by member evaluation's."""
     from fastes.engine import ops
 
     model, tokenizer = tiny
@@ -127,18 +127,18 @@ def test_materialised_antithetic_pairs_are_written_from_one_pass_over_their_nois
     every = list(es.members())
     group = [every[0], every[1], every[3], every[4]]  # pair (0, 1); 3 and 4 without their twins
     calls = []
-    perturb = ops.perturb
+    perturb_each = ops.perturb_each
 
-    def counted(*args, **kwargs):
-        calls.append(kwargs.get("twins") is not None)
-        return perturb(*args, **kwargs)
+    def counted(sources, tensor_ids, writes, **kwargs):
+        calls.append([write.twins is not None for write in writes])
+        return perturb_each(sources, tensor_ids, writes, **kwargs)
 
-    monkeypatch.setattr(ops, "perturb", counted)
+    monkeypatch.setattr(ops, "perturb_each", counted)
     batch = tokenizer(PROMPTS, return_tensors="pt", padding=True)
     grouped = {k: v.repeat(len(group), 1) for k, v in batch.items()}
     with population_batched(es, model, members=group):
         logits = model(**grouped).logits
-    assert calls == [True, False, False]
+    assert calls == [[True, False, False]]
     expected = []
     for member in group:
         with member:

@@ -327,25 +327,31 @@ def transposed_columns(destination: torch.Tensor) -> int:
     return 0 if destination.is_contiguous() else destination.shape[1]
 
 
-def _in_place_layout(
+@functools.lru_cache(maxsize=64)
+def _whole_tensors_table(
+    numels: tuple[int, ...], tensor_ids: tuple[int, ...], per_block: int
+) -> tuple[torch.Tensor, int]:
+    """The part table of whole tensors laid end to end (no chunks: nothing is buffered) and its number
+    of blocks, for one library call over all of them in place. ES asks for the same every generation."""
+    parts, lane = [], 0
+    for index, numel in enumerate(numels):
+        parts.append(chunks.Part(index, 0, numel, lane))
+        lane += per_block * chunks.blocks(numel, per_block)
+    return _table(parts, tensor_ids, per_block), lane // per_block
+
+
+def _io_table(
     sources: Sequence[torch.Tensor],
     destinations: Sequence[torch.Tensor],
-    tensor_ids: Sequence[int],
-    per_block: int,
     twins: Sequence[torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The part table of whole tensors laid end to end (no chunks: nothing is buffered), the io table (a
-    row per tensor: source, destination and twin addresses, elements, destination layout; IO_COLUMNS in
-    noise_cpu.c) and the number of blocks: for one library call over all."""
-    parts, lane = [], 0
-    for index, t in enumerate(sources):
-        parts.append(chunks.Part(index, 0, t.numel(), lane))
-        lane += per_block * chunks.blocks(t.numel(), per_block)
+) -> torch.Tensor:
+    """The io table of `_whole_tensors_table`'s parts: a row per tensor, its source, destination and twin
+    addresses, elements, destination layout (IO_COLUMNS in noise_cpu.c)."""
     io = []
     for index, (s, d) in enumerate(zip(sources, destinations)):
         twin_address = twins[index].data_ptr() if twins is not None else 0  # laid out as d (ops.perturb)
         io.append((s.data_ptr(), d.data_ptr(), s.numel(), twin_address, transposed_columns(d)))
-    return _table(parts, tensor_ids, per_block), torch.tensor(io, dtype=torch.int64), lane // per_block
+    return torch.tensor(io, dtype=torch.int64)
 
 
 def round_keys(key: Key) -> torch.Tensor:
@@ -487,26 +493,17 @@ def perturb(
     (one per source), each twin gets src - scale * eps from the same noise (an antithetic member's
     weights), the bits a call with -scale writes.
 
-    All fp32 (`library_perturbs`): one library call over every tensor (the noise of a tile never leaves
-    L1); a destination may be the transpose of a contiguous tensor (`transposed_columns`), and twins are
-    written in the same pass. Otherwise chunk by chunk into contiguous destinations, without twins
-    (fastes.engine.ops.perturb makes a second call for them): the library's noise, then torch's rounding
-    to the tensor's dtype.
+    All fp32 (`library_perturbs`): `perturb_each`'s one library call over every tensor. Otherwise chunk
+    by chunk into contiguous destinations, without twins (fastes.engine.ops.perturb makes a second call
+    for them): the library's noise, then torch's rounding to the tensor's dtype.
     """
-    keys = round_keys(key)
-    per_block = noise.elements_per_block(noise_kind)
     if library_perturbs(sources):
-        library = _load()
-        table, io, n_blocks = _in_place_layout(sources, destinations, tensor_ids, per_block, twins)
-        args = (noise.perturbation_stream(noise_kind), keys.data_ptr(), per_block, scale)
-
-        def call(lo: int, hi: int) -> None:
-            library.fastes_perturb_f32(table.data_ptr(), io.data_ptr(), len(table), lo, hi, *args)
-
-        _parallel(call, n_blocks)
+        perturb_each(sources, tensor_ids, [(key, scale, destinations, twins)], noise_kind)
         return
     if twins is not None:
         raise ValueError("perturb: twins are written by the library call over fp32 tensors only")
+    keys = round_keys(key)
+    per_block = noise.elements_per_block(noise_kind)
     for chunk, table in _planned(tuple(t.numel() for t in sources), tuple(tensor_ids), per_block):
         eps = _noise_chunk(noise_kind, table, chunk.lanes, keys)
         for index, start, n, lane in chunk.parts:
@@ -516,6 +513,50 @@ def perturb(
                 torch.add(src, eps[lane : lane + n], alpha=scale, out=dst)
             else:
                 dst.copy_(torch.add(src.to(torch.float32), eps[lane : lane + n], alpha=scale))
+
+
+@torch.no_grad()
+def perturb_each(
+    sources: Sequence[torch.Tensor],
+    tensor_ids: Sequence[int],
+    writes: Sequence[tuple[Key, float, Sequence[torch.Tensor], Sequence[torch.Tensor] | None]],
+    noise_kind: str = "gaussian",
+) -> None:
+    """`perturb` of fp32 sources (`library_perturbs`) for each (key, scale, destinations, twins) of
+    `writes`, in one library pass over all their tiles (the noise of a tile never leaves L1), split over
+    the threads as one range: one member of a small model is too little work to split, several side
+    by side are not. A destination may be the transpose of a contiguous tensor (`transposed_columns`),
+    and twins are written in the same pass."""
+    library = _load()
+    per_block = noise.elements_per_block(noise_kind)
+    table, n_blocks = _whole_tensors_table(tuple(t.numel() for t in sources), tuple(tensor_ids), per_block)
+    stream = noise.perturbation_stream(noise_kind)
+    calls = []
+    for key, scale, destinations, twins in writes:
+        io, keys = _io_table(sources, destinations, twins), round_keys(key)
+
+        def call(
+            lo: int, hi: int, io: torch.Tensor = io, keys: torch.Tensor = keys, scale: float = scale
+        ) -> None:
+            library.fastes_perturb_f32(
+                table.data_ptr(), io.data_ptr(), len(table), lo, hi, stream, keys.data_ptr(), per_block, scale
+            )
+
+        calls.append(call)
+    if n_blocks:
+        _parallel(_one_range(calls, n_blocks), n_blocks * len(calls))
+
+
+def _one_range(calls: Sequence[Callable[[int, int], None]], n_blocks: int) -> Callable[[int, int], None]:
+    """call(lo, hi) over [0, len(calls) * n_blocks): the calls' block ranges laid end to end, each call
+    given the part of [lo, hi) that falls in its own [0, n_blocks)."""
+
+    def call(lo: int, hi: int) -> None:
+        for index in range(lo // n_blocks, -(-hi // n_blocks)):
+            start = index * n_blocks
+            calls[index](max(lo - start, 0), min(hi - start, n_blocks))
+
+    return call
 
 
 @torch.no_grad()
@@ -544,7 +585,8 @@ def es_update(
     per_block = noise.elements_per_block(noise_kind)
     if grads is None and all(p.dtype == torch.float32 for p in params):
         library = _load()
-        table, io, n_blocks = _in_place_layout(params, params, tensor_ids, per_block)
+        table, n_blocks = _whole_tensors_table(tuple(p.numel() for p in params), tuple(tensor_ids), per_block)
+        io = _io_table(params, params)
         args = (
             noise.perturbation_stream(noise_kind),
             schedules.data_ptr(),

@@ -11,6 +11,7 @@ products wrap modulo 2^64, which keeps both 32-bit words of every product exact 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 
@@ -99,6 +100,7 @@ def _derive_key(seed: int, c0: int, c1: int, c2: int, domain: int) -> tuple[int,
     return w0, w1
 
 
+@functools.lru_cache(maxsize=4096)  # each iteration asks for its members' keys several times (~15 us each)
 def member_key(seed: int, generation: int, index: int) -> tuple[int, int]:
     """Philox key (k0, k1) of noise direction `index` in ES generation `generation` of run `seed`.
 

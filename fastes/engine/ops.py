@@ -18,6 +18,7 @@ import math
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -258,6 +259,16 @@ def _by_dtype(*columns: Sequence) -> dict[torch.dtype, list[list]]:
     return groups
 
 
+class Write(NamedTuple):
+    """One member's perturbed weights for `perturb_each`: sources + scale * eps(key) into `destinations`,
+    and with `twins`, sources - scale * eps into them (its antithetic twin's, from the same noise)."""
+
+    key: Key
+    scale: float
+    destinations: Sequence[torch.Tensor]
+    twins: Sequence[torch.Tensor] | None = None
+
+
 def perturb(
     sources: Sequence[torch.Tensor],
     destinations: Sequence[torch.Tensor],
@@ -278,14 +289,47 @@ def perturb(
     tensor: the materialised layer holds the members' [out, in] weights as [in, out] (the compiled CPU
     library writes them so directly; other backends through a contiguous copy).
     """
+    perturb_each(
+        sources, tensor_ids, [Write(key, scale, destinations, twins)], noise_kind=noise_kind, backend=backend
+    )
+
+
+def perturb_each(
+    sources: Sequence[torch.Tensor],
+    tensor_ids: Sequence[int],
+    writes: Sequence[Write],
+    *,
+    noise_kind: str = "gaussian",
+    backend: str = "auto",
+) -> None:
+    """`perturb` for several members' `writes` of the same sources: what one call per write would write.
+
+    On the compiled CPU backend (fp32) all of them are one pass split over the threads: a small model's
+    member is too little work to split (a thread costs more than it saves), but its members side by
+    side are not (the tiny model's 16 members: one library call per antithetic pair, each on one thread,
+    cost 2-3x the noise itself: docs/results/iteration-overheads-2026-12-07.md)."""
     noise.check_noise(noise_kind)
     check_tensors(sources, tensor_ids, "perturb")
-    outputs = list(destinations) + (list(twins) if twins is not None else [])
-    writes = list(zip(sources, destinations)) + (list(zip(destinations, twins)) if twins is not None else [])
+    for write in writes:
+        _check_write(sources, write)
+    outputs = [t for w in writes for t in (*w.destinations, *(w.twins or ()))]
+    chosen = resolve_backend(sources, backend)
+    if chosen == "cpu" and cpu_library.library_perturbs(sources):
+        cpu_library.perturb_each(sources, tensor_ids, writes, noise_kind)
+    else:
+        for key, scale, destinations, twins in writes:
+            _perturb_staged(sources, destinations, twins, tensor_ids, key, scale, noise_kind, chosen)
+    mark_written(outputs)
+
+
+def _check_write(sources: Sequence[torch.Tensor], write: Write) -> None:
+    """Raise a clear error unless `write`'s destinations (and twins) can take the sources' values."""
+    destinations, twins = write.destinations, write.twins
+    pairs = list(zip(sources, destinations)) + (list(zip(destinations, twins)) if twins is not None else [])
     counts_match = len(destinations) == len(sources) and (twins is None or len(twins) == len(sources))
     if not counts_match or any(
         d.shape != s.shape or d.dtype != s.dtype or d.device != s.device or not _writable_layout(d)
-        for s, d in writes
+        for s, d in pairs
     ):
         raise ValueError(
             "perturb: each destination must have its source's shape, dtype and device (a twin its "
@@ -295,14 +339,8 @@ def perturb(
         raise ValueError(
             "perturb: a twin must be laid out as its destination is (both contiguous or transposed)"
         )
-    if not math.isfinite(scale):
-        raise ValueError(f"perturb: scale must be finite, got {scale}")
-    chosen = resolve_backend(sources, backend)
-    if chosen == "cpu" and cpu_library.library_perturbs(sources):
-        cpu_library.perturb(sources, destinations, tensor_ids, key, scale, noise_kind, twins)
-    else:
-        _perturb_staged(sources, destinations, twins, tensor_ids, key, scale, noise_kind, chosen)
-    mark_written(outputs)
+    if not math.isfinite(write.scale):
+        raise ValueError(f"perturb: scale must be finite, got {write.scale}")
 
 
 def mark_written(tensors: Sequence[torch.Tensor]) -> None:

@@ -345,26 +345,41 @@ class ES(torch.optim.Optimizer):
         """Write `member`'s perturbed weights of param group `group` into `destinations`, and with
         `twin_destinations` its antithetic twin's (the same direction, the opposite sign) from the same
         noise. A destination may be the transpose of a contiguous tensor (fastes.engine.ops.perturb)."""
-        scale = member.sign * group["sigma"]
-        full = [i for i, p in enumerate(group["params"]) if not self._is_lowrank(p)]
-        if full:  # one launch per dtype for every full-rank tensor
-            ops.perturb(
-                [group["params"][i] for i in full],
-                [destinations[i] for i in full],
-                [group["ids"][i] for i in full],
-                member.key,
-                scale,
+        self.perturb_members_into(group, [(member, destinations, twin_destinations)])
+
+    def perturb_members_into(
+        self,
+        group: dict,
+        writes: list[tuple[Member, list[torch.Tensor], list[torch.Tensor] | None]],
+    ) -> None:
+        """`perturb_into` for each (member, destinations, twin destinations or None) of `writes`: the
+        full-rank tensors of all of them in one launch per dtype (`ops.perturb_each`)."""
+        sources, ids = group["params"], group["ids"]
+        full = [i for i, p in enumerate(sources) if not self._is_lowrank(p)]
+        if full:
+            ops.perturb_each(
+                [sources[i] for i in full],
+                [ids[i] for i in full],
+                [
+                    ops.Write(
+                        member.key,
+                        member.sign * group["sigma"],
+                        [destinations[i] for i in full],
+                        None if twins is None else [twins[i] for i in full],
+                    )
+                    for member, destinations, twins in writes
+                ],
                 noise_kind=self.noise,
                 backend=self.backend,
-                twins=None if twin_destinations is None else [twin_destinations[i] for i in full],
             )
-        for i, (p, tid) in enumerate(zip(group["params"], group["ids"])):
-            if not self._is_lowrank(p):
-                continue
-            twin = None if twin_destinations is None else twin_destinations[i]
-            lowrank.perturb(
-                p, destinations[i], tid, member.key, scale, self.rank, self.backend, self.noise, twin
-            )
+        for member, destinations, twins in writes:
+            scale = member.sign * group["sigma"]
+            for i, (p, tid) in enumerate(zip(sources, ids)):
+                if self._is_lowrank(p):
+                    twin = None if twins is None else twins[i]
+                    lowrank.perturb(
+                        p, destinations[i], tid, member.key, scale, self.rank, self.backend, self.noise, twin
+                    )
 
     def _apply(self, member: Member) -> None:
         if self._applied is not None:

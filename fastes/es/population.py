@@ -444,15 +444,14 @@ def _materialised(
     ]
     views = [b if linear.transposed else b.transpose(1, 2) for b, linear in zip(buffers, linears)]
     position = {member.index: i for i, member in enumerate(members)}
-    written: set[int] = set()
+    writes, written = [], set()
     for i, member in enumerate(members):
         if i in written:
             continue
         twin = position.get(member.index ^ 1) if es.antithetic else None  # members 2j and 2j + 1
-        es.perturb_into(
-            group, [v[i] for v in views], member, None if twin is None else [v[twin] for v in views]
-        )
+        writes.append((member, [v[i] for v in views], None if twin is None else [v[twin] for v in views]))
         written.update({i} if twin is None else {i, twin})
+    es.perturb_members_into(group, writes)
     return views
 
 

@@ -6,6 +6,7 @@ other's helpers, so that no module imports back the one importing it.
 
 from __future__ import annotations
 
+import functools
 import gc
 import math
 import random
@@ -73,6 +74,7 @@ def long_lived_objects_frozen() -> Iterator[None]:
             gc.unfreeze()
 
 
+@functools.lru_cache(maxsize=16)  # an ES iteration asks every time: building the scheduler costs ~0.1 ms
 def learning_rates(
     lr: float, scheduler_type: str, warmup_steps: float, total_steps: int
 ) -> Callable[[int], float]:
