@@ -80,6 +80,26 @@ def test_modules_are_put_back_and_weights_untouched(tiny):
         assert torch.equal(v, before[k])
 
 
+@pytest.mark.parametrize("mode", ["materialised", "lowrank"])
+def test_a_population_layer_registers_its_base_and_nothing_else(mode):
+    """A population layer sets its plain attributes past nn.Module's checks; its base projection is
+    still its one submodule, and its state is the base's (no tensor of its own becomes a buffer)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5))
+    es = fastes.ES(
+        fastes.linear_weights(model, warn=False),
+        sigma=0.1,
+        lr=0.01,
+        population=4,
+        noise_type="lowrank" if mode == "lowrank" else "full",
+    )
+    with population_batched(es, model, mode=mode):
+        layer = model[0]
+        assert [name for name, _ in layer.named_children()] == ["base"]
+        assert sorted(layer.state_dict()) == ["base.bias", "base.weight"]
+        assert list(layer.buffers()) == [] and len(list(layer.parameters())) == 2
+
+
 def test_batched_mode_refuses_non_linear_parameters_and_bad_row_counts(tiny):
     model, tokenizer = tiny
     es = fastes.ES(fastes.linear_weights(model, include_norms=True), sigma=0.05, lr=0.01, population=2)

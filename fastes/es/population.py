@@ -41,6 +41,16 @@ class _PopulationLayer(torch.nn.Module):
         self._member_rows: list[int] | None = None  # set_member_rows (where taken); None: equal groups
         self._offsets, self._offsets_for = None, -1  # _row_offsets' last answer, and its row count
 
+    def __setattr__(self, name: str, value: object) -> None:
+        # A population's layers are built at every ES iteration, each setting some twenty plain attributes
+        # (tensors, flags): nn.Module's __setattr__ checks each against the parameters, buffers and
+        # submodules, ~2 us a call, a fifth of building a tiny model's low-rank layer. Only modules and
+        # parameters (the base projection) need it; the layers register no buffers.
+        if isinstance(value, (torch.nn.Module, torch.nn.Parameter)):
+            super().__setattr__(name, value)
+        else:
+            object.__setattr__(self, name, value)
+
     @property
     def weight(self) -> torch.Tensor:
         """The base projection's weight, for code around the layer that reads it (a PEFT LoRA layer casts
@@ -269,11 +279,10 @@ class LowRankLinear(_PopulationLayer):
         a = torch.stack([a for a, _ in factors])  # [members, rows of the weight, r]
         b = torch.stack([b for _, b in factors])  # [members, columns of the weight, r]
         out_side, in_side = (b, a) if transposed else (a, b)
-        scale = torch.tensor(scales, dtype=torch.float32, device=a.device) / rank**0.5
         self._set_inputs(in_side.transpose(1, 2).to(weight.dtype))  # [members, r, in]
-        scaled = out_side.transpose(1, 2) * scale[:, None, None]
+        scaled = out_side.transpose(1, 2) * _scales_over_root_rank(tuple(scales), rank, a.device)
         self.outputs = scaled.to(weight.dtype).contiguous()  # [members, r, out], scale_m / sqrt(r) folded in
-        self._output_columns = self.outputs.split(1, dim=1)
+        self._set_output_columns()
         resolved = ops.resolve_backend([weight], backend)
         self.transposed = transposed
         self.fused = resolved == "triton"  # one Triton GEMM with the term in its epilogue
@@ -309,7 +318,7 @@ class LowRankLinear(_PopulationLayer):
         grouped_y = y.view(members, -1, out_features)
         if len(self._output_columns) == 1:  # rank 1, the default: the products are the one column
             grouped_y.addcmul_(products, self.outputs)
-        else:  # a layer runs for every token of every row: the rank columns are sliced once, at setup
+        else:
             for column, output in zip(products.split(1, dim=-1), self._output_columns):
                 grouped_y.addcmul_(column, output)
         return y.view(*x.shape[:-1], out_features)
@@ -322,9 +331,15 @@ class LowRankLinear(_PopulationLayer):
         index = torch.tensor(positions, device=self.inputs.device)
         self._set_inputs(self.inputs[index])
         self.outputs = self.outputs[index]
-        self._output_columns = self.outputs.split(1, dim=1)
+        self._set_output_columns()
         self._product = self._member_product()
         self._offsets_for, self._term = -1, None
+
+    def _set_output_columns(self) -> None:
+        """The output factors' rank columns, sliced once for the torch path's multiply-add per rank (a
+        layer runs for every token of every row); at rank 1, the default, the one column is `outputs`."""
+        rank = self.outputs.shape[1]
+        self._output_columns = self.outputs.split(1, dim=1) if rank > 1 else (self.outputs,)
 
     def _set_inputs(self, inputs: torch.Tensor) -> None:
         """Hold the input factors [members, r, in] in row-major strides, and `_inputs_t`, the batched
@@ -390,6 +405,13 @@ class LowRankLinear(_PopulationLayer):
 
 
 MODES = ("materialised", "virtual", "lowrank")
+
+
+@functools.lru_cache(maxsize=64)
+def _scales_over_root_rank(scales: tuple[float, ...], rank: int, device: torch.device) -> torch.Tensor:
+    """[members, 1, 1]: each member's scale / sqrt(rank), made once for all of a population's layers (each
+    layer made its own: ~13 us of the ~110 it took to build one, every iteration). Read, never written."""
+    return (torch.tensor(scales, dtype=torch.float32, device=device) / rank**0.5)[:, None, None]
 
 
 def _population_layers(
