@@ -13,7 +13,7 @@ from fastes.engine.cpu_linear import Products
 
 
 @pytest.mark.parametrize(
-    "setting,expected", [("library", Products(*[True] * 4)), ("torch", Products(*[False] * 4))]
+    "setting,expected", [("library", Products(*[True] * 5)), ("torch", Products(*[False] * 5))]
 )
 def test_the_setting_gives_the_products_without_measuring(monkeypatch, fresh_answer, setting, expected):
     monkeypatch.setenv("FASTES_CPU_PRODUCTS", setting)
@@ -26,7 +26,7 @@ def test_without_the_compiled_library_torchs_products_are_the_answer(monkeypatch
     monkeypatch.setenv("FASTES_CPU_PRODUCTS", "measure")
     monkeypatch.setattr(cpu_library, "available", lambda: False)
     asked = measured_faster(monkeypatch, set(Products._fields))
-    assert cpu_linear.products(1) == Products(False, False, False, False)
+    assert cpu_linear.products(1) == Products(False, False, False, False, False)
     assert asked == []
 
 
@@ -42,16 +42,18 @@ def test_the_measured_answer_is_kept_on_disk_and_read_back(monkeypatch, fresh_an
     monkeypatch.setenv("FASTES_CPU_PRODUCTS", "measure")
     asked = measured_faster(monkeypatch, {"packed"})
     assert cpu_linear.products(1) == Products(
-        few_rows=False, weight_major=False, packed=True, member_matmul=False
+        few_rows=False, weight_major=False, packed=True, member_matmul=False, lowrank_member_matmul=False
     )
     saved = json.loads((fresh_answer / cpu_linear.CACHE_FILE).read_text())
     assert saved[cpu_linear.machine_key(1)]["packed"] is True
     assert saved[cpu_linear.machine_key(1)]["seconds"]["packed"] == {"library": 1.0, "torch": 2.0}
     cpu_linear.products.cache_clear()  # a new process: the file answers
-    assert cpu_linear.products(1) == Products(False, False, True, False)
+    assert cpu_linear.products(1) == Products(False, False, True, False, False)
     assert asked == [1]
-    measured_faster(monkeypatch, {"few_rows", "member_matmul"})  # another thread count: another answer
-    assert cpu_linear.products(2) == Products(True, False, False, True)
+    measured_faster(
+        monkeypatch, {"few_rows", "lowrank_member_matmul"}
+    )  # another thread count: another answer
+    assert cpu_linear.products(2) == Products(True, False, False, False, True)
     saved = json.loads((fresh_answer / cpu_linear.CACHE_FILE).read_text())
     assert set(saved) == {cpu_linear.machine_key(1), cpu_linear.machine_key(2)}
     assert cpu_linear.machine_key(1) != cpu_linear.machine_key(2)
@@ -63,7 +65,7 @@ def test_a_damaged_cache_file_is_measured_again_and_rewritten(monkeypatch, fresh
     path = fresh_answer / cpu_linear.CACHE_FILE
     path.write_text(damage.replace("KEY", cpu_linear.machine_key(1)))
     asked = measured_faster(monkeypatch, {"weight_major"})
-    assert cpu_linear.products(1) == Products(False, True, False, False)
+    assert cpu_linear.products(1) == Products(False, True, False, False, False)
     assert asked == [1]
     assert json.loads(path.read_text())[cpu_linear.machine_key(1)]["weight_major"] is True
 
@@ -76,7 +78,7 @@ def test_a_cache_directory_that_cannot_be_written_still_gives_the_answer(monkeyp
     cpu_linear.products.cache_clear()
     try:
         measured_faster(monkeypatch, {"few_rows", "packed"})
-        assert cpu_linear.products(1) == Products(True, False, True, False)
+        assert cpu_linear.products(1) == Products(True, False, True, False, False)
     finally:
         cpu_linear.products.cache_clear()
 
@@ -88,6 +90,8 @@ def test_measure_times_each_product_against_torchs_with_and_without_the_term():
     assert set(seconds["few_rows"]) == set(seconds["packed"]) == both
     assert set(seconds["weight_major"]) == {"library", "torch"}  # the term follows either the same way
     assert set(seconds["member_matmul"]) == {"library", "torch"}  # the materialised layer: no term
+    # the small low-rank layer: the member matmul with the factors, or torch's linear with the term after
+    assert set(seconds["lowrank_member_matmul"]) == {"library", "torch"}
     assert all(s > 0 for pair in seconds.values() for s in pair.values())
 
 
@@ -165,5 +169,5 @@ def test_a_process_that_waits_for_anothers_measurement_takes_its_answer(monkeypa
         )
         fcntl.flock(other, fcntl.LOCK_UN)
     waiting.join(timeout=10)
-    assert answers == [Products(True, False, True, False)]
+    assert answers == [Products(True, False, True, False, False)]
     assert asked == []  # it did not measure again

@@ -128,7 +128,9 @@ def test_a_term_is_checked_once_and_a_layer_keeps_one_per_grouping_of_its_rows(m
     from fastes.engine import cpu_linear
     from fastes.es.population import LowRankLinear
 
-    monkeypatch.setattr(cpu_linear, "products", lambda threads: cpu_linear.Products(True, True, True, False))
+    monkeypatch.setattr(
+        cpu_linear, "products", lambda threads: cpu_linear.Products(True, True, True, True, False)
+    )
 
     checks = []
     original = LowRankTerm._check

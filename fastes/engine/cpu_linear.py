@@ -30,6 +30,11 @@ in groups of any size, so that every finished row leaves the batch) or torch's b
 groups: finished rows leave by whole columns). On the AMD EPYC the member matmul ran the tiny model's
 population generation 6-7% faster (docs/results/member-matmul-2026-12-06.md); on the Intel Xeon torch's
 was 7-37% faster per call and its generation 1.4-6% faster (docs/results/population-overheads-2026-12-06.md).
+A small low-rank population layer has a fifth, measured apart, since its alternative is another one: the
+member matmul forming each member's weight from the shared weight and its factors, or torch's linear and
+then the term's pass over every output. On the Intel Xeon the first ran the tiny model's low-rank
+population generation at 0.944 of plain generation's speed, the second at 0.887, while torch's batched
+matmul was the faster materialised product there (docs/results/xeon-tiny-2026-12-07.md).
 
 The choice changes how a layer's sums are ordered, not what it computes: every product agrees with
 torch's to float tolerance, and ES and plain generation run the same products.
@@ -75,6 +80,9 @@ class Products(NamedTuple):
     weight_major: bool  # (W x^T)^T for a vocabulary-wide output (torch's mm, the other way round)
     packed: bool  # the library's packed linear, where `packs`
     member_matmul: bool  # the library's member matmul for materialised population layers (else torch.bmm)
+    # the member matmul forming each member's weight from the shared weight and its factors, for a low-rank
+    # population layer too small for the others (else the base's product, then `lowrank_term`)
+    lowrank_member_matmul: bool
 
 
 def packs(rows: int, weight: torch.Tensor) -> bool:
@@ -223,18 +231,20 @@ _FEW, _MANY, _VOCABULARY_BATCH, _MEMBERS = (1, 4, cpu_library.FEW_ROWS), 256, 64
 # The materialised layer's products, (members, rows a member, in, out): a tiny model's block (hidden 64,
 # MLP 256; materialised is a small model's default mode) at a decode step of the demo's 16 members x 32
 # rows and at its prefill (20 positions a row), and a SmolLM2-sized weight at 8 members of 8 rows
-_MEMBER_SHAPES = [(16, rows, k, n) for rows in (32, 640) for k, n in ((64, 64), (64, 256), (256, 64))] + [
-    (8, 8, 576, 576)
-]
+_LOWRANK_MEMBERS = 16
+_MEMBER_SHAPES = [
+    (_LOWRANK_MEMBERS, rows, k, n) for rows in (32, 640) for k, n in ((64, 64), (64, 256), (256, 64))
+] + [(8, 8, 576, 576)]
 
 
 def measure(threads: int, repeats: int = 7) -> dict[str, dict[str, float]]:
     """Seconds (medians of `repeats` timings taken in turns, after a warm-up) of each of fastes' products
     and torch's in its place, at `threads` torch threads: {"few_rows" | "weight_major" | "packed" |
-    "member_matmul": {"library": s, "torch": s, ...}}. The few-rows pass and the packed linear are also
-    timed with the low-rank population's term ("library with term", "torch with term": torch's product,
-    then `lowrank_term`), since plain and ES generation run the same products; the member matmul against
-    torch's batched matmul of equal groups."""
+    "member_matmul" | "lowrank_member_matmul": {"library": s, "torch": s, ...}}. The few-rows pass and the
+    packed linear are also timed with the low-rank population's term ("library with term", "torch with
+    term": torch's product, then `lowrank_term`), since plain and ES generation run the same products; the
+    member matmul against torch's batched matmul of equal groups; the member matmul with the members'
+    factors against torch's linear, then `lowrank_term`."""
     generator = torch.Generator().manual_seed(0)
 
     def tensor(*shape: int) -> torch.Tensor:
@@ -254,6 +264,16 @@ def measure(threads: int, repeats: int = 7) -> dict[str, dict[str, float]]:
         (tensor(members * rows, k), tensor(members, k, n), torch.arange(0, members * rows + 1, rows))
         for members, rows, k, n in _MEMBER_SHAPES
     ]
+    # the small low-rank layer's two ways at the tiny model's shapes, as the layer holds them: its member
+    # matmul (the shared weight [in, out] and the members' rank-1 factors), or the base's product on the
+    # nn.Linear weight [out, in], then the term
+    lowrank = []
+    for x, w, starts in grouped:
+        members, k, n = w.shape
+        if members == _LOWRANK_MEMBERS:
+            inputs, outputs = tensor(members, 1, k), tensor(members, 1, n)
+            product = cpu_library.MemberMatmul(w[0], None, (inputs, outputs))
+            lowrank.append((x, starts, product, w[0].T.contiguous(), LowRankTerm(inputs, outputs, starts)))
     torch_linear = torch.nn.functional.linear
 
     def with_and_without_term(library: Callable, products: list) -> dict[str, Callable[[], object]]:
@@ -277,6 +297,12 @@ def measure(threads: int, repeats: int = 7) -> dict[str, dict[str, float]]:
         "member_matmul": {
             "library": lambda: [cpu_library.member_matmul(x, w, starts, None) for x, w, starts in grouped],
             "torch": lambda: [torch.bmm(x.view(w.shape[0], -1, x.shape[1]), w) for x, w, _ in grouped],
+        },
+        "lowrank_member_matmul": {
+            "library": lambda: [product(x, starts) for x, starts, product, _, _ in lowrank],
+            "torch": lambda: [
+                cpu_library.lowrank_term(x, torch_linear(x, w), t) for x, _, _, w, t in lowrank
+            ],
         },
     }
     previous = torch.get_num_threads()

@@ -254,8 +254,8 @@ class LowRankLinear(_PopulationLayer):
     for them was 3x faster alone and no faster in the model. The output side is stored pre-scaled.
 
     A layer too small for the library's products (whose weight stays in the caches; else torch's `linear`,
-    then the term's pass) runs the library's member matmul where that is this machine's product for
-    materialised layers (`cpu_linear.products`), with the members' factors: each member's weight W +
+    then the term's pass) runs the library's member matmul where that measured faster on this machine
+    (`cpu_linear.products().lowrank_member_matmul`), with the members' factors: each member's weight W +
     scale_m / sqrt(r) A_m B_m^T is formed as the product loads the shared W, never stored. At a tiny
     model's sizes the term's pass over every output cost more than the product saved
     (docs/results/tiny-lowrank-2026-12-07.md).
@@ -356,13 +356,13 @@ class LowRankLinear(_PopulationLayer):
     def _perturbs_in_product(self) -> bool:
         """Whether the member matmul forms each member's weight (see the class docstring): fp32 on the CPU,
         a plain nn.Linear base (x W^T + b, nothing more) too small for the library's own products (which
-        add the term as they store each output), and the member matmul measured faster than torch's
-        batched matmul here."""
+        add the term as they store each output), and the member matmul measured faster here than the base's
+        product followed by the term's pass."""
         return (
             self.compiled
             and not self.library_base
             and cpu_linear.is_plain_linear(self.base)
-            and cpu_linear.products(torch.get_num_threads()).member_matmul
+            and cpu_linear.products(torch.get_num_threads()).lowrank_member_matmul
         )
 
     def _member_product(self) -> cpu_library.MemberMatmul | None:
