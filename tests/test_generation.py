@@ -70,6 +70,39 @@ def test_left_padding_does_not_change_the_completion(model_and_tok):
     assert batch.texts[1] == alone.texts[0]
 
 
+def test_repeated_prompts_and_completions_are_tokenized_once(model_and_tok, monkeypatch):
+    """A population's rows repeat the batch's prompts once per member: each distinct prompt is encoded
+    once and each distinct completion decoded once, and the rows are what encoding and decoding every
+    row gives, in the rows' order."""
+    from fastes.models.generation import decode_texts, encode_prompts
+
+    model, tok = model_and_tok
+    rows = [PROMPTS[i] for i in (2, 0, 2, 3, 0, 1, 3, 2)]  # lengths differ: the padding is the longest's
+    every_row = tok(rows, return_tensors="pt", padding=True, padding_side="left")
+    encoded, decoded = [], []
+    encode, decode = type(tok).__call__, type(tok).batch_decode
+    monkeypatch.setattr(
+        type(tok), "__call__", lambda self, texts, **kw: encoded.append(texts) or encode(self, texts, **kw)
+    )
+    monkeypatch.setattr(
+        type(tok), "batch_decode", lambda self, ids, **kw: decoded.append(ids) or decode(self, ids, **kw)
+    )
+    enc = encode_prompts(tok, rows)
+    assert encoded == [[PROMPTS[2], PROMPTS[0], PROMPTS[3], PROMPTS[1]]]
+    assert set(enc) == set(every_row)
+    for name in every_row:
+        assert torch.equal(enc[name], every_row[name]), name
+    completions = [[5, 6, 7], [8], [5, 6, 7], [], [8], [9, 5]]
+    texts = decode_texts(tok, completions)
+    assert decoded == [[[5, 6, 7], [8], [], [9, 5]]]
+    assert texts == [tok.decode(ids, skip_special_tokens=True) for ids in completions]
+    out = generate(model, tok, rows, max_new_tokens=5)
+    for i, prompt in enumerate(rows):  # each row as it generates alone
+        alone = generate(model, tok, [prompt], max_new_tokens=5)
+        assert out.completion_ids[i] == alone.completion_ids[0] and out.texts[i] == alone.texts[0]
+        assert out.prompt_ids[i] == alone.prompt_ids[0]
+
+
 def test_stops_at_eos_and_strips_special_tokens():
     # the shipped checkpoint was trained to end each solution with <eos>
     from fastes.tasks import get_task
