@@ -50,9 +50,8 @@ def test_the_measured_answer_is_kept_on_disk_and_read_back(monkeypatch, fresh_an
     cpu_linear.products.cache_clear()  # a new process: the file answers
     assert cpu_linear.products(1) == Products(False, False, True, False, False)
     assert asked == [1]
-    measured_faster(
-        monkeypatch, {"few_rows", "lowrank_member_matmul"}
-    )  # another thread count: another answer
+    # another thread count: another answer
+    measured_faster(monkeypatch, {"few_rows", "lowrank_member_matmul"})
     assert cpu_linear.products(2) == Products(True, False, False, False, True)
     saved = json.loads((fresh_answer / cpu_linear.CACHE_FILE).read_text())
     assert set(saved) == {cpu_linear.machine_key(1), cpu_linear.machine_key(2)}

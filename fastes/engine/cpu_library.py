@@ -474,8 +474,8 @@ def uniform(
 
 
 def library_perturbs(sources: Sequence[torch.Tensor]) -> bool:
-    """Whether `perturb` takes these sources in one library call (all fp32), which writes transposed
-    destinations and twins itself."""
+    """Whether these sources take `perturb_each`'s one library call (all fp32), which writes transposed
+    destinations and twins itself; else `perturb`, chunk by chunk."""
     return all(t.dtype == torch.float32 for t in sources)
 
 
@@ -487,21 +487,12 @@ def perturb(
     key: Key,
     scale: float,
     noise_kind: str = "gaussian",
-    twins: Sequence[torch.Tensor] | None = None,
 ) -> None:
-    """dst = (float32(src) + scale * eps(key, tensor id)) rounded to the tensor's dtype; with `twins`
-    (one per source), each twin gets src - scale * eps from the same noise (an antithetic member's
-    weights), the bits a call with -scale writes.
-
-    All fp32 (`library_perturbs`): `perturb_each`'s one library call over every tensor. Otherwise chunk
-    by chunk into contiguous destinations, without twins (fastes.engine.ops.perturb makes a second call
-    for them): the library's noise, then torch's rounding to the tensor's dtype.
+    """dst = (float32(src) + scale * eps(key, tensor id)) rounded to the tensor's dtype, for sources that
+    are not all fp32 (all fp32 take `perturb_each`'s one library call, twins and transposed destinations
+    included): chunk by chunk into contiguous destinations (fastes.engine.ops.perturb makes a second call
+    for twins), the library's noise, then torch's rounding to the tensor's dtype.
     """
-    if library_perturbs(sources):
-        perturb_each(sources, tensor_ids, [(key, scale, destinations, twins)], noise_kind)
-        return
-    if twins is not None:
-        raise ValueError("perturb: twins are written by the library call over fp32 tensors only")
     keys = round_keys(key)
     per_block = noise.elements_per_block(noise_kind)
     for chunk, table in _planned(tuple(t.numel() for t in sources), tuple(tensor_ids), per_block):

@@ -231,9 +231,9 @@ _FEW, _MANY, _VOCABULARY_BATCH, _MEMBERS = (1, 4, cpu_library.FEW_ROWS), 256, 64
 # The materialised layer's products, (members, rows a member, in, out): a tiny model's block (hidden 64,
 # MLP 256; materialised is a small model's default mode) at a decode step of the demo's 16 members x 32
 # rows and at its prefill (20 positions a row), and a SmolLM2-sized weight at 8 members of 8 rows
-_LOWRANK_MEMBERS = 16
+_TINY_MEMBERS = 16
 _MEMBER_SHAPES = [
-    (_LOWRANK_MEMBERS, rows, k, n) for rows in (32, 640) for k, n in ((64, 64), (64, 256), (256, 64))
+    (_TINY_MEMBERS, rows, k, n) for rows in (32, 640) for k, n in ((64, 64), (64, 256), (256, 64))
 ] + [(8, 8, 576, 576)]
 
 
@@ -270,7 +270,7 @@ def measure(threads: int, repeats: int = 7) -> dict[str, dict[str, float]]:
     lowrank = []
     for x, w, starts in grouped:
         members, k, n = w.shape
-        if members == _LOWRANK_MEMBERS:
+        if members == _TINY_MEMBERS:
             inputs, outputs = tensor(members, 1, k), tensor(members, 1, n)
             product = cpu_library.MemberMatmul(w[0], None, (inputs, outputs))
             lowrank.append((x, starts, product, w[0].T.contiguous(), LowRankTerm(inputs, outputs, starts)))
