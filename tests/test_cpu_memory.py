@@ -17,10 +17,10 @@ glibc = pytest.mark.skipif(
     reason="the setting is glibc's malloc's (other C libraries are left alone)",
 )
 
-# Allocate, write and free a 64 MiB tensor (above every mmap threshold glibc picks by itself) twelve
+# Allocate, write and free a 64 MiB tensor (above every mmap threshold glibc picks by itself) sixteen
 # times and count each round's page faults: the memory a freed tensor leaves behind is either kept (no
 # faults once the heap holds enough free blocks) or given back and faulted in again (one fault per page).
-_ROUNDS = 12
+_ROUNDS = 16
 _PROBE = f"""
 import resource, torch
 from fastes.engine import cpu_memory
@@ -48,10 +48,10 @@ def _probe(**env: str) -> tuple[bool, list[int]]:
     return kept == "True", [int(f) for f in faults]
 
 
-def _faulting_rounds(faults: list[int]) -> int:
-    """How many rounds faulted in at least half as many pages as the first, whose tensor is fresh memory
-    (16384 faults in 4 KiB pages; fewer where the kernel backs it with huge pages)."""
-    return sum(f >= faults[0] // 2 for f in faults)
+def _faulting_rounds(faults: list[int], first: int = 0) -> int:
+    """How many rounds from round `first` on faulted in at least half as many pages as round 0, whose
+    tensor is fresh memory (16384 faults in 4 KiB pages; fewer where the kernel backs it with huge pages)."""
+    return sum(f >= faults[0] // 2 for f in faults[first:])
 
 
 @glibc
@@ -60,10 +60,11 @@ def test_freed_memory_is_reused_without_page_faults():
     given_back, faults = _probe(FASTES_KEEP_FREED_MEMORY="0")
     assert kept and not given_back
     assert kept_faults[0] > 0 and faults[0] > 0  # the first round's tensor is fresh memory
-    # given back, every round maps fresh pages; kept, the heap grows for the first round or few (a block
-    # freed next to the heap's top may be a little short of an aligned request) and then serves them all
+    # given back, every round maps fresh pages; kept, the heap grows for the first rounds and then serves
+    # them all. How many rounds it grows for depends on what the kernel mapped beside the heap (seen: 1 to
+    # 4), so the check is the second half's: none of its rounds faults.
     assert _faulting_rounds(faults) == _ROUNDS, faults
-    assert _faulting_rounds(kept_faults) <= 3, kept_faults
+    assert _faulting_rounds(kept_faults, first=_ROUNDS // 2) == 0, kept_faults
 
 
 @glibc
