@@ -16,6 +16,7 @@ Without a seed, one is drawn from torch's global RNG (which it advances).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -175,9 +176,10 @@ def decode_texts(tokenizer: PreTrainedTokenizerBase, completion_ids: list[list[i
 
 
 def prompt_token_ids(enc: BatchEncoding) -> list[list[int]]:
-    """Each prompt's token ids from `encode_prompts`, without its left padding."""
-    pairs = zip(enc["input_ids"], enc["attention_mask"], strict=True)
-    return [ids[is_token.bool()].tolist() for ids, is_token in pairs]
+    """Each prompt's token ids from `encode_prompts`, without its left padding (two tensor reads and list
+    work: a tensor op per row took 2.5 ms for a tiny ES iteration's 512 rows, this 0.35 ms)."""
+    pairs = zip(enc["input_ids"].tolist(), enc["attention_mask"].tolist(), strict=True)
+    return [list(itertools.compress(ids, is_token)) for ids, is_token in pairs]
 
 
 def generate_in_chunks(
