@@ -13,7 +13,7 @@ from fastes.engine.cpu_linear import Products
 
 
 @pytest.mark.parametrize(
-    "setting,expected", [("library", Products(*[True] * 5)), ("torch", Products(*[False] * 5))]
+    "setting,expected", [("library", Products(*[True] * 6)), ("torch", Products(*[False] * 6))]
 )
 def test_the_setting_gives_the_products_without_measuring(monkeypatch, fresh_answer, setting, expected):
     monkeypatch.setenv("FASTES_CPU_PRODUCTS", setting)
@@ -26,7 +26,7 @@ def test_without_the_compiled_library_torchs_products_are_the_answer(monkeypatch
     monkeypatch.setenv("FASTES_CPU_PRODUCTS", "measure")
     monkeypatch.setattr(cpu_library, "available", lambda: False)
     asked = measured_faster(monkeypatch, set(Products._fields))
-    assert cpu_linear.products(1) == Products(False, False, False, False, False)
+    assert cpu_linear.products(1) == Products(*[False] * 6)
     assert asked == []
 
 
@@ -42,17 +42,22 @@ def test_the_measured_answer_is_kept_on_disk_and_read_back(monkeypatch, fresh_an
     monkeypatch.setenv("FASTES_CPU_PRODUCTS", "measure")
     asked = measured_faster(monkeypatch, {"packed"})
     assert cpu_linear.products(1) == Products(
-        few_rows=False, weight_major=False, packed=True, member_matmul=False, lowrank_member_matmul=False
+        few_rows=False,
+        weight_major=False,
+        packed=True,
+        member_matmul=False,
+        lowrank_member_matmul=False,
+        small_packed=False,
     )
     saved = json.loads((fresh_answer / cpu_linear.CACHE_FILE).read_text())
     assert saved[cpu_linear.machine_key(1)]["packed"] is True
     assert saved[cpu_linear.machine_key(1)]["seconds"]["packed"] == {"library": 1.0, "torch": 2.0}
     cpu_linear.products.cache_clear()  # a new process: the file answers
-    assert cpu_linear.products(1) == Products(False, False, True, False, False)
+    assert cpu_linear.products(1) == Products(False, False, True, False, False, False)
     assert asked == [1]
     # another thread count: another answer
-    measured_faster(monkeypatch, {"few_rows", "lowrank_member_matmul"})
-    assert cpu_linear.products(2) == Products(True, False, False, False, True)
+    measured_faster(monkeypatch, {"few_rows", "lowrank_member_matmul", "small_packed"})
+    assert cpu_linear.products(2) == Products(True, False, False, False, True, True)
     saved = json.loads((fresh_answer / cpu_linear.CACHE_FILE).read_text())
     assert set(saved) == {cpu_linear.machine_key(1), cpu_linear.machine_key(2)}
     assert cpu_linear.machine_key(1) != cpu_linear.machine_key(2)
@@ -64,7 +69,7 @@ def test_a_damaged_cache_file_is_measured_again_and_rewritten(monkeypatch, fresh
     path = fresh_answer / cpu_linear.CACHE_FILE
     path.write_text(damage.replace("KEY", cpu_linear.machine_key(1)))
     asked = measured_faster(monkeypatch, {"weight_major"})
-    assert cpu_linear.products(1) == Products(False, True, False, False, False)
+    assert cpu_linear.products(1) == Products(False, True, False, False, False, False)
     assert asked == [1]
     assert json.loads(path.read_text())[cpu_linear.machine_key(1)]["weight_major"] is True
 
@@ -77,7 +82,7 @@ def test_a_cache_directory_that_cannot_be_written_still_gives_the_answer(monkeyp
     cpu_linear.products.cache_clear()
     try:
         measured_faster(monkeypatch, {"few_rows", "packed"})
-        assert cpu_linear.products(1) == Products(True, False, True, False, False)
+        assert cpu_linear.products(1) == Products(True, False, True, False, False, False)
     finally:
         cpu_linear.products.cache_clear()
 
@@ -91,6 +96,7 @@ def test_measure_times_each_product_against_torchs_with_and_without_the_term():
     assert set(seconds["member_matmul"]) == {"library", "torch"}  # the materialised layer: no term
     # the small low-rank layer: the member matmul with the factors, or torch's linear with the term after
     assert set(seconds["lowrank_member_matmul"]) == {"library", "torch"}
+    assert set(seconds["small_packed"]) == {"library", "torch"}  # a small plain layer: no term
     assert all(s > 0 for pair in seconds.values() for s in pair.values())
 
 
@@ -142,6 +148,29 @@ def test_each_library_product_is_taken_only_where_chosen(monkeypatch, fresh_answ
     assert taken == ["packed_linear"]
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("small_packed", [False, True])
+def test_a_small_weight_takes_the_packed_linear_only_where_chosen_and_at_a_prefills_rows(
+    monkeypatch, fresh_answer, small_packed, seed
+):
+    monkeypatch.setenv("FASTES_CPU_PRODUCTS", "measure")
+    # every other product faster here: a small weight takes none of them
+    faster = {"few_rows", "weight_major", "packed"} | ({"small_packed"} if small_packed else set())
+    measured_faster(monkeypatch, faster)
+    taken = library_calls(monkeypatch)
+    # few rows, one short of the packed linear's, a prefill's, and output columns not in whole panels
+    for rows, k, n in ((2, 64, 64), (cpu_linear.PACKED_MIN_ROWS - 1, 64, 256), (640, 256, 64), (640, 64, 80)):
+        x, w, bias, _ = linear_problem(rows, k, n, seed=seed, with_bias=True)
+        assert cpu_linear.is_small(w)
+        taken.clear()
+        got = cpu_linear.linear(x, w, bias)
+        packed = small_packed and rows >= cpu_linear.PACKED_MIN_ROWS and n % 32 == 0
+        assert taken == (["packed_linear"] if packed else [])
+        if not packed:  # torch's own product, bit for bit
+            assert torch.equal(got, torch.nn.functional.linear(x, w, bias))
+        torch.testing.assert_close(got.double(), linear_reference(x, w, bias, None), **linear_tolerance(k, 1))
+
+
 def test_a_process_that_waits_for_anothers_measurement_takes_its_answer(monkeypatch, fresh_answer):
     """torchrun's ranks start together: one measures while the others wait, then read its answer."""
     fcntl = pytest.importorskip("fcntl")
@@ -168,5 +197,5 @@ def test_a_process_that_waits_for_anothers_measurement_takes_its_answer(monkeypa
         )
         fcntl.flock(other, fcntl.LOCK_UN)
     waiting.join(timeout=10)
-    assert answers == [Products(True, False, True, False, False)]
+    assert answers == [Products(True, False, True, False, False, False)]
     assert asked == []  # it did not measure again

@@ -36,10 +36,16 @@ def test_decoding_linear_gives_the_linear_layers_result_at_every_row_count(seed,
     assert layer.weight is base.weight and layer.bias is base.bias
 
 
-def test_only_large_fp32_cpu_linear_layers_without_hooks_apply():
+@pytest.mark.parametrize("small_packed", [False, True])
+def test_only_fp32_cpu_linear_layers_without_hooks_apply_and_small_ones_where_chosen(
+    monkeypatch, small_packed
+):
+    use = cpu_linear.Products(*[True] * 5, small_packed=small_packed)
+    monkeypatch.setattr(cpu_linear, "products", lambda threads: use)
     side = int((MIN_WEIGHT_BYTES / 4) ** 0.5)
     assert applies(torch.nn.Linear(side, side))
-    assert not applies(torch.nn.Linear(side, side - 1))  # below the threshold: stays in the caches
+    # below the threshold the weight stays in the caches: the packed linear's, where measured faster
+    assert applies(torch.nn.Linear(side, side - 1)) == small_packed
     assert not applies(torch.nn.Linear(side, side).double())
     assert not applies(torch.nn.Conv1d(side, side, 1))
     hooked = torch.nn.Linear(side, side)
@@ -55,7 +61,9 @@ class _Block(torch.nn.Module):
         self.inner = torch.nn.Sequential(torch.nn.Linear(256, 512))
 
 
-def test_decoding_linears_swaps_the_layers_that_apply_and_puts_them_back():
+def test_decoding_linears_swaps_the_layers_that_apply_and_puts_them_back(monkeypatch):
+    use = cpu_linear.Products(*[True] * 5, small_packed=False)
+    monkeypatch.setattr(cpu_linear, "products", lambda threads: use)
     block = _Block()
     originals = dict(block.named_modules())
     with decoding_linears(block):

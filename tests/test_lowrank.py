@@ -212,11 +212,12 @@ def test_a_small_low_rank_layer_forms_its_members_weights_in_the_member_matmul(m
         torch.testing.assert_close(layer(x[:6]).double().reshape(-1, out_features), expected, **tolerance)
         for setting in ("term measured faster", "another base"):
             with monkeypatch.context() as m:
-                if setting == "term measured faster":  # the materialised layers' member matmul kept
+                if setting == "term measured faster":  # the materialised layers' member matmul kept; the
+                    # small plain layers' packed linear too, which a small low-rank layer does not take
                     m.setattr(
                         cpu_linear,
                         "products",
-                        lambda threads: cpu_linear.Products(True, True, True, True, False),
+                        lambda threads: cpu_linear.Products(True, True, True, True, False, True),
                     )
                     layer = LowRankLinear(base, factors, scales, backend="cpu")
                 else:

@@ -114,11 +114,18 @@ def test_linear_takes_each_path_where_its_rules_say_and_matches_the_reference(mo
     got = cpu_linear.linear(x, w, bias, term)
     assert taken == (["lowrank_term"] if with_term else [])
     torch.testing.assert_close(got.double(), linear_reference(x, w, bias, term), **linear_tolerance(64, 1))
-    # a weight that stays in the caches (below MIN_WEIGHT_BYTES) keeps torch's linear at a prefill's rows
-    x, w, bias, term = linear_problem(400, 64, 256, seed=3, with_bias=False, members=2 if with_term else 0)
-    taken.clear()
-    cpu_linear.linear(x, w, bias, term)
-    assert taken == (["lowrank_term"] if with_term else [])
+    # a weight that stays in the caches (below MIN_WEIGHT_BYTES): the packed linear at a prefill's rows
+    # (the tests' products are the library's), torch's linear below them
+    for rows, expected in ((400, ["packed_linear"]), (cpu_linear.PACKED_MIN_ROWS - 1, ["lowrank_term"])):
+        x, w, bias, term = linear_problem(
+            rows, 64, 256, seed=3, with_bias=False, members=2 if with_term else 0
+        )
+        taken.clear()
+        got = cpu_linear.linear(x, w, bias, term)
+        assert taken == [path for path in expected if with_term or path != "lowrank_term"]
+        torch.testing.assert_close(
+            got.double(), linear_reference(x, w, bias, term), **linear_tolerance(64, 1)
+        )
 
 
 def test_a_term_is_checked_once_and_a_layer_keeps_one_per_grouping_of_its_rows(monkeypatch):
@@ -129,7 +136,7 @@ def test_a_term_is_checked_once_and_a_layer_keeps_one_per_grouping_of_its_rows(m
     from fastes.es.population import LowRankLinear
 
     monkeypatch.setattr(
-        cpu_linear, "products", lambda threads: cpu_linear.Products(True, True, True, True, False)
+        cpu_linear, "products", lambda threads: cpu_linear.Products(True, True, True, True, False, True)
     )
 
     checks = []

@@ -9,6 +9,8 @@ rows it is given:
   GEMM's long side;
 - at a prefill's many rows (`packs`), the library's packed linear (`cpu_library.packed_linear`);
 - else, and wherever the library's product is not the faster one here, torch's `linear`.
+A layer whose weight stays in the caches (under MIN_WEIGHT_BYTES) has only the packed linear to choose,
+measured apart at a tiny model's sizes (`Products.small_packed`).
 The library's products add the term as each output is stored; after torch's product
 `cpu_library.lowrank_term` adds it in one pass per row.
 
@@ -35,6 +37,10 @@ member matmul forming each member's weight from the shared weight and its factor
 then the term's pass over every output. On the Intel Xeon the first ran the tiny model's low-rank
 population generation at 0.944 of plain generation's speed, the second at 0.887, while torch's batched
 matmul was the faster materialised product there (docs/results/xeon-tiny-2026-12-07.md).
+A plain layer too small for the others has a sixth: the packed linear or torch's `linear`, at a tiny
+model's rows. On a 2-core AMD EPYC with AVX-512 (torch's MKL runs its AVX2 code on AMD CPUs) the packed
+linear took 0.37-0.56 of torch's time at 512 rows and more, and a tiny model's plain generation ran
+1.29x faster (docs/results/epyc-avx512-2026-12-07.md).
 
 The choice changes how a layer's sums are ordered, not what it computes: every product agrees with
 torch's to float tolerance, and ES and plain generation run the same products.
@@ -60,7 +66,7 @@ from fastes.checkpoint import write_atomic
 from . import cpu_library
 from .cpu_library import LowRankTerm
 
-# Weights smaller than this stay in the caches, where torch's linear is not slow: they keep it.
+# A weight smaller than this stays in the caches: it takes the packed linear where `small_packed` says so
 MIN_WEIGHT_BYTES = 256 * 1024
 # The packed linear's rows: from PACKED_MIN_ROWS (below, torch's was as fast or faster on the AMD EPYC:
 # docs/results/lowrank-decoding-2026-12-06.md), and whole 32-column panels (the last columns of another
@@ -83,12 +89,21 @@ class Products(NamedTuple):
     # the member matmul forming each member's weight from the shared weight and its factors, for a low-rank
     # population layer too small for the others (else the base's product, then `lowrank_term`)
     lowrank_member_matmul: bool
+    # the packed linear for a plain layer whose weight stays in the caches (`is_small`), where it `packs`
+    # (else torch's linear)
+    small_packed: bool
 
 
 def packs(rows: int, weight: torch.Tensor) -> bool:
     """Whether `rows` rows of a layer with this nn.Linear weight [n, k] are the packed linear's to take
-    (where `products().packed`)."""
-    return rows >= PACKED_MIN_ROWS and weight.shape[0] % 32 == 0 and weight.numel() * 4 >= MIN_WEIGHT_BYTES
+    (where `products().packed`, or `small_packed` for a small weight)."""
+    return rows >= PACKED_MIN_ROWS and weight.shape[0] % 32 == 0
+
+
+def is_small(weight: torch.Tensor) -> bool:
+    """Whether this fp32 weight stays in the caches (under MIN_WEIGHT_BYTES): of the library's products
+    only the packed linear may be faster than torch's `linear` for it (`Products.small_packed`)."""
+    return weight.numel() * 4 < MIN_WEIGHT_BYTES
 
 
 def is_plain_linear(module: torch.nn.Module) -> bool:
@@ -99,13 +114,14 @@ def is_plain_linear(module: torch.nn.Module) -> bool:
 
 def linear_applies(module: torch.nn.Module) -> bool:
     """Whether `linear` computes `module` at least as fast as its own forward: a plain nn.Linear
-    (`is_plain_linear`) with a contiguous fp32 CPU weight of at least MIN_WEIGHT_BYTES."""
+    (`is_plain_linear`) with a contiguous fp32 CPU weight, not a small one (`is_small`) unless the packed
+    linear measured faster for small weights on this machine."""
     return (
         is_plain_linear(module)
         and module.weight.device.type == "cpu"
         and module.weight.dtype == torch.float32
         and module.weight.is_contiguous()
-        and module.weight.numel() * 4 >= MIN_WEIGHT_BYTES
+        and (not is_small(module.weight) or products(torch.get_num_threads()).small_packed)
     )
 
 
@@ -118,9 +134,13 @@ def linear(
     reads it)."""
     rows = x.shape[0]
     use = products(torch.get_num_threads())
-    if 1 <= rows <= cpu_library.FEW_ROWS and use.few_rows:
+    if is_small(weight):  # in the caches: the packed linear or torch's
+        if use.small_packed and packs(rows, weight):
+            return cpu_library.packed_linear(x, weight, bias, term)
+        y = torch.nn.functional.linear(x, weight, bias)
+    elif 1 <= rows <= cpu_library.FEW_ROWS and use.few_rows:
         return cpu_library.few_rows_linear(x, weight, bias, term)
-    if weight.shape[0] >= VOCABULARY_ROWS and use.weight_major:
+    elif weight.shape[0] >= VOCABULARY_ROWS and use.weight_major:
         y = torch.mm(weight, x.T).T
         if bias is not None:
             y = y + bias
@@ -230,21 +250,23 @@ _VOCABULARY = (49152, 576)  # SmolLM2's
 _FEW, _MANY, _VOCABULARY_BATCH, _MEMBERS = (1, 4, cpu_library.FEW_ROWS), 256, 64, 8
 # The materialised layer's products, (members, rows a member, in, out): a tiny model's block (hidden 64,
 # MLP 256; materialised is a small model's default mode) at a decode step of the demo's 16 members x 32
-# rows and at its prefill (20 positions a row), and a SmolLM2-sized weight at 8 members of 8 rows
-_TINY_MEMBERS = 16
-_MEMBER_SHAPES = [
-    (_TINY_MEMBERS, rows, k, n) for rows in (32, 640) for k, n in ((64, 64), (64, 256), (256, 64))
-] + [(8, 8, 576, 576)]
+# rows and at its prefill (20 positions a row), and a SmolLM2-sized weight at 8 members of 8 rows. The
+# small plain layer's: the same block at the same rows, all members' rows in one product.
+_TINY_MEMBERS, _TINY_ROWS, _TINY_BLOCK = 16, (32, 640), ((64, 64), (64, 256), (256, 64))
+_MEMBER_SHAPES = [(_TINY_MEMBERS, rows, k, n) for rows in _TINY_ROWS for k, n in _TINY_BLOCK] + [
+    (8, 8, 576, 576)
+]
 
 
 def measure(threads: int, repeats: int = 7) -> dict[str, dict[str, float]]:
     """Seconds (medians of `repeats` timings taken in turns, after a warm-up) of each of fastes' products
     and torch's in its place, at `threads` torch threads: {"few_rows" | "weight_major" | "packed" |
-    "member_matmul" | "lowrank_member_matmul": {"library": s, "torch": s, ...}}. The few-rows pass and the
-    packed linear are also timed with the low-rank population's term ("library with term", "torch with
-    term": torch's product, then `lowrank_term`), since plain and ES generation run the same products; the
-    member matmul against torch's batched matmul of equal groups; the member matmul with the members'
-    factors against torch's linear, then `lowrank_term`."""
+    "member_matmul" | "lowrank_member_matmul" | "small_packed": {"library": s, "torch": s, ...}}. The
+    few-rows pass and the packed linear are also timed with the low-rank population's term ("library
+    with term", "torch with term": torch's product, then `lowrank_term`), since plain and ES generation
+    run the same products; the member matmul against torch's batched matmul of equal groups; the member
+    matmul with the members' factors against torch's linear, then `lowrank_term`; the packed linear of a
+    small weight against torch's linear."""
     generator = torch.Generator().manual_seed(0)
 
     def tensor(*shape: int) -> torch.Tensor:
@@ -274,6 +296,7 @@ def measure(threads: int, repeats: int = 7) -> dict[str, dict[str, float]]:
             inputs, outputs = tensor(members, 1, k), tensor(members, 1, n)
             product = cpu_library.MemberMatmul(w[0], None, (inputs, outputs))
             lowrank.append((x, starts, product, w[0].T.contiguous(), LowRankTerm(inputs, outputs, starts)))
+    small = [(tensor(_TINY_MEMBERS * rows, k), tensor(n, k)) for rows in _TINY_ROWS for k, n in _TINY_BLOCK]
     torch_linear = torch.nn.functional.linear
 
     def with_and_without_term(library: Callable, products: list) -> dict[str, Callable[[], object]]:
@@ -303,6 +326,10 @@ def measure(threads: int, repeats: int = 7) -> dict[str, dict[str, float]]:
             "torch": lambda: [
                 cpu_library.lowrank_term(x, torch_linear(x, w), t) for x, _, _, w, t in lowrank
             ],
+        },
+        "small_packed": {
+            "library": lambda: [cpu_library.packed_linear(x, w) for x, w in small],
+            "torch": lambda: [torch_linear(x, w) for x, w in small],
         },
     }
     previous = torch.get_num_threads()

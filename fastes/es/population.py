@@ -288,8 +288,11 @@ class LowRankLinear(_PopulationLayer):
         self.fused = resolved == "triton"  # one Triton GEMM with the term in its epilogue
         self.compiled = resolved == "cpu" and weight.dtype == torch.float32  # the library's term is fp32
         # the library computes the base as it computes a plain layer while decoding, term included, only
-        # where the base is x W^T + b and nothing more (the same rule: fastes.models.decoding_linears)
-        self.library_base = self.compiled and cpu_linear.linear_applies(base)
+        # where the base is x W^T + b and nothing more (the same rule: fastes.models.decoding_linears),
+        # and not too small for its products (a small layer's choice is `_perturbs_in_product`'s)
+        self.library_base = (
+            self.compiled and cpu_linear.linear_applies(base) and not cpu_linear.is_small(weight)
+        )
         # the base's weight and bias as plain tensors (sharing their memory), read at every call without
         # nn.Module's attribute lookups; the layer lives for one population's generation
         self._weight = weight.detach()
