@@ -80,7 +80,7 @@ CACHE_FILE = "cpu-products.json"
 
 class Products(NamedTuple):
     """Which of fastes' own products run on this machine (False: torch's in their place): the first three
-    in `linear`, the member matmul in the materialised population layer."""
+    and the last in `linear`, the member matmul in the population layers."""
 
     few_rows: bool  # the library's few-rows pass, up to cpu_library.FEW_ROWS rows
     weight_major: bool  # (W x^T)^T for a vocabulary-wide output (torch's mm, the other way round)

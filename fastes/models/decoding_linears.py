@@ -18,11 +18,12 @@ population layer calls it with its members' term, which the few-rows pass and th
 the same pass, so ES and plain generation run the same products.
 
 `decoding_linears(model)` swaps each nn.Linear of `model` that this applies to
-(`cpu_linear.linear_applies`: fp32 on the CPU, a weight of at least MIN_WEIGHT_BYTES, no hooks) for
-`DecodingLinear` while it is held, and puts the originals back after. fastes' decoding loop holds it for
-every generation, plain and population alike (a population layer's `base` projection is swapped as any
-other), so ES and plain generation run the same products. A tiny model's weights stay below the
-threshold and keep torch's `linear`.
+(`cpu_linear.linear_applies`: fp32 on the CPU, no hooks, a weight of at least MIN_WEIGHT_BYTES or a
+smaller one where the packed linear measured faster for it) for `DecodingLinear` while it is held, and
+puts the originals back after. fastes' decoding loop holds it for every generation, plain and population
+alike (a population layer's `base` projection is swapped as any other), so ES and plain generation run
+the same products. A tiny model's weights stay below the threshold: they take the packed linear at 96
+rows or more where `cpu_linear.Products.small_packed` says so, else torch's `linear`.
 
 The library's products agree with torch's `linear` to float tolerance, not bit for bit (they sum in
 another order): a row's tokens agree with transformers' `generate` as far as the logits do.
