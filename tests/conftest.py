@@ -263,3 +263,22 @@ def fresh_answer(monkeypatch, tmp_path):
 def linear_tolerance(k: int, rank: int = 0) -> dict:
     """fp32 products summed over k (and the term's r products, each itself a sum over k)."""
     return dict(rtol=1e-5, atol=2e-6 * k * (1 + rank * k**0.5))
+
+
+def hold_after_checkpoint(step: int) -> None:
+    """Make this process's `fastes.run.train` hold once it has written checkpoint `step`, for a SIGKILL
+    to land there: a tiny run can write its later checkpoints, and delete that one (the newest two are
+    kept), between two polls of the test that waits to kill it."""
+    import time
+
+    import fastes.run.train as train
+
+    save = train.save_checkpoint
+
+    def held(run_dir, at, *args, **options):
+        path = save(run_dir, at, *args, **options)
+        if at == step:
+            time.sleep(600)
+        return path
+
+    train.save_checkpoint = held

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import is_timing
+from conftest import hold_after_checkpoint, is_timing
 from safetensors.torch import load_file, save_file
 
 import fastes
@@ -244,14 +244,15 @@ def test_resume_with_nothing_to_resume_says_so(easy_task, tmp_path, capsys):
 # --- exact resume in every mode ---------------------------------------------------------------------------
 
 
-def _train_in_child(run_settings: dict, resume: bool) -> None:
+def _train_in_child(run_settings: dict, hold_at: int) -> None:
     torch.set_num_threads(1)
-    train(load_config(None, run_settings), resume=resume)
+    hold_after_checkpoint(hold_at)
+    train(load_config(None, run_settings))
 
 
 def kill_after_checkpoint(run_settings: dict, step: int) -> None:
     """Run in a forked child and SIGKILL it once checkpoint `step` exists."""
-    child = FORK.Process(target=_train_in_child, args=(run_settings, False))
+    child = FORK.Process(target=_train_in_child, args=(run_settings, step))
     child.start()
     target = Path(run_settings["out_dir"]) / "checkpoints" / f"step-{step:08d}"
     deadline = time.monotonic() + 120
@@ -260,6 +261,7 @@ def kill_after_checkpoint(run_settings: dict, step: int) -> None:
     os.kill(child.pid, signal.SIGKILL)
     child.join()
     assert target.exists(), "the run ended before the checkpoint it was to be killed after"
+    assert not (Path(run_settings["out_dir"]) / "final").exists()  # killed, not finished
 
 
 MODES = {

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -202,10 +203,21 @@ def test_sequential_grpo_then_es_is_one_run(easy_task, tmp_path):
     assert summary["steps"] == 4
 
 
+# `fastes train ARGS` that holds once it has written checkpoint STEP (conftest.hold_after_checkpoint)
+_HELD_TRAIN = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from conftest import hold_after_checkpoint
+from fastes.cli import main
+hold_after_checkpoint(int(sys.argv[1]))
+sys.exit(main(["train", *sys.argv[2:]]))
+"""
+
+
 def _run_and_kill(args: list[str], checkpoint_dir, kill_after_step: int) -> None:
     """Start `fastes train` in a subprocess and SIGKILL it once checkpoint `kill_after_step` exists."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "fastes.cli", "train", *args],
+        [sys.executable, "-c", _HELD_TRAIN, str(kill_after_step), *args],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -216,6 +228,7 @@ def _run_and_kill(args: list[str], checkpoint_dir, kill_after_step: int) -> None
     process.send_signal(signal.SIGKILL)
     process.wait()
     assert target.exists(), "the run ended before reaching the checkpoint it was to be killed after"
+    assert not (checkpoint_dir.parent / "final").exists()  # killed, not finished
 
 
 @pytest.mark.parametrize("algorithm", ["es", "grpo_es"])
