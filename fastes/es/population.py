@@ -45,8 +45,11 @@ class _PopulationLayer(torch.nn.Module):
         # A population's layers are built at every ES iteration, each setting some twenty plain attributes
         # (tensors, flags): nn.Module's __setattr__ checks each against the parameters, buffers and
         # submodules, ~2 us a call, a fifth of building a tiny model's low-rank layer. Only modules and
-        # parameters (the base projection) need it; the layers register no buffers.
-        if isinstance(value, (torch.nn.Module, torch.nn.Parameter)):
+        # parameters (the base projection) need it; the layers register no buffers. A plain tensor is
+        # told by its exact type: isinstance against Parameter runs its metaclass check (0.29 vs 0.09 us).
+        if isinstance(value, torch.nn.Module) or (
+            isinstance(value, torch.Tensor) and type(value) is not torch.Tensor
+        ):
             super().__setattr__(name, value)
         else:
             object.__setattr__(self, name, value)
