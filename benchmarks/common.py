@@ -106,6 +106,13 @@ def dated_stem(out_dir: Path, name: str, date: str, suffix: str = "", endings=("
     return stem
 
 
+def products_taken(report: dict) -> str:
+    """The library's products a report's linear layers took (its "cpu_products": fastes.engine.cpu_linear),
+    or "none" (torch's)."""
+    taken = [name.replace("_", "-") for name, used in report.get("cpu_products", {}).items() if used]
+    return ", ".join(taken) or "none: torch's linear throughout"
+
+
 def write_results(out_dir: Path, name: str, report: dict, markdown: str) -> Path:
     """Write `report` as <name>-<date>.json and `markdown` as its .md beside it, under a stem no earlier
     results file has (dated_stem, report["date"]); returns the .md path."""

@@ -57,7 +57,7 @@ from unittest import mock
 
 import torch
 
-from benchmarks.common import cpu_model, current_rss_bytes, peak_rss_bytes, reset_peak_rss
+from benchmarks.common import cpu_model, current_rss_bytes, peak_rss_bytes, products_taken, reset_peak_rss
 from benchmarks.naive import naive_es_iteration, transformers_generate
 from fastes.engine import cpu_linear
 
@@ -447,19 +447,13 @@ def _progress(message: str) -> None:
     print(f"[real-model {datetime.datetime.now():%H:%M:%S}] {message}", file=sys.stderr, flush=True)
 
 
-def _products(report: dict) -> str:
-    """The library's products the linear layers took (fastes.engine.cpu_linear), or "none" (torch's)."""
-    taken = [name.replace("_", "-") for name, used in report.get("cpu_products", {}).items() if used]
-    return ", ".join(taken) or "none: torch's linear throughout"
-
-
 def markdown(report: dict) -> str:
     r = report
     lines = [
         f"# ES on {r['model']} ({r['parameters'] / 1e6:.1f}M parameters) against plain generation",
         "",
         f"Measured {r['date']} {r['time'][:2]}:{r['time'][2:]}; {r['cpu_model']}; {r['threads']} torch "
-        f"threads; the library's products taken ({_products(r)}); load average "
+        f"threads; the library's products taken ({products_taken(r)}); load average "
         f"{r['load_average_at_start']:.2f} at the start; fp32 matmul "
         f"{r['matmul_gflops']:.0f} GFLOP/s measured in the same run; default mode: {r['default_mode']}; "
         f"shapes are population x prompts x new tokens; {r['rounds']} interleaved rounds, warm.",

@@ -41,8 +41,10 @@ from benchmarks.common import (
     load_average,
     load_bench_model,
     make_run,
+    products_taken,
     write_results,
 )
+from fastes.engine import cpu_linear
 
 SETTING = IterationSetting(population=16, batch=32, max_new_tokens=12)
 
@@ -138,6 +140,9 @@ def markdown(report: dict) -> str:
         "# One ES iteration of the tiny model against plain batched generation",
         "",
         f"Measured {report['date']} {report['time']}; {report['cpu']}; {report['threads']} torch thread(s); "
+        f"the library's products taken ({products_taken(report)}); "
+        if "cpu_products" in report
+        else ""
         f"load average {report['load_average_at_start']} at the start; {SETTING.population} members x "
         f"{SETTING.batch} prompts x {SETTING.max_new_tokens} new tokens; antithetic pairs "
         f"{'on' if report['antithetic'] else 'off'}; "
@@ -204,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     for mode in args.modes.split(","):
         report["modes"][mode] = measure_mode(mode, args.rounds, args.antithetic, args.fixed_length)
         print(f"{mode}: iteration time ratio {report['modes'][mode]['time_ratio']:.3f}", flush=True)
+    # which products the layers took here (fastes.engine.cpu_linear): plain generation's small layers too
+    report["cpu_products"] = cpu_linear.products(args.threads)._asdict()
     print(f"wrote {write_results(args.out, 'tiny-iteration', report, markdown(report))}")
     return 0
 

@@ -218,6 +218,9 @@ def test_the_tiny_iteration_benchmark_reports_its_medians_and_fastest_rounds():
         "modes": {"materialised": result},
     }
     assert f"{result['fastest_time_ratio']:.3f}" in markdown(report)
+    assert "products taken" not in markdown(report)  # a report from before they were recorded
+    report["cpu_products"] = {"packed": True, "member_matmul": False, "small_packed": True}
+    assert "the library's products taken (packed, small-packed)" in markdown(report)
 
 
 def test_the_tiny_iteration_benchmark_times_the_population_generation_alone(monkeypatch):
