@@ -516,23 +516,23 @@ def test_resume_from_the_command_line_takes_the_runs_own_settings(finished_run, 
     assert "es.shaping: 'centered_rank' -> 'zscore'" in err
 
 
-def _cli_in_child(argv: list[str], stderr_file: str) -> None:
+def _cli_in_child(argv: list[str], stderr_file: str, hold_at: int) -> None:
     # A forked child inherits the test process's signal state, which earlier tests' libraries may have
     # changed: Ctrl-C must behave here as in a fresh `fastes` process.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     sys.stderr = open(stderr_file, "w")  # noqa: SIM115 (the process ends with os._exit)
     torch.set_num_threads(1)
+    hold_after_checkpoint(hold_at)  # still going when the signal comes, however fast the run
     code = main(argv)
     sys.stderr.flush()
     os._exit(code)
 
 
 def test_ctrl_c_ends_with_one_line_telling_how_to_resume(easy_task, tmp_path):
-    # Long enough that the run is still going when the signal comes, on a busy machine too
-    run_settings = settings(easy_task, tmp_path / "run", **{"es.iterations": 30})
+    run_settings = settings(easy_task, tmp_path / "run", **{"es.iterations": 4})
     argv = ["train", *[f"--{k}={v}" for k, v in run_settings.items()]]
-    child = FORK.Process(target=_cli_in_child, args=(argv, str(tmp_path / "stderr")))
+    child = FORK.Process(target=_cli_in_child, args=(argv, str(tmp_path / "stderr"), 1))
     child.start()
     first = tmp_path / "run" / "checkpoints" / "step-00000001"
     deadline = time.monotonic() + 120
@@ -542,11 +542,11 @@ def test_ctrl_c_ends_with_one_line_telling_how_to_resume(easy_task, tmp_path):
     child.join(60)
     assert child.exitcode == 130
     lines = [line for line in (tmp_path / "stderr").read_text().splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("fastes: interrupted; its newest checkpoint is step ")
+    assert len(lines) == 1 and lines[0].startswith("fastes: interrupted; its newest checkpoint is step 1")
     command = lines[0].split("Continue with: ")[1]
     assert command == f"fastes train --out_dir {shlex.quote(str(tmp_path / 'run'))} --resume"
     assert main(shlex.split(command)[1:]) == 0  # and it does
-    assert [m["global_step"] for m in metrics(tmp_path / "run")] == list(range(31))
+    assert [m["global_step"] for m in metrics(tmp_path / "run")] == list(range(5))
 
 
 def test_python_dash_m_fastes_is_the_command():
