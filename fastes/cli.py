@@ -5,6 +5,7 @@ fastes demo --model smollm2-135m-instruct   the same on a real instruct model, w
 fastes train --config run.toml    ES, GRPO or GRPO then ES; any key as a flag: --es.sigma 0.01
 fastes eval --model DIR           accuracy and Pass@K of a model directory on a task
 fastes eval --run DIR             the same for a finished run's final/, with the run's task and prompts
+fastes eval --run DIR --checkpoint   the same for the run's newest checkpoint (an unfinished run's model)
 fastes pretrain --out DIR         rebuild the tiny model by supervised training
 fastes experiment --preset tiny   ES vs GRPO vs GRPO then ES at equal budgets: plots and report.md
 """
@@ -252,8 +253,17 @@ def cmd_eval(args: argparse.Namespace) -> dict:
     # The run's own settings, checked and chosen as a run would: the same prompts, task and verifier.
     given = _dataset_replaces_task({key: getattr(args, key) for key in EVAL_SETTINGS if hasattr(args, key)})
     limit = args.limit
-    if args.run is not None:  # a finished run's model and settings; flags given here still win
-        settings, eval_size = run_eval_settings(args.run, trained_model="model" not in given)
+    checkpoint = None  # (step, the model's tensors) of the run's checkpoint to evaluate
+    if args.checkpoint is not None:
+        if args.run is None or "model" in given:
+            raise ConfigError(
+                "--checkpoint evaluates a checkpoint of the run given by --run DIR, on the model that run "
+                "started from: give --run, and no --model"
+            )
+        checkpoint = run_checkpoint(args.run, args.checkpoint)
+    if args.run is not None:  # a run's model and settings; flags given here still win
+        trained_model = "model" not in given and checkpoint is None
+        settings, eval_size = run_eval_settings(args.run, trained_model=trained_model)
         given = {**settings, **given}
         if given["task"] == "dataset" and not given["dataset"]:
             raise ConfigError(
@@ -267,6 +277,8 @@ def cmd_eval(args: argparse.Namespace) -> dict:
         given["eval_size"] = limit
     cfg = load_config(None, given)
     model, tokenizer = load_model(resolve_model(cfg.model), dtype=args.dtype)
+    if checkpoint is not None:
+        load_run_weights(model, *checkpoint, args.run, keep_dtype=args.dtype is not None)
     cfg = auto_settings.resolve(cfg, model, tokenizer)
     task = make_task(cfg, strict_alphabet=is_character_tokenizer(tokenizer))
     check_task(task, cfg)
@@ -274,7 +286,8 @@ def cmd_eval(args: argparse.Namespace) -> dict:
     evaluator = Evaluator(cfg, model, tokenizer)
     greedy = evaluator.greedy(task, examples)
     rates = greedy.metrics()
-    result: dict[str, Any] = {
+    result: dict[str, Any] = {} if checkpoint is None else {"checkpoint_step": checkpoint[0]}
+    result |= {
         "task": cfg.task,
         "prompt_style": cfg.prompt_style,
         "examples": len(examples),
@@ -321,12 +334,53 @@ def run_eval_settings(run_dir: str, trained_model: bool = True) -> tuple[dict[st
     if trained_model:
         if not (final / "config.json").is_file():
             raise ConfigError(
-                f"--run {run_dir!r} has no trained model in final/ yet (the run has not finished): finish "
-                f"it with `fastes train --out_dir {shlex.quote(run_dir)} --resume`, or name a model with "
-                "--model"
+                f"--run {run_dir!r} has no trained model in final/ yet (the run has not finished): "
+                "evaluate its newest checkpoint with --checkpoint, finish it with "
+                f"`fastes train --out_dir {shlex.quote(run_dir)} --resume`, or name a model with --model"
             )
         settings["model"] = str(final)
     return settings, config.eval_size
+
+
+def run_checkpoint(run_dir: str, which: str) -> tuple[int, dict[str, Any]]:
+    """`fastes eval --run DIR --checkpoint [STEP]`: (step, the model's tensors) of the run's newest
+    checkpoint ("latest") or of checkpoint STEP, verified (fastes.checkpoint.load_checkpoint)."""
+    from .checkpoint import checkpoint_steps, load_checkpoint
+
+    steps = checkpoint_steps(run_dir)
+    if not steps:
+        raise ConfigError(f"--checkpoint: --run {run_dir!r} has no checkpoint yet (none written, or no run)")
+    if which == "latest":
+        step = steps[-1]
+    elif which.isascii() and which.isdigit() and int(which) in steps:
+        step = int(which)
+    else:
+        kept = ", ".join(map(str, steps))
+        raise ConfigError(
+            f"--checkpoint {which!r}: --run {run_dir!r} keeps the checkpoints of steps {kept} (a run keeps "
+            "its newest two); give one of them, or --checkpoint alone for the newest"
+        )
+    step, tensors, _ = load_checkpoint(Path(run_dir) / "checkpoints" / f"step-{step:08d}")
+    return step, {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
+
+
+def load_run_weights(
+    model: Any, step: int, weights: dict[str, Any], run_dir: str, keep_dtype: bool = False
+) -> None:
+    """Put a checkpoint's weights (`run_checkpoint`) into the model the run started from, in the dtype
+    the run trained them in (as its final/ is saved) unless `keep_dtype` (--dtype given); a checkpoint
+    of an adapter's tensors (a run given a peft_config in code) is refused in one line."""
+    missing = set(model.state_dict()) - set(weights)
+    if missing:
+        raise ConfigError(
+            f"--checkpoint {step}: the checkpoint in --run {run_dir!r} holds {len(weights)} tensors, not the "
+            f"whole model ({len(missing)} missing, e.g. {sorted(missing)[0]!r}): a run that trained an "
+            "adapter; evaluate it with the trainer's evaluate()"
+        )
+    trained = {w.dtype for w in weights.values() if w.is_floating_point()}
+    if not keep_dtype and len(trained) == 1:
+        model.to(trained.pop())
+    model.load_state_dict(weights)
 
 
 def _read_from(directory: Path, settings: dict[str, Any]) -> dict[str, str]:
@@ -454,6 +508,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="a finished run's out_dir: its final/ model, evaluated with the run's task, prompts and "
         "reward on its eval_size test problems (flags given here override them)",
+    )
+    ev.add_argument(
+        "--checkpoint",
+        nargs="?",
+        const="latest",
+        default=None,
+        metavar="STEP",
+        help="with --run: evaluate the run's newest checkpoint (or checkpoint STEP) in place of its final/, "
+        "e.g. a run that has not finished",
     )
     ev.add_argument(
         "--limit",

@@ -5,12 +5,17 @@ on the built-in tiny model and on a random-weight Llama with a chat template (co
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from fastes import ESConfig, ESTrainer, cli
+from fastes.checkpoint import load_checkpoint
+from fastes.errors import ConfigError
 from fastes.experiment import PRESETS, make_context, plan_budget
 from fastes.experiment.progress import Progress
 from fastes.models.loading import tiny_model_path
@@ -166,6 +171,71 @@ def test_eval_of_a_finished_run_reproduces_its_summary_tiny_model(tmp_path, caps
     assert summary["final_test_accuracy"] > 0  # a figure that can disagree
     assert result["greedy_accuracy"] == summary["final_test_accuracy"]
     assert result["format_rate"] == summary["final_test_format"]
+
+
+def _tiny_run_with_checkpoints(out: Path) -> None:
+    """Two ES iterations of the tiny model, a checkpoint after each."""
+    overrides = {"model": str(tiny_model_path()), "task": "countdown", "out_dir": str(out), "eval_size": 12}
+    overrides |= {"batch_size": 4, "progress": False, "checkpoint_every": 1, "es.iterations": 2}
+    train(load_config(None, {**overrides, "es.population": 4, "es.sigma": 0.05}))
+
+
+def test_eval_of_a_runs_checkpoint_evaluates_the_weights_it_holds(tmp_path, capsys):
+    out = tmp_path / "run"
+    _tiny_run_with_checkpoints(out)
+    final = _eval_result(capsys, ["--run", str(out), "--samples", "2"])
+    # the newest checkpoint holds the final weights: the same figures, and the step it was taken at
+    assert _eval_result(capsys, ["--run", str(out), "--checkpoint", "--samples", "2"]) == {
+        "checkpoint_step": 2,
+        **final,
+    }
+    # checkpoint 1's weights, written out as a model directory and evaluated with --model: the same
+    _, tensors, _ = load_checkpoint(out / "checkpoints" / "step-00000001")
+    weights = {name[len("model.") :]: t for name, t in tensors.items() if name.startswith("model.")}
+    final_weights = load_file(out / "final" / "model.safetensors")
+    assert any(not torch.equal(weights[name], final_weights[name]) for name in final_weights)
+    shutil.copytree(tiny_model_path(), tmp_path / "step-1")
+    save_file(weights, tmp_path / "step-1" / "model.safetensors")
+    by_model = _eval_result(
+        capsys, ["--run", str(out), "--model", str(tmp_path / "step-1"), "--samples", "2"]
+    )
+    first = _eval_result(capsys, ["--run", str(out), "--checkpoint", "1", "--samples", "2"])
+    assert first == {"checkpoint_step": 1, **by_model}
+
+
+def test_eval_of_a_checkpoint_refuses_what_it_cannot_take_in_one_line(tmp_path, capsys):
+    out = tmp_path / "run"
+    _tiny_run_with_checkpoints(out)
+    refusals = {
+        ("--checkpoint",): "give --run, and no --model",  # no run
+        ("--run", str(out), "--checkpoint", "--model", str(tiny_model_path())): "give --run, and no --model",
+        ("--run", str(out), "--checkpoint", "7"): "keeps the checkpoints of steps 1, 2",
+        ("--run", str(out), "--checkpoint", "one"): "keeps the checkpoints of steps 1, 2",
+        ("--run", str(tmp_path), "--checkpoint"): "has no checkpoint yet",
+    }
+    for argv, message in refusals.items():
+        assert cli.main(["eval", *argv, "--samples", "1"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+    # a damaged checkpoint is refused, not evaluated
+    tensors = out / "checkpoints" / "step-00000002" / "tensors.safetensors"
+    tensors.write_bytes(tensors.read_bytes()[:-8])
+    assert cli.main(["eval", "--run", str(out), "--checkpoint", "--samples", "1"]) == 2
+    assert "does not match its checksum" in capsys.readouterr().err
+    # an unfinished run: --run alone names --checkpoint, which evaluates the newest checkpoint there is
+    shutil.rmtree(out / "final")
+    assert cli.main(["eval", "--run", str(out), "--samples", "1"]) == 2
+    assert "evaluate its newest checkpoint with --checkpoint" in capsys.readouterr().err
+    assert (
+        _eval_result(capsys, ["--run", str(out), "--checkpoint", "1", "--samples", "1"])["checkpoint_step"]
+        == 1
+    )
+
+
+def test_a_checkpoint_of_an_adapter_is_refused_in_one_line():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with pytest.raises(ConfigError, match="holds 1 tensors, not the whole model .1 missing, e.g. '0.bias'"):
+        cli.load_run_weights(model, 3, {"0.weight": torch.zeros(2, 2)}, "runs/x")
 
 
 def test_eval_of_a_finished_run_reproduces_its_summary_chat_llama(chat_llama, tmp_path, capsys):
