@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from fastes import ESConfig, ESTrainer, cli
 from fastes.checkpoint import load_checkpoint
@@ -180,20 +180,26 @@ def _tiny_run_with_checkpoints(out: Path) -> None:
     train(load_config(None, {**overrides, "es.population": 4, "es.sigma": 0.05}))
 
 
-def test_eval_of_a_runs_checkpoint_evaluates_the_weights_it_holds(tmp_path, capsys):
+def test_eval_of_a_runs_checkpoint_evaluates_the_weights_it_holds(tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
     _tiny_run_with_checkpoints(out)
+    evaluated = []  # the weights of each model fastes eval evaluates
+
+    class Recording(evaluation.Evaluator):
+        def __init__(self, cfg, model, tokenizer) -> None:
+            evaluated.append({name: t.clone() for name, t in model.state_dict().items()})
+            super().__init__(cfg, model, tokenizer)
+
+    monkeypatch.setattr(evaluation, "Evaluator", Recording)
     final = _eval_result(capsys, ["--run", str(out), "--samples", "2"])
-    # the newest checkpoint holds the final weights: the same figures, and the step it was taken at
-    assert _eval_result(capsys, ["--run", str(out), "--checkpoint", "--samples", "2"]) == {
-        "checkpoint_step": 2,
-        **final,
-    }
-    # checkpoint 1's weights, written out as a model directory and evaluated with --model: the same
+    # the newest checkpoint holds the final weights: the same weights and figures, and the step
+    newest = _eval_result(capsys, ["--run", str(out), "--checkpoint", "--samples", "2"])
+    assert newest == {"checkpoint_step": 2, **final}
+    assert all(torch.equal(evaluated[1][name], t) for name, t in evaluated[0].items())
+    # checkpoint 1's weights (not the final ones), written out as a model directory for --model: the same
     _, tensors, _ = load_checkpoint(out / "checkpoints" / "step-00000001")
     weights = {name[len("model.") :]: t for name, t in tensors.items() if name.startswith("model.")}
-    final_weights = load_file(out / "final" / "model.safetensors")
-    assert any(not torch.equal(weights[name], final_weights[name]) for name in final_weights)
+    assert any(not torch.equal(weights[name], t) for name, t in evaluated[0].items())
     shutil.copytree(tiny_model_path(), tmp_path / "step-1")
     save_file(weights, tmp_path / "step-1" / "model.safetensors")
     by_model = _eval_result(
@@ -201,6 +207,8 @@ def test_eval_of_a_runs_checkpoint_evaluates_the_weights_it_holds(tmp_path, caps
     )
     first = _eval_result(capsys, ["--run", str(out), "--checkpoint", "1", "--samples", "2"])
     assert first == {"checkpoint_step": 1, **by_model}
+    assert all(torch.equal(evaluated[3][name], weights[name]) for name in evaluated[3])
+    assert all(torch.equal(evaluated[2][name], weights[name]) for name in evaluated[2])
 
 
 def test_eval_of_a_checkpoint_refuses_what_it_cannot_take_in_one_line(tmp_path, capsys):
