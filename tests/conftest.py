@@ -282,3 +282,34 @@ def hold_after_checkpoint(step: int) -> None:
         return path
 
     train.save_checkpoint = held
+
+
+def fastes_greedy(
+    model, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, eos: list[int]
+) -> torch.Tensor:
+    """fastes' greedy tokens (fastes.models.decoding.decode, pad id 0) of left-padded prompts."""
+    from fastes.models.decoding import decode
+
+    return decode(
+        model,
+        ids,
+        mask,
+        max_new_tokens=new_tokens,
+        eos_ids=eos,
+        pad_id=0,
+        choose=lambda sequences, logits, rows, step: logits.argmax(dim=-1),
+    )
+
+
+def transformers_greedy(
+    model, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, eos: list[int]
+) -> torch.Tensor:
+    """transformers' greedy generate of the same prompts, padded to new_tokens columns with 0 (the pad id)."""
+    import transformers
+
+    config = transformers.GenerationConfig(
+        max_new_tokens=new_tokens, do_sample=False, eos_token_id=eos or None, pad_token_id=0
+    )
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1] :]
+    return torch.nn.functional.pad(out, (0, new_tokens - out.shape[1]))

@@ -5,10 +5,11 @@ round a logit across a greedy choice; members leaving population layers against 
 import pytest
 import torch
 import transformers
+from conftest import fastes_greedy, transformers_greedy
 
 import fastes
 from fastes.es.population import population_batched
-from fastes.models.decoding import _kept, decode
+from fastes.models.decoding import _kept
 
 VOCAB = 61
 SHAPE = dict(
@@ -49,28 +50,6 @@ def _prompts(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids * mask, mask
 
 
-def _greedy(model, ids, mask, new_tokens, eos):
-    return decode(
-        model,
-        ids,
-        mask,
-        max_new_tokens=new_tokens,
-        eos_ids=eos,
-        pad_id=0,
-        choose=lambda sequences, logits, rows, step: logits.argmax(dim=-1),
-    )
-
-
-def _transformers(model, ids, mask, new_tokens, eos):
-    """transformers' greedy generate, padded to new_tokens columns with 0 (the pad id)."""
-    config = transformers.GenerationConfig(
-        max_new_tokens=new_tokens, do_sample=False, eos_token_id=eos or None, pad_token_id=0
-    )
-    with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1] :]
-    return torch.nn.functional.pad(out, (0, new_tokens - out.shape[1]))
-
-
 def _batch_sizes(model):
     """(the rows of every forward call of `model`, as a hook records them; the hook's handle)."""
     sizes = []
@@ -101,22 +80,22 @@ def test_every_row_decoding_gives_transformers_tokens_bit_for_bit(name):
     """No EOS: no row finishes, nothing leaves, and the tokens are transformers' exactly (float32)."""
     model = _model(name)
     ids, mask = _prompts(6, seed=1)
-    ours = _greedy(model, ids, mask, 10, eos=[])
-    assert torch.equal(ours, _transformers(model, ids, mask, 10, eos=[]))
+    ours = fastes_greedy(model, ids, mask, 10, eos=[])
+    assert torch.equal(ours, transformers_greedy(model, ids, mask, 10, eos=[]))
     assert len(set(ours[:, -1].tolist())) > 1  # the rows differ: the comparison is not vacuous
 
 
 @pytest.mark.parametrize("name,seed", [("llama", 0), ("gpt2", 2), ("qwen2", 1)])
-def test_finished_rows_leave_the_batch_and_the_rest_decode_as_transformers(name, seed):
+def test_finished_rows_leave_the_batch_and_the_rest_decode_astransformers_greedy(name, seed):
     model = _model(name, torch.float64, seed)
     ids, mask = _prompts(8, seed=seed)
-    eos = _an_eos_that_stops_rows_at_different_steps(_greedy(model, ids, mask, 12, eos=[]))
+    eos = _an_eos_that_stops_rows_at_different_steps(fastes_greedy(model, ids, mask, 12, eos=[]))
     sizes, handle = _batch_sizes(model)
     try:
-        ours = _greedy(model, ids, mask, 12, eos=[eos])
+        ours = fastes_greedy(model, ids, mask, 12, eos=[eos])
     finally:
         handle.remove()
-    assert torch.equal(ours, _transformers(model, ids, mask, 12, eos=[eos]))
+    assert torch.equal(ours, transformers_greedy(model, ids, mask, 12, eos=[eos]))
     assert sizes[0] == 8 and min(sizes) < 8  # rows left the batch
     assert sizes == sorted(sizes, reverse=True)
     finished_at = [int((row == eos).nonzero()[0]) if (row == eos).any() else None for row in ours]
@@ -130,13 +109,15 @@ def test_rows_stay_where_the_cache_cannot_drop_them(name):
     transformers' generate, whose tokens these are bit for bit (float32)."""
     model = _model(name)
     ids, mask = _prompts(8, seed=0)
-    eos = sorted(set(_greedy(model, ids, mask, 12, eos=[])[:2, 2].tolist()))  # rows 0 and 1 end by step 2
+    eos = sorted(
+        set(fastes_greedy(model, ids, mask, 12, eos=[])[:2, 2].tolist())
+    )  # rows 0 and 1 end by step 2
     sizes, handle = _batch_sizes(model)
     try:
-        ours = _greedy(model, ids, mask, 12, eos=eos)
+        ours = fastes_greedy(model, ids, mask, 12, eos=eos)
     finally:
         handle.remove()
-    assert torch.equal(ours, _transformers(model, ids, mask, 12, eos=eos))
+    assert torch.equal(ours, transformers_greedy(model, ids, mask, 12, eos=eos))
     lengths = [_length(row, eos) for row in ours]
     assert min(lengths) <= 3 and max(lengths) > 6  # rows finished early, and others went on
     assert set(sizes) == {8} and len(sizes) == max(lengths)
@@ -172,18 +153,20 @@ def test_members_whose_rows_all_finished_leave_the_population_layers(noise_type,
     alone = []
     for member in es.members():
         with member:
-            alone.append(_greedy(model, ids, mask, 12, eos=[]))
+            alone.append(fastes_greedy(model, ids, mask, 12, eos=[]))
     # EOS: the tokens member 1 writes at step 2, so that its rows all finish by then (others go on)
     eos = sorted(set(alone[1][:, 2].tolist()))
     expected = []
     for member in es.members():
         with member:
-            expected.append(_greedy(model, ids, mask, 12, eos=eos))
+            expected.append(fastes_greedy(model, ids, mask, 12, eos=eos))
     with population_batched(es, model, mode=mode) as members:
         unequal = {m.takes_unequal_groups for m in model.modules() if hasattr(m, "keep_members")}
         sizes, handle = _batch_sizes(model)
         try:
-            together = _greedy(model, ids.repeat(len(members), 1), mask.repeat(len(members), 1), 12, eos=eos)
+            together = fastes_greedy(
+                model, ids.repeat(len(members), 1), mask.repeat(len(members), 1), 12, eos=eos
+            )
         finally:
             handle.remove()
     assert torch.equal(together, torch.cat(expected))

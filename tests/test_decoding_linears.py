@@ -5,11 +5,11 @@ swaps, and that it puts them back; and decoding through it gives transformers' g
 import pytest
 import torch
 import transformers
+from conftest import fastes_greedy, transformers_greedy
 
 from fastes.engine import cpu_library, cpu_linear
 from fastes.engine.cpu_linear import MIN_WEIGHT_BYTES, VOCABULARY_ROWS
 from fastes.engine.cpu_linear import linear_applies as applies
-from fastes.models.decoding import decode
 from fastes.models.decoding_linears import DecodingLinear, decoding_linears
 
 
@@ -94,19 +94,9 @@ def _model(seed: int) -> transformers.PreTrainedModel:
 def _greedy_both_ways(model, ids: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(fastes' greedy tokens, transformers' greedy `generate` tokens) for unpadded prompts `ids`."""
     mask = torch.ones_like(ids)
-    ours = decode(
-        model,
-        ids,
-        mask,
-        max_new_tokens=new_tokens,
-        eos_ids=[],
-        pad_id=0,
-        choose=lambda sequences, logits, live, step: logits.argmax(dim=-1),
+    return fastes_greedy(model, ids, mask, new_tokens, []), transformers_greedy(
+        model, ids, mask, new_tokens, []
     )
-    config = transformers.GenerationConfig(max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    with torch.no_grad():
-        theirs = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
-    return ours, theirs[:, ids.shape[1] :]
 
 
 @pytest.mark.parametrize("seed", [0, 1])
