@@ -136,15 +136,16 @@ def measure_mode(mode: str, rounds: int, antithetic: bool = False, fixed_length:
 
 
 def markdown(report: dict) -> str:
+    products = (
+        f"the library's products taken ({products_taken(report)}); " if "cpu_products" in report else ""
+    )
     lines = [
         "# One ES iteration of the tiny model against plain batched generation",
         "",
         f"Measured {report['date']} {report['time']}; {report['cpu']}; {report['threads']} torch thread(s); "
-        f"the library's products taken ({products_taken(report)}); "
-        if "cpu_products" in report
-        else ""
-        f"load average {report['load_average_at_start']} at the start; {SETTING.population} members x "
-        f"{SETTING.batch} prompts x {SETTING.max_new_tokens} new tokens; antithetic pairs "
+        f"{products}load average {report['load_average_at_start']} at the start; "
+        f"{SETTING.population} members x {SETTING.batch} prompts x {SETTING.max_new_tokens} new tokens; "
+        "antithetic pairs "
         f"{'on' if report['antithetic'] else 'off'}; "
         f"{'EOS stops no row (every row decodes the max_new_tokens); ' if report.get('fixed_length') else ''}"
         f"median of {report['rounds']} "

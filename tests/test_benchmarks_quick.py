@@ -220,7 +220,9 @@ def test_the_tiny_iteration_benchmark_reports_its_medians_and_fastest_rounds():
     assert f"{result['fastest_time_ratio']:.3f}" in markdown(report)
     assert "products taken" not in markdown(report)  # a report from before they were recorded
     report["cpu_products"] = {"packed": True, "member_matmul": False, "small_packed": True}
-    assert "the library's products taken (packed, small-packed)" in markdown(report)
+    header = markdown(report).splitlines()[2]  # the products, and all the header had before them
+    assert "the library's products taken (packed, small-packed); load average 0.0 at the start" in header
+    assert header.endswith("interleaved rounds (`python -m benchmarks.tiny_iteration`).")
 
 
 def test_the_tiny_iteration_benchmark_times_the_population_generation_alone(monkeypatch):
