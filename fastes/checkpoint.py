@@ -169,6 +169,12 @@ def load_checkpoint(path: str | Path) -> tuple[int, dict[str, torch.Tensor], dic
     return step, load_file(str(tensor_file)), state
 
 
+def tensors_under(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The tensors a checkpoint holds under `prefix` (a run saves "model." and "reference." ones), named
+    without it."""
+    return {name[len(prefix) :]: t for name, t in tensors.items() if name.startswith(prefix)}
+
+
 def latest_checkpoint(run_dir: str | Path) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]] | None:
     """The newest checkpoint of a run that verifies, or None when there is none.
 

@@ -243,6 +243,7 @@ def cmd_train(args: argparse.Namespace, defaults: dict[str, Any] | None = None) 
 
 
 def cmd_eval(args: argparse.Namespace) -> dict:
+    from .checkpoint import load_checkpoint, tensors_under
     from .models.loading import is_character_tokenizer, load_model
     from .models.sources import resolve_model
     from .run import auto_settings
@@ -253,16 +254,16 @@ def cmd_eval(args: argparse.Namespace) -> dict:
     # The run's own settings, checked and chosen as a run would: the same prompts, task and verifier.
     given = _dataset_replaces_task({key: getattr(args, key) for key in EVAL_SETTINGS if hasattr(args, key)})
     limit = args.limit
-    checkpoint = None  # (step, the model's tensors) of the run's checkpoint to evaluate
+    step = None  # the step of the run's checkpoint to evaluate
     if args.checkpoint is not None:
         if args.run is None or "model" in given:
             raise ConfigError(
                 "--checkpoint evaluates a checkpoint of the run given by --run DIR, on the model that run "
                 "started from: give --run, and no --model"
             )
-        checkpoint = run_checkpoint(args.run, args.checkpoint)
+        step = checkpoint_step(args.run, args.checkpoint)
     if args.run is not None:  # a run's model and settings; flags given here still win
-        trained_model = "model" not in given and checkpoint is None
+        trained_model = "model" not in given and step is None
         settings, eval_size = run_eval_settings(args.run, trained_model=trained_model)
         given = {**settings, **given}
         if given["task"] == "dataset" and not given["dataset"]:
@@ -277,8 +278,9 @@ def cmd_eval(args: argparse.Namespace) -> dict:
         given["eval_size"] = limit
     cfg = load_config(None, given)
     model, tokenizer = load_model(resolve_model(cfg.model), dtype=args.dtype)
-    if checkpoint is not None:
-        load_run_weights(model, *checkpoint, args.run, keep_dtype=args.dtype is not None)
+    if step is not None:  # read (and verified) once every setting has been checked
+        _, tensors, _ = load_checkpoint(Path(args.run) / "checkpoints" / f"step-{step:08d}")
+        load_run_weights(model, step, tensors_under(tensors, "model."), args.run, args.dtype is not None)
     cfg = auto_settings.resolve(cfg, model, tokenizer)
     task = make_task(cfg, strict_alphabet=is_character_tokenizer(tokenizer))
     check_task(task, cfg)
@@ -286,7 +288,7 @@ def cmd_eval(args: argparse.Namespace) -> dict:
     evaluator = Evaluator(cfg, model, tokenizer)
     greedy = evaluator.greedy(task, examples)
     rates = greedy.metrics()
-    result: dict[str, Any] = {} if checkpoint is None else {"checkpoint_step": checkpoint[0]}
+    result: dict[str, Any] = {} if step is None else {"checkpoint_step": step}
     result |= {
         "task": cfg.task,
         "prompt_style": cfg.prompt_style,
@@ -342,32 +344,29 @@ def run_eval_settings(run_dir: str, trained_model: bool = True) -> tuple[dict[st
     return settings, config.eval_size
 
 
-def run_checkpoint(run_dir: str, which: str) -> tuple[int, dict[str, Any]]:
-    """`fastes eval --run DIR --checkpoint [STEP]`: (step, the model's tensors) of the run's newest
-    checkpoint ("latest") or of checkpoint STEP, verified (fastes.checkpoint.load_checkpoint)."""
-    from .checkpoint import checkpoint_steps, load_checkpoint
+def checkpoint_step(run_dir: str, which: str) -> int:
+    """`fastes eval --run DIR --checkpoint [STEP]`: the step of the run's newest checkpoint ("latest"),
+    or STEP where the run keeps it."""
+    from .checkpoint import checkpoint_steps
 
     steps = checkpoint_steps(run_dir)
     if not steps:
         raise ConfigError(f"--checkpoint: --run {run_dir!r} has no checkpoint yet (none written, or no run)")
     if which == "latest":
-        step = steps[-1]
-    elif which.isascii() and which.isdigit() and int(which) in steps:
-        step = int(which)
-    else:
-        kept = ", ".join(map(str, steps))
-        raise ConfigError(
-            f"--checkpoint {which!r}: --run {run_dir!r} keeps the checkpoints of steps {kept} (a run keeps "
-            "its newest two); give one of them, or --checkpoint alone for the newest"
-        )
-    step, tensors, _ = load_checkpoint(Path(run_dir) / "checkpoints" / f"step-{step:08d}")
-    return step, {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
+        return steps[-1]
+    if which.isascii() and which.isdigit() and int(which) in steps:
+        return int(which)
+    kept = ", ".join(map(str, steps))
+    raise ConfigError(
+        f"--checkpoint {which!r}: --run {run_dir!r} keeps the checkpoints of steps {kept} (a run keeps "
+        "its newest two); give one of them, or --checkpoint alone for the newest"
+    )
 
 
 def load_run_weights(
     model: Any, step: int, weights: dict[str, Any], run_dir: str, keep_dtype: bool = False
 ) -> None:
-    """Put a checkpoint's weights (`run_checkpoint`) into the model the run started from, in the dtype
+    """Put a checkpoint's weights into the model the run started from, in the dtype
     the run trained them in (as its final/ is saved) unless `keep_dtype` (--dtype given); a checkpoint
     of an adapter's tensors (a run given a peft_config in code) is refused in one line."""
     missing = set(model.state_dict()) - set(weights)

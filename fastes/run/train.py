@@ -25,7 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from fastes import distributed
-from fastes.checkpoint import latest_checkpoint, save_checkpoint, write_atomic
+from fastes.checkpoint import latest_checkpoint, save_checkpoint, tensors_under, write_atomic
 from fastes.errors import ConfigError, NonFiniteUpdateError
 from fastes.es.optimizer import ES, CollectiveError
 from fastes.models import adapters
@@ -419,10 +419,8 @@ def _restore(run: Run, found: tuple[int, dict, dict] | None, run_id: str | None)
     global_step, tensors, saved = found
     if writer:
         print(f"Resuming run {run_id} from step {global_step} ({run.out_dir})")
-    adapters.load_checkpoint_state(
-        run.model, {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
-    )
-    reference = {k[len("reference.") :]: v for k, v in tensors.items() if k.startswith("reference.")}
+    adapters.load_checkpoint_state(run.model, tensors_under(tensors, "model."))
+    reference = tensors_under(tensors, "reference.")
     if reference and run.reference is not None:  # sync_ref_model: where the synced reference had got to
         run.reference.load_state_dict(reference)
     run.metrics = list(saved["metrics"])
