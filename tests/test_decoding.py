@@ -86,7 +86,7 @@ def test_every_row_decoding_gives_transformers_tokens_bit_for_bit(name):
 
 
 @pytest.mark.parametrize("name,seed", [("llama", 0), ("gpt2", 2), ("qwen2", 1)])
-def test_finished_rows_leave_the_batch_and_the_rest_decode_astransformers_greedy(name, seed):
+def test_finished_rows_leave_the_batch_and_the_rest_decode_as_transformers(name, seed):
     model = _model(name, torch.float64, seed)
     ids, mask = _prompts(8, seed=seed)
     eos = _an_eos_that_stops_rows_at_different_steps(fastes_greedy(model, ids, mask, 12, eos=[]))
@@ -109,9 +109,8 @@ def test_rows_stay_where_the_cache_cannot_drop_them(name):
     transformers' generate, whose tokens these are bit for bit (float32)."""
     model = _model(name)
     ids, mask = _prompts(8, seed=0)
-    eos = sorted(
-        set(fastes_greedy(model, ids, mask, 12, eos=[])[:2, 2].tolist())
-    )  # rows 0 and 1 end by step 2
+    unstopped = fastes_greedy(model, ids, mask, 12, eos=[])
+    eos = sorted(set(unstopped[:2, 2].tolist()))  # rows 0 and 1 end by step 2
     sizes, handle = _batch_sizes(model)
     try:
         ours = fastes_greedy(model, ids, mask, 12, eos=eos)
