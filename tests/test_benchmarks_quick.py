@@ -133,7 +133,7 @@ def test_the_benchmarked_alternative_computes_the_same_layer(bias):
     torch.manual_seed(4)
     base = torch.nn.Linear(37, 53, bias=bias)
     factors = [(torch.randn(53, 2), torch.randn(37, 2)) for _ in range(3)]
-    layer = LowRankLinear(base, factors, [0.5, -0.5, 0.25])
+    layer = LowRankLinear.from_factors(base, factors, [0.5, -0.5, 0.25])
     x = torch.randn(3 * 4, 5, 37)
     torch.testing.assert_close(written_first(layer, x), layer(x), rtol=1e-5, atol=1e-5)
 

@@ -144,8 +144,9 @@ def test_model_step_fails_when_low_rank_members_miss_their_noise(tmp_path, monke
 
     real = LowRankLinear.__init__
 
-    def without_noise(self, base, factors, scales, *args, **kwargs):
-        real(self, base, factors, [0.0] * len(scales), *args, **kwargs)
+    def without_noise(self, base, sides, *args, **kwargs):
+        inputs, outputs = sides
+        real(self, base, (inputs, torch.zeros_like(outputs)), *args, **kwargs)
 
     monkeypatch.setattr(LowRankLinear, "__init__", without_noise)
     assert run(tmp_path, "model") == 1

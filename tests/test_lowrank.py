@@ -78,6 +78,55 @@ def test_all_factors_equal_each_tensors_own(backend, noise_kind):
                 torch.testing.assert_close(b, own_b)
 
 
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("noise_kind", NOISE_KINDS)
+def test_direction_factors_are_each_directions_factors(backend, noise_kind):
+    """Every direction's factors in one buffer (one library call a direction and side on the compiled
+    backend) are, bit for bit, what `all_factors` gives that direction on the same backend; joined, they
+    are the update's operands `_joined` makes from the pairs."""
+    shapes = [torch.Size(s) for s in ((33, 70), (1, 5), (128, 3), (7, 7), (300, 1000))]
+    ids = [noise.tensor_id(f"w{i}") for i in range(len(shapes))]
+    for seed, rank, directions in ((0, 1, 3), (5, 3, 2), (9, 2, 5)):
+        keys = [noise.member_key(seed, 4, j) for j in range(directions)]
+        every = lowrank.direction_factors(keys, ids, shapes, rank, torch.device("cpu"), backend, noise_kind)
+        pairs = [
+            lowrank.all_factors(key, ids, shapes, rank, torch.device("cpu"), backend, noise_kind)
+            for key in keys
+        ]
+        for d in range(directions):
+            for i, (a, b) in enumerate(pairs[d]):
+                mine_a, mine_b = every.pair(d, i)
+                assert torch.equal(mine_a, a) and torch.equal(mine_b, b)
+        scales = torch.randn(directions * rank)
+        for i, (a_all, b_all) in enumerate(every.joined(scales)):
+            want_a, want_b = lowrank._joined([pairs[d][i] for d in range(directions)], scales)
+            assert torch.equal(a_all, want_a) and torch.equal(b_all, want_b)
+            assert b_all.T.is_contiguous()  # the compiled update reads B^T row by row
+
+
+@pytest.mark.parametrize("rank", [1, 2])
+def test_member_sides_are_the_members_own_factors(rank):
+    """A population layer's sides gathered for members in any order of directions (antithetic twins,
+    repeats) and matrices either way round (Conv1D's [in, out]) equal those stacked from each member's
+    own factors and scale, bit for bit, and are row-major (the library reads them by address)."""
+    shapes = [torch.Size(s) for s in ((6, 5), (1, 9), (17, 3), (4, 4))]
+    transposed = [False, True, False, True]
+    ids = [noise.tensor_id(f"m{i}") for i in range(len(shapes))]
+    keys = [noise.member_key(3, 1, j) for j in range(4)]
+    every = lowrank.direction_factors(keys, ids, shapes, rank, torch.device("cpu"))
+    directions, scales = [2, 2, 0, 3, 1, 0], [0.02, -0.02, 0.5, -1e-3, 3.0, 0.02]
+    sides = every.member_sides(directions, scales, transposed)
+    for i, ((inputs, outputs), swap, shape) in enumerate(zip(sides, transposed, shapes)):
+        base = torch.nn.Linear(*(shape if swap else shape[::-1]))
+        reference = LowRankLinear.from_factors(
+            base, [every.pair(d, i) for d in directions], scales, swap, "torch"
+        )
+        assert torch.equal(inputs, reference.inputs) and torch.equal(outputs, reference.outputs)
+        for side in (inputs, outputs):
+            members, r, n = side.shape
+            assert (members, r) == (len(directions), rank) and side.stride() == (r * n, n, 1)
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("noise_kind", NOISE_KINDS)
 def test_factored_forward_equals_materialised_low_rank_weights(tiny, noise_kind):
@@ -143,7 +192,7 @@ def test_low_rank_layer_equals_the_formula(path, dtype, rank, members, rows, in_
         calls = CountingLinear.calls
         factors = [(torch.randn(out_features, rank), torch.randn(in_features, rank)) for _ in range(members)]
         scales = torch.randn(members).tolist()
-        layer = LowRankLinear(base, factors, scales)
+        layer = LowRankLinear.from_factors(base, factors, scales)
         x = torch.randn(members * rows, 2, in_features).to(dtype)  # [batch, positions, in]
         expected = rank_term_reference(x, base.weight, base.bias, factors, scales)
         got = layer(x)
@@ -194,7 +243,7 @@ def test_a_small_low_rank_layer_forms_its_members_weights_in_the_member_matmul(m
         base = torch.nn.Linear(in_features, out_features, bias=with_bias)
         factors = [(torch.randn(out_features, rank), torch.randn(in_features, rank)) for _ in range(members)]
         scales = (torch.randn(members) * 0.1).tolist()
-        layer = LowRankLinear(base, factors, scales, backend="cpu")
+        layer = LowRankLinear.from_factors(base, factors, scales, backend="cpu")
         x = torch.randn(members * 5, 2, in_features)  # [batch, positions, in]
         taken.clear()
         expected = rank_term_reference(x, base.weight, base.bias, factors, scales)
@@ -219,11 +268,11 @@ def test_a_small_low_rank_layer_forms_its_members_weights_in_the_member_matmul(m
                         "products",
                         lambda threads: cpu_linear.Products(True, True, True, True, False, True),
                     )
-                    layer = LowRankLinear(base, factors, scales, backend="cpu")
+                    layer = LowRankLinear.from_factors(base, factors, scales, backend="cpu")
                 else:
                     other = CountingLinear(in_features, out_features, bias=with_bias)
                     other.load_state_dict(base.state_dict())
-                    layer = LowRankLinear(other, factors, scales, backend="cpu")
+                    layer = LowRankLinear.from_factors(other, factors, scales, backend="cpu")
                 taken.clear()
                 expected = rank_term_reference(x, base.weight, base.bias, factors, scales)
                 torch.testing.assert_close(layer(x).double().reshape(-1, out_features), expected, **tolerance)
@@ -292,15 +341,16 @@ def test_updating_many_tensors_is_updating_each(backend):
     ids = [11, 12, 13]
     keys = [noise.member_key(7, 2, j) for j in range(3)]
     pairs = [[lowrank.factors(key, tid, p.shape, 2, "cpu") for key in keys] for tid, p in zip(ids, params)]
-    weights, options = [0.5, -1.0, 2.0], {"coef": 0.1, "decay": 0.9, "rank": 2, "backend": backend}
+    every = lowrank.direction_factors(keys, ids, [p.shape for p in params], 2, "cpu")  # as `pairs`
+    weights, options = [0.5, -1.0, 2.0], {"coef": 0.1, "decay": 0.9, "backend": backend}
     rounding = noise.rounding_key(7, 2)
     alone = [p.clone() for p in params]
     alone_grads = [None if g is None else g.clone() for g in grads]
     expected = [
-        lowrank.update(p, tid, pair, weights, rounding_key=rounding, grad=g, **options)
+        lowrank.update(p, tid, pair, weights, rounding_key=rounding, grad=g, rank=2, **options)
         for p, tid, pair, g in zip(alone, ids, pairs, alone_grads)
     ]
-    got = lowrank.update_all(params, ids, pairs, weights, rounding_key=rounding, grads=grads, **options)
+    got = lowrank.update_all(params, ids, every, weights, rounding_key=rounding, grads=grads, **options)
     assert got == expected
     assert got[0] is not None if backend == "cpu" else got[0] is None  # measured by the compiled pass
     for mine, theirs in zip([*params, grads[2]], [*alone, alone_grads[2]]):
@@ -308,30 +358,34 @@ def test_updating_many_tensors_is_updating_each(backend):
 
 
 def test_a_generation_makes_its_low_rank_factors_once(tiny, monkeypatch):
-    """Evaluation and the update of one generation share the members' factors (made once a direction,
-    equal to the noise contract's), and the next generation makes its own."""
+    """Evaluation and the update of one generation share the directions' factors (made once, equal to
+    the noise contract's, direction by direction), and the next generation makes its own."""
     model, _ = tiny
     es = fastes.ES(
         fastes.linear_weights(model), sigma=0.05, lr=0.01, population=4, noise_type="lowrank", seed=2
     )
     made = []
-    all_factors = lowrank.all_factors
+    direction_factors = lowrank.direction_factors
     monkeypatch.setattr(
-        lowrank, "all_factors", lambda key, *rest: made.append(key) or all_factors(key, *rest)
+        lowrank, "direction_factors", lambda keys, *rest: made.append(keys) or direction_factors(keys, *rest)
     )
     x = torch.randint(0, 10, (8, 5))
     for generation in range(2):
         with population_batched(es, model, mode="lowrank"):
             model(x)
         es.step(torch.randn(4, 2))
-        assert made == [noise.member_key(2, generation, j) for j in range(es.directions)]
+        assert made == [[noise.member_key(2, generation, j) for j in range(es.directions)]]
         made.clear()
-    group, key = es.param_groups[0], noise.member_key(2, 2, 1)
+    group = es.param_groups[0]
     every = list(range(len(group["params"])))
-    kept = es.lowrank_factors(group, every, key)
-    assert es.lowrank_factors(group, every, key) is kept and made == [key]
-    fresh = all_factors(key, group["ids"], [p.shape for p in group["params"]], es.rank, "cpu")
-    assert all(torch.equal(a, fa) and torch.equal(b, fb) for (a, b), (fa, fb) in zip(kept, fresh))
+    kept = es.lowrank_directions(group, every)
+    assert es.lowrank_directions(group, every) is kept and len(made) == 1
+    shapes = [p.shape for p in group["params"]]
+    for direction in range(es.directions):
+        fresh = lowrank.all_factors(noise.member_key(2, 2, direction), group["ids"], shapes, es.rank, "cpu")
+        for i, (a, b) in enumerate(fresh):
+            mine_a, mine_b = kept.pair(direction, i)
+            assert torch.equal(mine_a, a) and torch.equal(mine_b, b)
 
 
 def test_modes_refuse_the_other_noise_type(tiny):
@@ -384,7 +438,7 @@ def test_low_rank_layer_hands_its_input_factors_to_bmm_as_a_transposed_operand(r
     MKL's batched GEMM ran the other choice several times slower."""
     members, in_features = 5, 37
     factors = [(torch.randn(11, rank), torch.randn(in_features, rank)) for _ in range(members)]
-    layer = LowRankLinear(torch.nn.Linear(in_features, 11), factors, [1.0] * members)
+    layer = LowRankLinear.from_factors(torch.nn.Linear(in_features, 11), factors, [1.0] * members)
     expected = torch.stack([b for _, b in factors])  # [members, in, r]
 
     def check(kept: list[int]) -> None:

@@ -132,8 +132,8 @@ def test_layer_on_the_triton_backend_equals_its_torch_fallback(conv1d, products_
     factors = [(torch.randn(shape[0], rank), torch.randn(shape[1], rank)) for _ in range(members)]
     scales = [0.5, -0.5, 0.25]
     x = torch.randn(members * rows, 2, n_in)
-    fused = LowRankLinear(base, factors, scales, conv1d, backend="triton")
-    fallback = LowRankLinear(base, factors, scales, conv1d, backend="torch")
+    fused = LowRankLinear.from_factors(base, factors, scales, conv1d, backend="triton")
+    fallback = LowRankLinear.from_factors(base, factors, scales, conv1d, backend="torch")
     assert fused.fused and not fallback.fused
     torch.testing.assert_close(fused(x), fallback(x), rtol=1e-5, atol=1e-5)
 

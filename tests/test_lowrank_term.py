@@ -145,7 +145,7 @@ def test_a_term_is_checked_once_and_a_layer_keeps_one_per_grouping_of_its_rows(m
     torch.manual_seed(0)
     base = torch.nn.Linear(24, 16, bias=False)
     factors = [(torch.randn(16, 1), torch.randn(24, 1)) for _ in range(3)]
-    layer = LowRankLinear(base, factors, [1e-2, -1e-2, 2e-2], backend="cpu")
+    layer = LowRankLinear.from_factors(base, factors, [1e-2, -1e-2, 2e-2], backend="cpu")
     x = torch.randn(6, 24)
     first = layer(x)
     assert torch.equal(layer(x), first) and torch.equal(layer(x), first)

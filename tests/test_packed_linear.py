@@ -103,7 +103,9 @@ def _low_rank_layers(bias: bool, members: int = 8):
     base = torch.nn.Linear(576, 192, bias=bias)
     factors = [(torch.randn(192, 2), torch.randn(576, 2)) for _ in range(members)]
     scales = [0.1 * (m + 1) for m in range(members)]
-    return LowRankLinear(base, factors, scales), LowRankLinear(base, factors, scales, backend="torch")
+    return LowRankLinear.from_factors(base, factors, scales), LowRankLinear.from_factors(
+        base, factors, scales, backend="torch"
+    )
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -167,7 +169,7 @@ def test_the_layers_share_one_offsets_tensor_per_grouping():
 def test_the_low_rank_layer_keeps_its_base_when_it_is_more_than_a_linear():
     base = torch.nn.Linear(576, 192)
     base.register_forward_hook(lambda module, args, out: out * 2)
-    layer = LowRankLinear(base, [(torch.randn(192, 1), torch.randn(576, 1))], [0.0])
+    layer = LowRankLinear.from_factors(base, [(torch.randn(192, 1), torch.randn(576, 1))], [0.0])
     assert not layer.library_base and layer.compiled
     for rows in (3, 300):
         x = torch.randn(rows, 576)

@@ -333,11 +333,20 @@ def _whole_tensors_table(
 ) -> tuple[torch.Tensor, int]:
     """The part table of whole tensors laid end to end (no chunks: nothing is buffered) and its number
     of blocks, for one library call over all of them in place. ES asks for the same every generation."""
-    parts, lane = [], 0
-    for index, numel in enumerate(numels):
-        parts.append(chunks.Part(index, 0, numel, lane))
+    starts, lanes = whole_tensors_lanes(numels, per_block)
+    parts = [chunks.Part(index, 0, numel, start) for index, (numel, start) in enumerate(zip(numels, starts))]
+    return _table(parts, tensor_ids, per_block), lanes // per_block
+
+
+@functools.lru_cache(maxsize=64)
+def whole_tensors_lanes(numels: tuple[int, ...], per_block: int = 4) -> tuple[tuple[int, ...], int]:
+    """Where each of these tensors starts when laid end to end on whole Philox blocks of `per_block`
+    lanes, and the lanes of all of them: the layout of one library call over whole tensors."""
+    starts, lane = [], 0
+    for numel in numels:
+        starts.append(lane)
         lane += per_block * chunks.blocks(numel, per_block)
-    return _table(parts, tensor_ids, per_block), lane // per_block
+    return tuple(starts), lane
 
 
 def _io_table(
@@ -356,14 +365,21 @@ def _io_table(
 
 def round_keys(key: Key) -> torch.Tensor:
     """The key schedule, [10, 2] int32: round r uses (k0 + r W0, k1 + r W1) mod 2^32."""
-    k0, k1 = key
+    return round_keys_of([key])[0]
+
+
+def round_keys_of(keys: Sequence[Key]) -> torch.Tensor:
+    """`round_keys` of each key, [len(keys), 10, 2], made in one go (a tensor each costs ~6 us)."""
     return torch.tensor(
         [
-            [_int32(k0 + r * noise.PHILOX_W0), _int32(k1 + r * noise.PHILOX_W1)]
-            for r in range(noise.PHILOX_ROUNDS)
+            [
+                [_int32(k0 + r * noise.PHILOX_W0), _int32(k1 + r * noise.PHILOX_W1)]
+                for r in range(noise.PHILOX_ROUNDS)
+            ]
+            for k0, k1 in keys
         ],
         dtype=torch.int32,
-    )
+    ).view(len(keys), noise.PHILOX_ROUNDS, 2)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -457,6 +473,19 @@ def normals(key: Key, tensor_ids: Sequence[int], numels: Sequence[int], stream: 
                 out[index] = torch.empty(numels[index], dtype=torch.float32)
             out[index][start : start + n] = lanes[lane : lane + n]
     return [torch.empty(0, dtype=torch.float32) if t is None else t for t in out]
+
+
+def normals_into(
+    out: torch.Tensor, keys: Sequence[Key], tensor_ids: Sequence[int], numels: Sequence[int], stream: int
+) -> None:
+    """normal(keys[d], tensor_ids[i], numels[i], stream=stream) for every d and i, written into row d of
+    `out` (fp32 [len(keys), whole_tensors_lanes(numels)[1]], each row contiguous) from
+    `whole_tensors_lanes(numels)[0][i]` on: one library call a key, over all the tensors (the low-rank
+    factors of all of a model's matrices: fastes.engine.lowrank.direction_factors). The lanes between
+    tensors hold more of each tensor's stream."""
+    table, n_blocks = _whole_tensors_table(tuple(numels), tuple(tensor_ids), 4)
+    for row, schedule in zip(out, round_keys_of(keys)):
+        _run("normal", table, stream, schedule, n_blocks, row)
 
 
 def words(

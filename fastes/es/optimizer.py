@@ -193,7 +193,7 @@ class ES(torch.optim.Optimizer):
         self._applied: list[list[torch.Tensor]] | None = None
         self._perturbation_checked = -1  # the generation _check_perturbation last passed
         self._read_weights: tuple[tuple, list[list[float]]] | None = None  # _largest_weights' last read
-        self._factors: tuple[int, dict] = (-1, {})  # lowrank_factors of one generation: (generation, made)
+        self._factors: tuple[int, dict] = (-1, {})  # lowrank_directions of one generation: (generation, made)
 
     # --- parameters -------------------------------------------------------------------------------
 
@@ -250,6 +250,10 @@ class ES(torch.optim.Optimizer):
     def directions(self) -> int:
         """Noise directions per generation: N / 2 with antithetic sampling, else N."""
         return self.population // 2 if self.antithetic else self.population
+
+    def _direction_keys(self) -> list[tuple[int, int]]:
+        """This generation's noise keys, one a direction (a member's is its direction's)."""
+        return [noise.member_key(self.seed, self.generation, j) for j in range(self.directions)]
 
     # --- evaluating the population ----------------------------------------------------------------
 
@@ -316,10 +320,9 @@ class ES(torch.optim.Optimizer):
                     )
         self._perturbation_checked = self.generation
 
-    def lowrank_factors(
-        self, group: dict, indices: list[int], key: tuple[int, int]
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Member `key`'s low-rank factors (A, B) of the tensors `indices` of param group `group`.
+    def lowrank_directions(self, group: dict, indices: list[int]) -> lowrank.DirectionFactors:
+        """Every direction's low-rank factors (A, B) of the tensors `indices` of param group `group`, this
+        generation's (`lowrank.direction_factors`).
 
         Kept until the next generation: evaluation and the update ask for the same factors, and making
         them again costs as much as a quarter of the update."""
@@ -330,9 +333,11 @@ class ES(torch.optim.Optimizer):
             made = {}
             self._factors = (self.generation, made)
         device = params[0].device
-        wanted = (key, tuple(ids), tuple(shapes), device)
+        wanted = (tuple(ids), tuple(shapes), device)
         if wanted not in made:
-            made[wanted] = lowrank.all_factors(key, ids, shapes, self.rank, device, self.backend, self.noise)
+            made[wanted] = lowrank.direction_factors(
+                self._direction_keys(), ids, shapes, self.rank, device, self.backend, self.noise
+            )
         return made[wanted]
 
     def perturb_into(
@@ -557,7 +562,7 @@ class ES(torch.optim.Optimizer):
         self._check_update(direction_weights, n_members)
         self._read_weights = None  # the update rewrites the weights; a measured update records them below
         measured = [[None] * len(g["params"]) for g in self.param_groups]  # max |theta| after the update
-        keys = [noise.member_key(self.seed, self.generation, j) for j in range(self.directions)]
+        keys = self._direction_keys()
         rounding = noise.rounding_key(self.seed, self.generation) if self.stochastic_rounding else None
         for group, group_measured in zip(self.param_groups, measured):
             params = group["params"]
@@ -582,13 +587,11 @@ class ES(torch.optim.Optimizer):
                 )
             low = [i for i, p in enumerate(params) if self._is_lowrank(p)]
             if low:  # every direction's factors of every low-rank tensor, two noise calls a direction
-                per_key = [self.lowrank_factors(group, low, key) for key in keys]
                 measured_low = lowrank.update_all(
                     [params[i] for i in low],
                     [group["ids"][i] for i in low],
-                    [[factors[n] for factors in per_key] for n in range(len(low))],
+                    self.lowrank_directions(group, low),
                     direction_weights,
-                    rank=self.rank,
                     grads=[grads[i] for i in low],
                     backend=self.backend,
                     **options,

@@ -270,21 +270,19 @@ class LowRankLinear(_PopulationLayer):
     def __init__(
         self,
         base: torch.nn.Module,
-        factors: list[tuple[torch.Tensor, torch.Tensor]],
-        scales: list[float],
+        sides: tuple[torch.Tensor, torch.Tensor],
         transposed: bool = False,
         backend: str = "auto",
     ) -> None:
+        """`sides`: the members' (inputs [members, r, in], outputs [members, r, out]) fp32 factors, each
+        member's scale / sqrt(r) folded into its outputs (`lowrank.DirectionFactors.member_sides`); held,
+        not copied, where they are row-major and of the weight's dtype."""
         super().__init__()
         self.base = base
-        rank = factors[0][0].shape[1]
         weight = base.weight
-        a = torch.stack([a for a, _ in factors])  # [members, rows of the weight, r]
-        b = torch.stack([b for _, b in factors])  # [members, columns of the weight, r]
-        out_side, in_side = (b, a) if transposed else (a, b)
-        self._set_inputs(in_side.transpose(1, 2).to(weight.dtype))  # [members, r, in]
-        scaled = out_side.transpose(1, 2) * _scales_over_root_rank(tuple(scales), rank, a.device)
-        self.outputs = scaled.to(weight.dtype).contiguous()  # [members, r, out], scale_m / sqrt(r) folded in
+        inputs, outputs = sides
+        self._set_inputs(inputs.to(weight.dtype))
+        self.outputs = outputs.to(weight.dtype).contiguous()
         self._set_output_columns()
         resolved = ops.resolve_backend([weight], backend)
         self.transposed = transposed
@@ -304,6 +302,24 @@ class LowRankLinear(_PopulationLayer):
         # the member matmul's shared weight [in, out] where the members' weights are formed in it
         self._weight_t = self._weight.t().contiguous() if self._perturbs_in_product() else None
         self._product = self._member_product()
+
+    @classmethod
+    def from_factors(
+        cls,
+        base: torch.nn.Module,
+        factors: list[tuple[torch.Tensor, torch.Tensor]],
+        scales: list[float],
+        transposed: bool = False,
+        backend: str = "auto",
+    ) -> LowRankLinear:
+        """The layer of members whose factors (A [rows of the weight, r], B [columns, r]) and scales are
+        given, one pair and one scale a member (`lowrank.factors`)."""
+        rank = factors[0][0].shape[1]
+        a = torch.stack([a for a, _ in factors])  # [members, rows of the weight, r]
+        b = torch.stack([b for _, b in factors])  # [members, columns of the weight, r]
+        out_side, in_side = (b, a) if transposed else (a, b)
+        outputs = out_side.transpose(1, 2) * _scales_over_root_rank(tuple(scales), rank, a.device)
+        return cls(base, (in_side.transpose(1, 2), outputs), transposed, backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         members, _, out_features = self.outputs.shape
@@ -356,7 +372,9 @@ class LowRankLinear(_PopulationLayer):
         (in, 1, 1) 6-11x slower than the same values as this transposed view, (in, 1, in), on an AMD EPYC
         (docs/results/lowrank-layout-2026-12-06.md).
         """
-        self.inputs = inputs.clone(memory_format=torch.contiguous_format)
+        members, rank, in_features = inputs.shape
+        row_major = inputs.stride() == (rank * in_features, in_features, 1)
+        self.inputs = inputs if row_major else inputs.clone(memory_format=torch.contiguous_format)
         self._inputs_t = self.inputs.transpose(1, 2)
 
     def _perturbs_in_product(self) -> bool:
@@ -442,14 +460,15 @@ def _population_layers(
     if mode == "lowrank":
         if es.noise_type != "lowrank":
             raise ValueError("eval mode 'lowrank' needs ES(noise_type='lowrank')")
-        scales = [m.sign * group["sigma"] for m in members]
-        every = list(range(len(group["params"])))
-        by_key = {m.key: es.lowrank_factors(group, every, m.key) for m in members}  # antithetic pairs share
+        factors = es.lowrank_directions(group, list(range(len(group["params"]))))
+        sides = factors.member_sides(
+            [m.direction for m in members],
+            [m.sign * group["sigma"] for m in members],
+            [linear.transposed for linear in linears],
+        )
         return [
-            LowRankLinear(
-                linear.module, [by_key[m.key][i] for m in members], scales, linear.transposed, es.backend
-            )
-            for i, linear in enumerate(linears)
+            LowRankLinear(linear.module, side, linear.transposed, es.backend)
+            for linear, side in zip(linears, sides)
         ]
     return [
         PopulationLinear(linear.module, weights, linear.transposed, es.backend)
