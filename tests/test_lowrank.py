@@ -115,7 +115,7 @@ def test_member_sides_are_the_members_own_factors(rank):
     keys = [noise.member_key(3, 1, j) for j in range(4)]
     every = lowrank.direction_factors(keys, ids, shapes, rank, torch.device("cpu"))
     directions, scales = [2, 2, 0, 3, 1, 0], [0.02, -0.02, 0.5, -1e-3, 3.0, 0.02]
-    sides = every.member_sides(directions, scales, transposed)
+    sides = every.member_sides(directions, scales, transposed).per_matrix
     for i, ((inputs, outputs), swap, shape) in enumerate(zip(sides, transposed, shapes)):
         base = torch.nn.Linear(*(shape if swap else shape[::-1]))
         reference = LowRankLinear.from_factors(
@@ -277,6 +277,58 @@ def test_a_small_low_rank_layer_forms_its_members_weights_in_the_member_matmul(m
                 expected = rank_term_reference(x, base.weight, base.bias, factors, scales)
                 torch.testing.assert_close(layer(x).double().reshape(-1, out_features), expected, **tolerance)
                 assert taken == ["lowrank_term"]
+
+
+@needs_library
+@torch.no_grad()
+@pytest.mark.parametrize("member_matmul", [True, False])
+def test_a_populations_low_rank_layers_are_the_last_ones_rearmed(tiny, monkeypatch, member_matmul):
+    """The next generation's low-rank layers are the last population's, re-armed: the same objects, the
+    new factors written into the sides they view, the member matmul's copy of each weight made again
+    after the update, and the rows' grouping a decoding left forgotten; they compute what layers built
+    afresh compute, bit for bit. Layers that dropped members, or weights that moved, are built afresh."""
+    from fastes.engine import cpu_linear
+    from fastes.es import population
+
+    monkeypatch.setattr(
+        cpu_linear,
+        "products",
+        lambda threads: cpu_linear.Products(True, True, True, True, member_matmul, True),
+    )
+    model, _ = tiny
+    es = fastes.ES(
+        fastes.linear_weights(model), sigma=0.05, lr=0.05, population=4, noise_type="lowrank", seed=1
+    )
+    x = torch.randint(0, 10, (8, 5))
+
+    def layers() -> list[LowRankLinear]:
+        return [m for m in model.modules() if isinstance(m, LowRankLinear)]
+
+    with population_batched(es, model, mode="lowrank"):
+        last = layers()
+        for layer in last:
+            layer.set_member_rows([2, 1, 0, 3])  # as a decoding leaves them
+    assert any(layer._weight_t is not None for layer in last) == member_matmul
+    for _ in range(3):
+        es.step(torch.randn(4, 2))
+        with population_batched(es, model, mode="lowrank"):
+            again = layers()
+            got = model(x).logits
+        assert all(a is b for a, b in zip(again, last, strict=True))
+        population._kept_layers.clear()
+        with population_batched(es, model, mode="lowrank"):
+            last = layers()
+            assert not any(a is b for a, b in zip(last, again))
+            assert torch.equal(model(x).logits, got)
+    with population_batched(es, model, mode="lowrank"):
+        last[0].keep_members([0, 1, 3])  # a decoding drops a member from one layer: the next ones are new
+    with population_batched(es, model, mode="lowrank"):
+        assert not any(a is b for a, b in zip(layers(), last))
+        last = layers()
+    weight = es.param_groups[0]["params"][3]
+    weight.data = weight.data.clone()  # the same values elsewhere: a layer must not read the old storage
+    with population_batched(es, model, mode="lowrank"):
+        assert not any(a is b for a, b in zip(layers(), last))
 
 
 @needs_library

@@ -97,6 +97,7 @@ _FLOAT = ctypes.c_float
 _SIGNATURES = {
     "fastes_words": [_POINTER, _I64, _I64, _I64, _U32, _POINTER, _POINTER],
     "fastes_eps": [_POINTER, _I64, _I64, _I64, _U32, _POINTER, _I64, _POINTER],
+    "fastes_eps_keys": [_POINTER, _I64, _I64, _I64, _U32, _POINTER, _I64, _I64, _POINTER, _I64],
     "fastes_eps_sum": [_POINTER, _I64, _I64, _I64, _U32, _POINTER, _POINTER, _I64, _I64, _POINTER],
     "fastes_perturb_f32": [_POINTER, _POINTER, _I64, _I64, _I64, _U32, _POINTER, _I64, _FLOAT],
     "fastes_update_f32": [_POINTER, _POINTER, _I64, _I64, _I64, _U32, _POINTER, _POINTER, _I64, _I64]
@@ -369,17 +370,16 @@ def round_keys(key: Key) -> torch.Tensor:
 
 
 def round_keys_of(keys: Sequence[Key]) -> torch.Tensor:
-    """`round_keys` of each key, [len(keys), 10, 2], made in one go (a tensor each costs ~6 us)."""
-    return torch.tensor(
-        [
-            [
-                [_int32(k0 + r * noise.PHILOX_W0), _int32(k1 + r * noise.PHILOX_W1)]
-                for r in range(noise.PHILOX_ROUNDS)
-            ]
-            for k0, k1 in keys
-        ],
-        dtype=torch.int32,
-    ).view(len(keys), noise.PHILOX_ROUNDS, 2)
+    """`round_keys` of each key, [len(keys), 10, 2], in one tensor."""
+    return torch.tensor([_schedule(key) for key in keys], dtype=torch.int32).view(-1, noise.PHILOX_ROUNDS, 2)
+
+
+@functools.lru_cache(maxsize=1024)  # a generation's keys are asked for by its evaluation and its update
+def _schedule(key: Key) -> tuple[int, ...]:
+    """round_keys(key), flattened: (k0, k1, k0 + W0, k1 + W1, ...) as int32 bit patterns."""
+    k0, k1 = key
+    rounds = range(noise.PHILOX_ROUNDS)
+    return tuple(_int32(k + r * w) for r in rounds for k, w in ((k0, noise.PHILOX_W0), (k1, noise.PHILOX_W1)))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -479,13 +479,26 @@ def normals_into(
     out: torch.Tensor, keys: Sequence[Key], tensor_ids: Sequence[int], numels: Sequence[int], stream: int
 ) -> None:
     """normal(keys[d], tensor_ids[i], numels[i], stream=stream) for every d and i, written into row d of
-    `out` (fp32 [len(keys), whole_tensors_lanes(numels)[1]], each row contiguous) from
-    `whole_tensors_lanes(numels)[0][i]` on: one library call a key, over all the tensors (the low-rank
-    factors of all of a model's matrices: fastes.engine.lowrank.direction_factors). The lanes between
-    tensors hold more of each tensor's stream."""
+    `out` (fp32 [len(keys), whole_tensors_lanes(numels)[1]], its rows contiguous, any row stride) from
+    `whole_tensors_lanes(numels)[0][i]` on, in one library call: the low-rank factors of all of a model's
+    matrices in every direction (fastes.engine.lowrank.direction_factors; a call a direction cost ~10 us
+    each). The lanes between tensors hold more of each tensor's stream."""
+    if out.dtype != torch.float32 or out.shape[0] != len(keys) or out.stride(1) != 1:
+        raise ValueError(
+            f"normals_into: out {tuple(out.shape)} is not fp32 [keys, lanes] with contiguous rows"
+        )
     table, n_blocks = _whole_tensors_table(tuple(numels), tuple(tensor_ids), 4)
-    for row, schedule in zip(out, round_keys_of(keys)):
-        _run("normal", table, stream, schedule, n_blocks, row)
+    if out.shape[1] != 4 * n_blocks:
+        raise ValueError(f"normals_into: out has {out.shape[1]} lanes a key, the tensors take {4 * n_blocks}")
+    library, schedules, stream_word = _load(), round_keys_of(keys), stream & noise.MASK32
+    arguments = (len(keys), 4, out.data_ptr(), out.stride(0))
+
+    def call(lo: int, hi: int) -> None:
+        library.fastes_eps_keys(
+            table.data_ptr(), len(table), lo, hi, stream_word, schedules.data_ptr(), *arguments
+        )
+
+    _parallel(call, n_blocks, max(1, _MIN_BLOCKS_PER_THREAD // max(1, len(keys))))
 
 
 def words(
@@ -818,6 +831,8 @@ class MemberMatmul:
         )
         if status == -2:
             raise ValueError(f"member_matmul: the row offsets {offsets.tolist()} do not split {rows} rows")
+        if status == -1:
+            raise MemoryError(f"member_matmul could not allocate {rows} x {rank} products")
         return y
 
 

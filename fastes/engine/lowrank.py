@@ -71,6 +71,15 @@ def all_factors(
     return [(x.view(shape[0], rank), y.view(shape[1], rank)) for x, y, shape in zip(a, b, shapes)]
 
 
+class MemberSides(NamedTuple):
+    """A population's low-rank layer sides (`DirectionFactors.member_sides`)."""
+
+    per_matrix: list[
+        tuple[torch.Tensor, torch.Tensor]
+    ]  # (inputs [members, r, in], outputs [members, r, out])
+    buffers: tuple[torch.Tensor, torch.Tensor]  # the two flat buffers they are views of
+
+
 class DirectionFactors:
     """Every noise direction's factors of a list of matrices, in one buffer: a population's layers and the
     update take theirs by a few gathers over it, not a few small ops per matrix (a model has hundreds).
@@ -92,9 +101,10 @@ class DirectionFactors:
             tuple(a_starts), tuple(b_starts), tuple(tuple(s) for s in shapes), rank, values.shape[1]
         )
 
-    def _gathered(self, index: torch.Tensor) -> torch.Tensor:
-        """values.flatten()[index] (index_select: 2-3x faster than take here)."""
-        return self.values.view(-1).index_select(0, index)
+    def _gathered(self, index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """values.flatten()[index], into `out` when given (index_select: 2-3x faster than take here)."""
+        flat = self.values.view(-1)
+        return flat.index_select(0, index) if out is None else torch.index_select(flat, 0, index, out=out)
 
     def pair(self, direction: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Direction `direction`'s (A, B) of matrix i: `factors(key of that direction, ...)`."""
@@ -106,26 +116,35 @@ class DirectionFactors:
         )
 
     def member_sides(
-        self, directions: Sequence[int], scales: Sequence[float], transposed: Sequence[bool]
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        self,
+        directions: Sequence[int],
+        scales: Sequence[float],
+        transposed: Sequence[bool],
+        into: MemberSides | None = None,
+    ) -> MemberSides:
         """For each matrix, the population layer's (inputs [members, r, in], outputs [members, r, out]) of
         the members whose directions and scales are given, scale_m / sqrt(r) folded into the outputs: the
         term sum_j (x inputs[m, j]) outputs[m, j] is member m's scale_m x eps^T. A transposed matrix
-        (Conv1D's [in, out]) takes its inputs from A and its outputs from B. Row-major views of two
-        buffers, made by one gather each."""
+        (Conv1D's [in, out]) takes its inputs from A and its outputs from B. Row-major views of two flat
+        buffers, made by one gather each; with `into` (an answer for the same members and matrices), its
+        buffers are written again and it is returned (layers that view them then hold these factors)."""
         plan = _sides_plan(self.layout, tuple(directions), tuple(transposed), self.values.device)
-        inputs = self._gathered(plan.inputs)
+        inputs, outputs = (None, None) if into is None else into.buffers
+        inputs = self._gathered(plan.inputs, inputs)
         scales_t = torch.tensor(scales, dtype=torch.float32, device=self.values.device)
         per_member = scales_t / math.sqrt(self.rank)
-        outputs = self._gathered(plan.outputs).mul_(per_member.index_select(0, plan.output_members))
+        outputs = self._gathered(plan.outputs, outputs).mul_(per_member.index_select(0, plan.output_members))
+        if into is not None:
+            return into
         members, r = len(directions), self.rank
-        return [
+        per_matrix = [
             (
                 inputs[i0 : i0 + members * r * n_in].view(members, r, n_in),
                 outputs[o0 : o0 + members * r * n_out].view(members, r, n_out),
             )
             for i0, n_in, o0, n_out in plan.views
         ]
+        return MemberSides(per_matrix, (inputs, outputs))
 
     def joined(self, column_scales: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """For each matrix, every direction's factors side by side: (A [out, D r] with column d r + j
@@ -315,7 +334,7 @@ def update(
     (NaN if theta holds NaN or inf), else None.
     """
     a_all, b_all = _joined(pairs, _column_scales(weights, coef, rank, param.device))
-    if _compiled_in_place(param, grad, backend):
+    if _compiled_in_place(param, grad, ops.resolve_backend([param], backend)):
         largest = cpu_library.lowrank_update(param, a_all, b_all, decay)
         ops.mark_written([param])
         return largest
@@ -372,9 +391,10 @@ def update_all(
     if not params:
         return measured
     joined = factors.joined(_column_scales(weights, coef, factors.rank, factors.values.device))
+    resolved = ops.resolve_backend(params, backend)  # one device: resolved once, not per tensor
     compiled = []
     for i, (param, grad, (a_all, b_all)) in enumerate(zip(params, grads, joined)):
-        if _compiled_in_place(param, grad, backend):
+        if _compiled_in_place(param, grad, resolved):
             compiled.append(i)
         else:
             _update_by_torch(param, tensor_ids[i], a_all, b_all, decay, rounding_key, grad)
@@ -386,9 +406,10 @@ def update_all(
     return measured
 
 
-def _compiled_in_place(param: torch.Tensor, grad: torch.Tensor | None, backend: str) -> bool:
-    """Whether the compiled CPU library updates this weight in place (fp32, no gradient buffer)."""
-    return grad is None and param.dtype == torch.float32 and ops.resolve_backend([param], backend) == "cpu"
+def _compiled_in_place(param: torch.Tensor, grad: torch.Tensor | None, resolved: str) -> bool:
+    """Whether the compiled CPU library updates this weight in place (the resolved backend "cpu", fp32,
+    no gradient buffer)."""
+    return grad is None and param.dtype == torch.float32 and resolved == "cpu"
 
 
 def _column_scales(weights: Sequence[float], coef: float, rank: int, device: torch.device) -> torch.Tensor:

@@ -464,6 +464,14 @@ void fastes_eps(const int64_t *table, int64_t n_parts, int64_t lo, int64_t hi, u
     for_each_tile(table, n_parts, lo, hi, tile_blocks(job.per_block), eps_work, &job);
 }
 
+/* fastes_eps under each of n_keys keys (round keys rk + 20 d) into out + d * row_stride: the low-rank
+   factors of every direction in one call. */
+void fastes_eps_keys(const int64_t *table, int64_t n_parts, int64_t lo, int64_t hi, uint32_t c3,
+                     const uint32_t *rk, int64_t n_keys, int64_t per_block, float *out, int64_t row_stride) {
+    for (int64_t d = 0; d < n_keys; d++)
+        fastes_eps(table, n_parts, lo, hi, c3, rk + 2 * ROUNDS * d, per_block, out + d * row_stride);
+}
+
 /* out[lanes] = sum_d weights[d] * eps_d. */
 void fastes_eps_sum(const int64_t *table, int64_t n_parts, int64_t lo, int64_t hi, uint32_t c3,
                     const uint32_t *round_keys, const float *weights, int64_t n_directions, int64_t per_block,
