@@ -116,6 +116,35 @@ def test_a_rows_result_depends_on_neither_the_threads_nor_the_rows_beside_it():
     assert torch.equal(single[0], alone[row])
 
 
+def test_with_factors_a_rows_result_depends_on_its_members_row_count_only():
+    """With the members' factors, a member's rows get the term added to their sums (few rows) or the
+    member's weights formed once (many rows: k = 8, n = 16 forms from 17 rows on). Either way each equals
+    the reference, and a row's bits depend on neither the threads nor the other members' rows."""
+    counts = [16, 17, 40, 3]  # the term, formed weights, formed weights, the term
+    x, w, bias = problem(counts, 8, 16, seed=4, with_bias=True)
+    inputs, outputs = torch.randn(4, 2, 8), torch.randn(4, 2, 16) * 0.1
+    product = cpu_library.MemberMatmul(w[0].contiguous(), bias, (inputs, outputs))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = product(x, offsets_of(counts))
+        torch.set_num_threads(2)
+        split = product(x, offsets_of(counts))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, split)
+    members_weights = w[0].double() + inputs.double().transpose(1, 2) @ outputs.double()
+    torch.testing.assert_close(
+        alone.double(), reference(x, members_weights, counts, bias), rtol=1e-5, atol=2e-5
+    )
+    for m in (0, 1):  # member m's rows among other members' rows, or with none beside them
+        start, end = sum(counts[:m]), sum(counts[: m + 1])
+        by_itself = [0, 0, 0, 0]
+        by_itself[m] = counts[m]
+        own = product(x[start:end].contiguous(), offsets_of(by_itself))
+        assert torch.equal(own, alone[start:end])
+
+
 def test_member_matmul_refuses_what_it_cannot_compute():
     x, w, _ = problem([3, 4], 8, 16, seed=0, with_bias=False)
     with pytest.raises(ValueError, match="fp32"):

@@ -77,8 +77,9 @@ int64_t fastes_packed_linear_f32(const float *x, const float *w, const float *bi
     {
         for (int64_t m = 0; outputs && m < members; m++) {
 #pragma omp for schedule(static) nowait
-            for (int64_t i = offsets[m]; i < offsets[m + 1]; i++)
-                products_of(x, inputs, products, m, i, i + 1, k, rank);
+            for (int64_t first = offsets[m]; first < offsets[m + 1]; first += 16) /* products_of's blocks */
+                products_of(x, inputs, products, m, first, first + 16 < offsets[m + 1] ? first + 16 : offsets[m + 1],
+                            k, rank);
         }
 #pragma omp barrier
         float *panel = aligned_alloc(64, (size_t)((k * PANEL * sizeof(float) + 63) / 64 * 64));
@@ -89,7 +90,7 @@ int64_t fastes_packed_linear_f32(const float *x, const float *w, const float *bi
             const int64_t c = q * PANEL;
             pack_panel(w, c, k, panel);
             for (int64_t m = 0; m < term.members; m++)
-                row_blocks(COLUMN_VECTORS, 0, x, panel, PANEL, bias ? bias + c : NULL, y + c, k, n, &term,
+                row_blocks(COLUMN_VECTORS, x, panel, PANEL, bias ? bias + c : NULL, y + c, k, n, &term,
                            m, term.offsets[m], term.offsets[m + 1], c);
         }
         free(panel);

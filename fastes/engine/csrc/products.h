@@ -33,9 +33,9 @@ typedef float vec16 __attribute__((vector_size(64)));
 /* The low-rank population's term: row i of member m gets sum_j (x[i] . inputs[m, j]) outputs[m, j].
    Either added to the sums before they are stored, from the products x[i] . inputs[m, j] computed
    first: row i gets sum_j products[i * rank + j] * outputs[(m * rank + j) * n + column]
-   (few_rows_linear_cpu.c, packed_linear_cpu.c); or, in row_block's `perturbed` form, added to member
-   m's weight as it is loaded, w[p, column] + sum_j inputs[(m * rank + j) * k + p] * outputs[...]
-   (member_matmul_cpu.c, for weights small enough to be read again for every member). */
+   (few_rows_linear_cpu.c, packed_linear_cpu.c, member_matmul_cpu.c); or, for a member with many rows,
+   added to its weight once, w[p, column] + sum_j inputs[(m * rank + j) * k + p] * outputs[...]
+   (formed_panel: member_matmul_cpu.c, for weights small enough to be read again for every member). */
 typedef struct {
     const float *products; /* [rows, rank]: the products, for the term added to the sums */
     const float *inputs;   /* [members, rank, k]: the input factors, for the term in the weights */
@@ -44,24 +44,9 @@ typedef struct {
     int64_t rank, members;
 } term_t;
 
-/* w_p[0 .. vectors) += sum_j inputs[m, j, p] * outputs[m, j, c ...]: member m's term added to row p of
-   the weight panel that starts at column c (term_t). A macro, not a function: as a function taking the
-   vectors by pointer, the perturbed row blocks measured 5-7% slower
-   (docs/results/perturb-and-member-panel-2026-12-07.md). */
-#define ADD_MEMBER_TERM(w_p, vectors, term, m, p, k, n, c)                                              \
-    for (int64_t j = 0; j < (term)->rank; j++) {                                                         \
-        const float in_jp = (term)->inputs[((m) * (term)->rank + j) * (k) + (p)];                        \
-        const float *a = (term)->outputs + ((m) * (term)->rank + j) * (n) + (c);                         \
-        _Pragma("GCC unroll 16") for (int v = 0; v < (vectors); v++) {                                   \
-            vec16 a_v;                                                                                   \
-            memcpy(&a_v, a + 16 * v, sizeof a_v);                                                        \
-            (w_p)[v] += in_jp * a_v;                                                                     \
-        }                                                                                                \
-    }
-
 /* Member m's weight panel of 16 * vectors columns from column c, term added, formed once into
-   `panel` [k, 16 * vectors] for all of the member's row blocks: row_block's perturbed form makes it
-   again for every block of ROW_BLOCK rows. */
+   `panel` [k, 16 * vectors] for all of the member's row blocks: row p is
+   w[p, c ...] + sum_j inputs[m, j, p] * outputs[m, j, c ...] (term_t). */
 static inline __attribute__((always_inline)) void formed_panel(const int vectors, const float *w,
                                                                const term_t *term, int64_t m, int64_t k,
                                                                int64_t n, int64_t c, float *panel) {
@@ -69,7 +54,15 @@ static inline __attribute__((always_inline)) void formed_panel(const int vectors
         vec16 w_p[COLUMN_VECTORS];
         _Pragma("GCC unroll 16") for (int v = 0; v < vectors; v++)
             memcpy(&w_p[v], w + p * n + 16 * v, sizeof w_p[v]);
-        ADD_MEMBER_TERM(w_p, vectors, term, m, p, k, n, c)
+        for (int64_t j = 0; j < term->rank; j++) {
+            const float in_jp = term->inputs[(m * term->rank + j) * k + p];
+            const float *a = term->outputs + (m * term->rank + j) * n + c;
+            _Pragma("GCC unroll 16") for (int v = 0; v < vectors; v++) {
+                vec16 a_v;
+                memcpy(&a_v, a + 16 * v, sizeof a_v);
+                w_p[v] += in_jp * a_v;
+            }
+        }
         _Pragma("GCC unroll 16") for (int v = 0; v < vectors; v++)
             memcpy(panel + (p * vectors + v) * 16, &w_p[v], sizeof w_p[v]);
     }
@@ -77,12 +70,11 @@ static inline __attribute__((always_inline)) void formed_panel(const int vectors
 
 /* y[r, 0:16 * vectors] = x[r, :] @ w[:, 0:16 * vectors] (+ bias) (+ the term) for r < rows <= ROW_BLOCK;
    x rows of length k, w rows `w_stride` apart, y rows n apart; the block's rows are rows first_row...
-   of member m, its columns start at column c of the layer (for the term's outputs). `perturbed`: the
-   term goes into the weights as they are loaded (term_t), else into the sums. Constant arguments after
-   inlining (rows, vectors, perturbed, and term where NULL), so the loops over rows and vectors unroll
+   of member m, its columns start at column c of the layer (for the term's outputs), the term added to
+   the sums where `term` has outputs (term_t). Constant arguments after inlining (rows, vectors, and
+   term where NULL), so the loops over rows and vectors unroll
    and the sums live in registers. Each sum runs over k in order. */
-static inline __attribute__((always_inline)) void row_block(const int rows, const int vectors,
-                                                            const int perturbed, const float *x,
+static inline __attribute__((always_inline)) void row_block(const int rows, const int vectors, const float *x,
                                                             const float *w, int64_t w_stride,
                                                             const float *bias, float *y, int64_t k, int64_t n,
                                                             const term_t *term, int64_t m, int64_t first_row,
@@ -97,13 +89,12 @@ static inline __attribute__((always_inline)) void row_block(const int rows, cons
         vec16 w_p[COLUMN_VECTORS];
         _Pragma("GCC unroll 16") for (int v = 0; v < vectors; v++)
             memcpy(&w_p[v], w + p * w_stride + 16 * v, sizeof w_p[v]);
-        if (perturbed) ADD_MEMBER_TERM(w_p, vectors, term, m, p, k, n, c)
         _Pragma("GCC unroll 16") for (int r = 0; r < rows; r++) {
             const float x_rp = x[r * k + p];
             _Pragma("GCC unroll 16") for (int v = 0; v < vectors; v++) sum[r][v] += x_rp * w_p[v];
         }
     }
-    if (!perturbed && term && term->outputs)
+    if (term && term->outputs)
         for (int64_t j = 0; j < term->rank; j++) {
             const float *a = term->outputs + (m * term->rank + j) * n + c;
             _Pragma("GCC unroll 16") for (int v = 0; v < vectors; v++) {
@@ -122,8 +113,8 @@ static inline __attribute__((always_inline)) void row_block(const int rows, cons
    each case with a constant row count so that its loops unroll as in the full blocks. x and y point at
    row 0 (y and bias at the panel's first column, c); the arguments are row_block's. */
 #define ROWS_BLOCK(rows_) \
-    row_block(rows_, vectors, perturbed, x + r * k, w, w_stride, bias, y + r * n, k, n, term, m, r, c)
-static inline __attribute__((always_inline)) void row_blocks(const int vectors, const int perturbed,
+    row_block(rows_, vectors, x + r * k, w, w_stride, bias, y + r * n, k, n, term, m, r, c)
+static inline __attribute__((always_inline)) void row_blocks(const int vectors,
                                                              const float *x, const float *w,
                                                              int64_t w_stride, const float *bias, float *y,
                                                              int64_t k, int64_t n, const term_t *term,
@@ -157,9 +148,10 @@ static inline float lanes_added(vec16 sum) {
     return (half[0] + half[2]) + (half[1] + half[3]);
 }
 
-/* x[0:k] . v[0:k]: four independent 16-float sums (so the multiply-adds overlap instead of waiting on
-   each other), added as (0 + 1) + (2 + 3), then across their lanes, then the last k % 16 one by one. */
-static inline float dot(const float *x, const float *v, int64_t k) {
+/* The vector part of x[0:k] . v[0:k]: four independent 16-float sums (so the multiply-adds overlap
+   instead of waiting on each other) over whole 64-float chunks, then 16-float chunks into the first,
+   added as (0 + 1) + (2 + 3). `dot` adds its lanes, then the last k % 16 one by one. */
+static inline vec16 dot_lanes(const float *x, const float *v, int64_t k) {
     vec16 sum[4] = {{0}, {0}, {0}, {0}};
     int64_t p = 0;
     for (; p + 64 <= k; p += 64)
@@ -175,10 +167,49 @@ static inline float dot(const float *x, const float *v, int64_t k) {
         memcpy(&v_p, v + p, sizeof v_p);
         sum[0] += x_p * v_p;
     }
-    float total = lanes_added((sum[0] + sum[1]) + (sum[2] + sum[3]));
-    for (; p < k; p++) total += x[p] * v[p];
+    return (sum[0] + sum[1]) + (sum[2] + sum[3]);
+}
+
+/* total + x[p] v[p] for the last k % 16 elements, one by one */
+static inline float dot_tail(const float *x, const float *v, int64_t k, float total) {
+    for (int64_t p = k - k % 16; p < k; p++) total += x[p] * v[p];
     return total;
 }
+
+/* x[0:k] . v[0:k] */
+static inline float dot(const float *x, const float *v, int64_t k) {
+    return dot_tail(x, v, k, lanes_added(dot_lanes(x, v, k)));
+}
+
+/* lanes_added of each of v[0 .. 16): lane r of the result is v[r]'s, added in lanes_added's order (lanes
+   8 apart, then 4, 2 and 1) by shuffles of whole vectors, ~3 vector operations a row where lanes_added
+   takes ~15 scalar ones (the low-rank term's products of a tiny model's 64-wide rows took ~15% of its
+   packed linear that way). Every slot is added in the same order, so a row's total does not depend on
+   the rows beside it. */
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#define SHUFFLED(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+static inline vec16 lanes_added_16(const vec16 v[16]) {
+    vec16 eight[8], four[4], two[2];
+    for (int i = 0; i < 8; i++) /* rows 2i, 2i + 1: lane j + lane j + 8, in half a vector each */
+        eight[i] = SHUFFLED(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                   SHUFFLED(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++) /* rows 4i ... 4i + 3: half[q] + half[q + 4], four lanes each */
+        four[i] = SHUFFLED(eight[2 * i], eight[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+                  SHUFFLED(eight[2 * i], eight[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++) /* rows 8i ... 8i + 7: (half[0] + half[2]), (half[1] + half[3]) */
+        two[i] = SHUFFLED(four[2 * i], four[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+                 SHUFFLED(four[2 * i], four[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return SHUFFLED(two[0], two[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           SHUFFLED(two[0], two[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+#undef SHUFFLED
+#else
+static inline vec16 lanes_added_16(const vec16 v[16]) {
+    vec16 totals;
+    for (int r = 0; r < 16; r++) totals[r] = lanes_added(v[r]);
+    return totals;
+}
+#endif
 
 /* Whether offsets [members + 1] split `rows` rows into the members' groups: from 0 to rows, never
    going back (a group may be empty) */
@@ -189,13 +220,22 @@ static inline int splits_rows(const int64_t *offsets, int64_t members, int64_t r
     return 1;
 }
 
-/* products[i, j] = x[i, :] . inputs[m, j, :] for the rows [lo, hi) of member m: the low-rank term's
-   first half (inputs [members, rank, k]) */
+/* products[i, j] = dot(x[i, :], inputs[m, j, :]) for the rows [lo, hi) of member m: the low-rank term's
+   first half (inputs [members, rank, k]). Sixteen rows at a time, their lanes added together
+   (lanes_added_16): the same totals as `dot`, row by row. */
 static inline void products_of(const float *x, const float *inputs, float *products, int64_t m, int64_t lo,
                                int64_t hi, int64_t k, int64_t rank) {
-    for (int64_t i = lo; i < hi; i++)
-        for (int64_t j = 0; j < rank; j++)
-            products[i * rank + j] = dot(x + i * k, inputs + (m * rank + j) * k, k);
+    for (int64_t j = 0; j < rank; j++) {
+        const float *v = inputs + (m * rank + j) * k;
+        for (int64_t first = lo; first < hi; first += 16) {
+            const int count = hi - first < 16 ? (int)(hi - first) : 16;
+            vec16 lanes[16] = {{0}};
+            for (int r = 0; r < count; r++) lanes[r] = dot_lanes(x + (first + r) * k, v, k);
+            const vec16 totals = lanes_added_16(lanes);
+            for (int r = 0; r < count; r++)
+                products[(first + r) * rank + j] = dot_tail(x + (first + r) * k, v, k, totals[r]);
+        }
+    }
 }
 
-#endif
+#endif /* FASTES_PRODUCTS_H */
