@@ -97,9 +97,10 @@ def test_direction_factors_are_each_directions_factors(backend, noise_kind):
             for i, (a, b) in enumerate(pairs[d]):
                 mine_a, mine_b = every.pair(d, i)
                 assert torch.equal(mine_a, a) and torch.equal(mine_b, b)
-        scales = torch.randn(directions * rank)
+        scales = torch.randn(directions)
         for i, (a_all, b_all) in enumerate(every.joined(scales)):
-            want_a, want_b = lowrank._joined([pairs[d][i] for d in range(directions)], scales)
+            columns = scales.repeat_interleave(rank)  # direction d's scale on its r columns
+            want_a, want_b = lowrank._joined([pairs[d][i] for d in range(directions)], columns)
             assert torch.equal(a_all, want_a) and torch.equal(b_all, want_b)
             assert b_all.T.is_contiguous()  # the compiled update reads B^T row by row
 

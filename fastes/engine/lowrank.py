@@ -11,7 +11,6 @@ is one pass over each weight (a GEMM off the compiled CPU backend). Tensors that
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -74,18 +73,19 @@ def all_factors(
 class MemberSides(NamedTuple):
     """A population's low-rank layer sides (`DirectionFactors.member_sides`)."""
 
-    per_matrix: list[
-        tuple[torch.Tensor, torch.Tensor]
-    ]  # (inputs [members, r, in], outputs [members, r, out])
+    # each matrix's (inputs [members, r, in], outputs [members, r, out])
+    per_matrix: list[tuple[torch.Tensor, torch.Tensor]]
     buffers: tuple[torch.Tensor, torch.Tensor]  # the two flat buffers they are views of
 
 
 class DirectionFactors:
-    """Every noise direction's factors of a list of matrices, in one buffer: a population's layers and the
-    update take theirs by a few gathers over it, not a few small ops per matrix (a model has hundreds).
+    """Every noise direction's factors of a list of matrices, in one buffer (made on the CPU by two library
+    calls, where a call a key and side cost more than its noise), from which a population's layer sides
+    and the update's joined operands are copied, a matrix at a time.
 
     `values` [directions, lanes]: direction d's A of matrix i ([out_i, r], row-major, as `factors` gives
-    it) from values[d, a_starts[i]] on, its B ([in_i, r]) from values[d, b_starts[i]] on.
+    it) from values[d, a_starts[i]] on, its B ([in_i, r]) from values[d, b_starts[i]] on; the A factors
+    all lie before `a_lanes`, the B factors after.
     """
 
     def __init__(
@@ -93,27 +93,19 @@ class DirectionFactors:
         values: torch.Tensor,
         a_starts: Sequence[int],
         b_starts: Sequence[int],
+        a_lanes: int,
         shapes: Sequence[torch.Size],
         rank: int,
     ) -> None:
-        self.values, self.rank = values, rank
-        self.layout = _Layout(
-            tuple(a_starts), tuple(b_starts), tuple(tuple(s) for s in shapes), rank, values.shape[1]
-        )
-
-    def _gathered(self, index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """values.flatten()[index], into `out` when given (index_select: 2-3x faster than take here)."""
-        flat = self.values.view(-1)
-        return flat.index_select(0, index) if out is None else torch.index_select(flat, 0, index, out=out)
+        self.values, self.rank, self.a_lanes = values, rank, a_lanes
+        self.a_starts, self.b_starts = tuple(a_starts), tuple(b_starts)
+        self.shapes = [tuple(shape) for shape in shapes]
 
     def pair(self, direction: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Direction `direction`'s (A, B) of matrix i: `factors(key of that direction, ...)`."""
-        (out_features, in_features), r = self.layout.shapes[i], self.rank
-        row = self.values[direction]
-        a, b = self.layout.a_starts[i], self.layout.b_starts[i]
-        return row[a : a + out_features * r].view(out_features, r), row[b : b + in_features * r].view(
-            in_features, r
-        )
+        (rows, columns), row, r = self.shapes[i], self.values[direction], self.rank
+        a, b = self.a_starts[i], self.b_starts[i]
+        return row[a : a + rows * r].view(rows, r), row[b : b + columns * r].view(columns, r)
 
     def member_sides(
         self,
@@ -126,41 +118,57 @@ class DirectionFactors:
         the members whose directions and scales are given, scale_m / sqrt(r) folded into the outputs: the
         term sum_j (x inputs[m, j]) outputs[m, j] is member m's scale_m x eps^T. A transposed matrix
         (Conv1D's [in, out]) takes its inputs from A and its outputs from B. Row-major views of two flat
-        buffers, made by one gather each; with `into` (an answer for the same members and matrices), its
-        buffers are written again and it is returned (layers that view them then hold these factors)."""
-        plan = _sides_plan(self.layout, tuple(directions), tuple(transposed), self.values.device)
-        inputs, outputs = (None, None) if into is None else into.buffers
-        inputs = self._gathered(plan.inputs, inputs)
-        scales_t = torch.tensor(scales, dtype=torch.float32, device=self.values.device)
-        per_member = scales_t / math.sqrt(self.rank)
-        outputs = self._gathered(plan.outputs, outputs).mul_(per_member.index_select(0, plan.output_members))
-        if into is not None:
-            return into
-        members, r = len(directions), self.rank
-        per_matrix = [
-            (
-                inputs[i0 : i0 + members * r * n_in].view(members, r, n_in),
-                outputs[o0 : o0 + members * r * n_out].view(members, r, n_out),
-            )
-            for i0, n_in, o0, n_out in plan.views
-        ]
-        return MemberSides(per_matrix, (inputs, outputs))
+        buffers, a copy each; with `into` (an answer for the same members and matrices), its buffers are
+        written again and it is returned (layers that view them then hold these factors)."""
+        device, r = self.values.device, self.rank
+        chosen = self.values.index_select(0, torch.tensor(directions, device=device))  # [members, lanes]
+        per_member = (torch.tensor(scales, dtype=torch.float32, device=device) / math.sqrt(r))[:, None, None]
+        sides = []  # each matrix's (inputs' start in A or B, in, outputs' start, out)
+        for (rows, columns), a, b, swap in zip(self.shapes, self.a_starts, self.b_starts, transposed):
+            sides.append((a, rows, b, columns) if swap else (b, columns, a, rows))
+        if into is None:
+            into = _sides_buffers([(n_in, n_out) for _, n_in, _, n_out in sides], len(directions), r, device)
+        for (inputs, outputs), (in_start, n_in, out_start, n_out) in zip(into.per_matrix, sides):
+            inputs.copy_(_factor(chosen, in_start, n_in, r))
+            torch.mul(_factor(chosen, out_start, n_out, r), per_member, out=outputs)
+        return into
 
-    def joined(self, column_scales: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """For each matrix, every direction's factors side by side: (A [out, D r] with column d r + j
-        scaled by column_scales[d r + j], B [in, D r], the transpose of a contiguous [D r, in]), so that
-        A B^T is the whole update sum_d scale_d A_d B_d^T in one product."""
-        plan = _joined_plan(self.layout, self.values.shape[0], self.values.device)
-        a_all = self._gathered(plan.a).mul_(column_scales.index_select(0, plan.a_columns))
-        b_t = self._gathered(plan.b_t)
-        columns = self.values.shape[0] * self.rank
-        return [
+    def joined(self, direction_scales: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """For each matrix, every direction's factors side by side: (A [out, D r] with direction d's
+        columns d r ... d r + r - 1 scaled by direction_scales[d], B [in, D r], the transpose of a
+        contiguous [D r, in]), so that A B^T is the whole update sum_d scale_d A_d B_d^T in one product."""
+        directions, r = self.values.shape[0], self.rank
+        scaled = self.values[:, : self.a_lanes] * direction_scales[:, None]
+        joined = []
+        for (rows, columns), a, b in zip(self.shapes, self.a_starts, self.b_starts):
+            a_all = _factor(scaled, a, rows, r).permute(2, 0, 1).reshape(rows, directions * r).contiguous()
+            b_t = _factor(self.values, b, columns, r).reshape(directions * r, columns).contiguous()
+            joined.append((a_all, b_t.T))
+        return joined
+
+
+def _factor(rows: torch.Tensor, start: int, length: int, rank: int) -> torch.Tensor:
+    """[len(rows), r, length]: the factor [length, r] (row-major) that starts at `start` of each row,
+    transposed (a view)."""
+    return rows[:, start : start + length * rank].view(-1, length, rank).transpose(1, 2)
+
+
+def _sides_buffers(
+    sizes: list[tuple[int, int]], members: int, rank: int, device: torch.device
+) -> MemberSides:
+    """Two flat buffers for population layers' sides of (in, out) `sizes`, and each one's row-major views."""
+    inputs = torch.empty(members * rank * sum(n for n, _ in sizes), device=device)
+    outputs = torch.empty(members * rank * sum(n for _, n in sizes), device=device)
+    per_matrix, at_in, at_out = [], 0, 0
+    for n_in, n_out in sizes:
+        per_matrix.append(
             (
-                a_all[a0 : a0 + n_out * columns].view(n_out, columns),
-                b_t[b0 : b0 + columns * n_in].view(columns, n_in).T,
+                inputs[at_in : at_in + members * rank * n_in].view(members, rank, n_in),
+                outputs[at_out : at_out + members * rank * n_out].view(members, rank, n_out),
             )
-            for a0, n_out, b0, n_in in plan.views
-        ]
+        )
+        at_in, at_out = at_in + members * rank * n_in, at_out + members * rank * n_out
+    return MemberSides(per_matrix, (inputs, outputs))
 
 
 def direction_factors(
@@ -191,88 +199,19 @@ def direction_factors(
     if compiled:
         cpu_library.normals_into(values[:, :a_lanes], keys, tensor_ids, a_sizes, noise.STREAM_LOWRANK_A)
         cpu_library.normals_into(values[:, a_lanes:], keys, tensor_ids, b_sizes, noise.STREAM_LOWRANK_B)
-        return DirectionFactors(values, a_starts, b_starts, shapes, rank)
+        return DirectionFactors(values, a_starts, b_starts, a_lanes, shapes, rank)
     for row, key in zip(values, keys):
         pairs = all_factors(key, tensor_ids, shapes, rank, device, backend, noise_kind)
         for (a, b), a_start, b_start in zip(pairs, a_starts, b_starts):
             row[a_start : a_start + a.numel()] = a.reshape(-1)
             row[b_start : b_start + b.numel()] = b.reshape(-1)
-    return DirectionFactors(values, a_starts, b_starts, shapes, rank)
+    return DirectionFactors(values, a_starts, b_starts, a_lanes, shapes, rank)
 
 
 def _end_to_end(sizes: Sequence[int]) -> tuple[tuple[int, ...], int]:
     """Where each of `sizes` starts when laid end to end, and their total."""
     starts = tuple(itertools.accumulate(sizes, initial=0))
     return starts[:-1], starts[-1]
-
-
-class _Layout(NamedTuple):
-    """What a DirectionFactors' gathers depend on (the same every generation: their plans are cached)."""
-
-    a_starts: tuple[int, ...]
-    b_starts: tuple[int, ...]
-    shapes: tuple[tuple[int, int], ...]
-    rank: int
-    row: int  # lanes a direction
-
-
-class _SidesPlan(NamedTuple):
-    inputs: torch.Tensor  # flat indices into values: every matrix's [members, r, in], one after another
-    outputs: torch.Tensor  # likewise [members, r, out]
-    output_members: torch.Tensor  # the member of each output value
-    views: tuple[tuple[int, int, int, int], ...]  # matrix i's (inputs start, in, outputs start, out)
-
-
-class _JoinedPlan(NamedTuple):
-    a: torch.Tensor  # flat indices into values: every matrix's [out, D r], one after another
-    a_columns: torch.Tensor  # the column d r + j of each of them
-    b_t: torch.Tensor  # likewise [D r, in]
-    views: tuple[tuple[int, int, int, int], ...]  # matrix i's (A start, out, B^T start, in)
-
-
-def _side(start: int, length: int, layout: _Layout, directions: torch.Tensor) -> torch.Tensor:
-    """Indices of [len(directions), r, length]: element (m, j, c) of a factor [length, r] that starts at
-    `start` of each direction's row, direction directions[m]."""
-    r = layout.rank
-    within = torch.arange(length)[None, None, :] * r + torch.arange(r)[None, :, None]
-    return directions[:, None, None] * layout.row + start + within
-
-
-@functools.lru_cache(maxsize=32)
-def _sides_plan(
-    layout: _Layout, directions: tuple[int, ...], transposed: tuple[bool, ...], device: torch.device
-) -> _SidesPlan:
-    chosen = torch.tensor(directions, dtype=torch.int64)
-    inputs, outputs, views, at_in, at_out = [], [], [], 0, 0
-    for (rows, columns), a, b, swap in zip(layout.shapes, layout.a_starts, layout.b_starts, transposed):
-        (in_start, n_in), (out_start, n_out) = (
-            ((a, rows), (b, columns)) if swap else ((b, columns), (a, rows))
-        )
-        inputs.append(_side(in_start, n_in, layout, chosen).reshape(-1))
-        outputs.append(_side(out_start, n_out, layout, chosen).reshape(-1))
-        views.append((at_in, n_in, at_out, n_out))
-        at_in, at_out = at_in + inputs[-1].numel(), at_out + outputs[-1].numel()
-    members = [
-        torch.arange(len(directions)).repeat_interleave(layout.rank * n_out) for _, _, _, n_out in views
-    ]
-    gathers = (torch.cat(t).to(device) for t in (inputs, outputs, members))
-    return _SidesPlan(*gathers, tuple(views))
-
-
-@functools.lru_cache(maxsize=32)
-def _joined_plan(layout: _Layout, directions: int, device: torch.device) -> _JoinedPlan:
-    every = torch.arange(directions)
-    a_parts, column_parts, b_parts, views, at_a, at_b = [], [], [], [], 0, 0
-    for (rows, columns), a, b in zip(layout.shapes, layout.a_starts, layout.b_starts):
-        # A [out, D r]: element (o, d r + j) is direction d's A[o, j]
-        a_parts.append(_side(a, rows, layout, every).permute(2, 0, 1).reshape(-1))
-        column_parts.append(torch.arange(directions * layout.rank).repeat(rows))
-        # B^T [D r, in]: element (d r + j, c) is direction d's B[c, j]
-        b_parts.append(_side(b, columns, layout, every).reshape(-1))
-        views.append((at_a, rows, at_b, columns))
-        at_a, at_b = at_a + a_parts[-1].numel(), at_b + b_parts[-1].numel()
-    gathers = (torch.cat(t).to(device) for t in (a_parts, column_parts, b_parts))
-    return _JoinedPlan(*gathers, tuple(views))
 
 
 def noise_matrix(
@@ -390,7 +329,7 @@ def update_all(
     measured: list[float | None] = [None] * len(params)
     if not params:
         return measured
-    joined = factors.joined(_column_scales(weights, coef, factors.rank, factors.values.device))
+    joined = factors.joined(_direction_scales(weights, coef, factors.rank, factors.values.device))
     resolved = ops.resolve_backend(params, backend)  # one device: resolved once, not per tensor
     compiled = []
     for i, (param, grad, (a_all, b_all)) in enumerate(zip(params, grads, joined)):
@@ -412,10 +351,14 @@ def _compiled_in_place(param: torch.Tensor, grad: torch.Tensor | None, resolved:
     return grad is None and param.dtype == torch.float32 and resolved == "cpu"
 
 
+def _direction_scales(weights: Sequence[float], coef: float, rank: int, device: torch.device) -> torch.Tensor:
+    """coef w_j / sqrt(r) for direction j: its columns' scale in the joined A."""
+    return torch.tensor(list(weights), dtype=torch.float32, device=device) * (coef / math.sqrt(rank))
+
+
 def _column_scales(weights: Sequence[float], coef: float, rank: int, device: torch.device) -> torch.Tensor:
     """coef w_j / sqrt(r) for column j*r+i of the joined A, so that one product gives the whole step."""
-    scale = torch.tensor(list(weights), dtype=torch.float32, device=device) * (coef / math.sqrt(rank))
-    return scale.repeat_interleave(rank)
+    return _direction_scales(weights, coef, rank, device).repeat_interleave(rank)
 
 
 def _joined(
