@@ -586,7 +586,7 @@ class ES(torch.optim.Optimizer):
                     **options,
                 )
             low = [i for i, p in enumerate(params) if self._is_lowrank(p)]
-            if low:  # every direction's factors of every low-rank tensor, two noise calls a direction
+            if low:  # every direction's factors of every low-rank tensor, from two noise calls in all
                 measured_low = lowrank.update_all(
                     [params[i] for i in low],
                     [group["ids"][i] for i in low],

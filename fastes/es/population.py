@@ -502,14 +502,14 @@ _kept_layers: weakref.WeakKeyDictionary[ES, dict[int, _KeptLayers]] = weakref.We
 def _lowrank_layers(
     es: ES, group: dict, members: list[Member], linears: list[Projection]
 ) -> list[LowRankLinear]:
-    """The low-rank layers of `members` for `group`'s weights, their sides gathered from this generation's
+    """The low-rank layers of `members` for `group`'s weights, their sides copied from this generation's
     factors (`ES.lowrank_directions`).
 
     Building a tiny model's 14 layers took ~0.45 ms of a ~65 ms ES iteration, at every generation; the next
     generation's layers differ only in the factors they read and in the weights the update wrote in place.
     So the last population's layers are re-armed where they were built for the same members, projections,
     weights, backend and threads, and still view their sides (a layer that dropped members holds copies):
-    the new factors are written into the buffers they view (`LowRankLinear.rearm`)."""
+    the new factors are written into the buffers they view (`LowRankLinear.rearm_all`)."""
     factors = es.lowrank_directions(group, list(range(len(group["params"]))))
     directions = [m.direction for m in members]
     scales = [m.sign * group["sigma"] for m in members]
