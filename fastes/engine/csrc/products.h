@@ -150,8 +150,9 @@ static inline float lanes_added(vec16 sum) {
 
 /* The vector part of x[0:k] . v[0:k]: four independent 16-float sums (so the multiply-adds overlap
    instead of waiting on each other) over whole 64-float chunks, then 16-float chunks into the first,
-   added as (0 + 1) + (2 + 3). `dot` adds its lanes, then the last k % 16 one by one. */
-static inline vec16 dot_lanes(const float *x, const float *v, int64_t k) {
+   added as (0 + 1) + (2 + 3), into *lanes (through a pointer: a 64-byte vector returned by value
+   changes the ABI where AVX-512 is off). `dot` adds its lanes, then the last k % 16 one by one. */
+static inline void dot_lanes(const float *x, const float *v, int64_t k, vec16 *lanes) {
     vec16 sum[4] = {{0}, {0}, {0}, {0}};
     int64_t p = 0;
     for (; p + 64 <= k; p += 64)
@@ -167,7 +168,7 @@ static inline vec16 dot_lanes(const float *x, const float *v, int64_t k) {
         memcpy(&v_p, v + p, sizeof v_p);
         sum[0] += x_p * v_p;
     }
-    return (sum[0] + sum[1]) + (sum[2] + sum[3]);
+    *lanes = (sum[0] + sum[1]) + (sum[2] + sum[3]);
 }
 
 /* total + x[p] v[p] for the last k % 16 elements, one by one */
@@ -178,17 +179,19 @@ static inline float dot_tail(const float *x, const float *v, int64_t k, float to
 
 /* x[0:k] . v[0:k] */
 static inline float dot(const float *x, const float *v, int64_t k) {
-    return dot_tail(x, v, k, lanes_added(dot_lanes(x, v, k)));
+    vec16 lanes;
+    dot_lanes(x, v, k, &lanes);
+    return dot_tail(x, v, k, lanes_added(lanes));
 }
 
-/* lanes_added of each of v[0 .. 16): lane r of the result is v[r]'s, added in lanes_added's order (lanes
+/* lanes_added of each of v[0 .. 16): lane r of *totals is v[r]'s, added in lanes_added's order (lanes
    8 apart, then 4, 2 and 1) by shuffles of whole vectors, ~3 vector operations a row where lanes_added
    takes ~15 scalar ones (the low-rank term's products of a tiny model's 64-wide rows took ~15% of its
    packed linear that way). Every slot is added in the same order, so a row's total does not depend on
    the rows beside it. */
 #if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
 #define SHUFFLED(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-static inline vec16 lanes_added_16(const vec16 v[16]) {
+static inline void lanes_added_16(const vec16 v[16], vec16 *totals) {
     vec16 eight[8], four[4], two[2];
     for (int i = 0; i < 8; i++) /* rows 2i, 2i + 1: lane j + lane j + 8, in half a vector each */
         eight[i] = SHUFFLED(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
@@ -199,15 +202,13 @@ static inline vec16 lanes_added_16(const vec16 v[16]) {
     for (int i = 0; i < 2; i++) /* rows 8i ... 8i + 7: (half[0] + half[2]), (half[1] + half[3]) */
         two[i] = SHUFFLED(four[2 * i], four[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
                  SHUFFLED(four[2 * i], four[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-    return SHUFFLED(two[0], two[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+    *totals = SHUFFLED(two[0], two[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
            SHUFFLED(two[0], two[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 #undef SHUFFLED
 #else
-static inline vec16 lanes_added_16(const vec16 v[16]) {
-    vec16 totals;
-    for (int r = 0; r < 16; r++) totals[r] = lanes_added(v[r]);
-    return totals;
+static inline void lanes_added_16(const vec16 v[16], vec16 *totals) {
+    for (int r = 0; r < 16; r++) (*totals)[r] = lanes_added(v[r]);
 }
 #endif
 
@@ -230,8 +231,9 @@ static inline void products_of(const float *x, const float *inputs, float *produ
         for (int64_t first = lo; first < hi; first += 16) {
             const int count = hi - first < 16 ? (int)(hi - first) : 16;
             vec16 lanes[16] = {{0}};
-            for (int r = 0; r < count; r++) lanes[r] = dot_lanes(x + (first + r) * k, v, k);
-            const vec16 totals = lanes_added_16(lanes);
+            for (int r = 0; r < count; r++) dot_lanes(x + (first + r) * k, v, k, &lanes[r]);
+            vec16 totals;
+            lanes_added_16(lanes, &totals);
             for (int r = 0; r < count; r++)
                 products[(first + r) * rank + j] = dot_tail(x + (first + r) * k, v, k, totals[r]);
         }
