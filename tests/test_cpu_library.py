@@ -95,6 +95,35 @@ def test_many_tensors_normals_in_shared_calls_equal_each_tensors(seed):
         assert torch.equal(values, cpu_library.normal(key, tid, numel, stream=noise.STREAM_LOWRANK_A))
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_keys_normals_in_one_call_equal_each_keys(monkeypatch, threads):
+    """normals_into (the low-rank factors of every direction at once) writes each key's normals of all
+    the tensors into that key's row, bit for bit what `normals` makes key by key, in rows that are a
+    column slice of a wider buffer and nowhere else, split over threads or not; it refuses a buffer of
+    another dtype or shape in one line."""
+    monkeypatch.setattr(cpu_library, "_MIN_BLOCKS_PER_THREAD", 1)  # split even these small calls
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    numels = [1, 5, 4099, 70, 0, 33]
+    ids = [noise.tensor_id(f"f{i}") for i in range(len(numels))]
+    keys = [noise.member_key(7, 2, j) for j in range(4)]
+    starts, lanes = cpu_library.whole_tensors_lanes(tuple(numels))
+    wide = torch.full((len(keys), lanes + 9), float("nan"))
+    cpu_library.normals_into(wide[:, 3 : 3 + lanes], keys, ids, numels, noise.STREAM_LOWRANK_B)
+    for row, key in zip(wide, keys):
+        own = cpu_library.normals(key, ids, numels, noise.STREAM_LOWRANK_B)
+        for start, numel, values in zip(starts, numels, own):
+            assert torch.equal(row[3 + start : 3 + start + numel], values)
+    assert wide[:, :3].isnan().all() and wide[:, 3 + lanes :].isnan().all()
+    for bad, says in (
+        (torch.empty(len(keys), lanes, dtype=torch.float64), "not fp32"),
+        (torch.empty(len(keys) - 1, lanes), "not fp32"),
+        (torch.empty(lanes, len(keys)).T, "contiguous rows"),
+        (torch.empty(len(keys), lanes + 4), f"take {lanes}"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            cpu_library.normals_into(bad, keys, ids, numels, noise.STREAM_LOWRANK_B)
+
+
 def test_normals_are_fp32_whatever_the_default_dtype():
     """The library writes fp32: the buffers it writes into are fp32 even where torch's default is not."""
     key, numels = noise.member_key(5, 1, 0), [3, 40, 0]
