@@ -754,9 +754,9 @@ class MemberMatmul:
 
     The members' weights are `weights` [members, k, n], or, with `factors` (inputs [members, r, k] and
     outputs [members, r, n], the members' scales folded in), weights [k, n] that every member shares
-    and member m's w + sum_j inputs[m, j]^T outputs[m, j], formed as each weight vector is loaded
-    (csrc/member_matmul_cpu.c). fp32, contiguous, on the CPU; bias [n]. The tensors must not be resized
-    or moved while in use."""
+    and member m's w + sum_j inputs[m, j]^T outputs[m, j]: its term added to its rows' sums, or for a
+    member with many rows its weight formed once (csrc/member_matmul_cpu.c). fp32, contiguous, on the
+    CPU; bias [n]. The tensors must not be resized or moved while in use."""
 
     __slots__ = ("weights", "bias", "factors", "_arguments")
 

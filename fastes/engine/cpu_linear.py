@@ -33,8 +33,8 @@ groups: finished rows leave by whole columns). On the AMD EPYC the member matmul
 population generation 6-7% faster (docs/results/member-matmul-2026-12-06.md); on the Intel Xeon torch's
 was 7-37% faster per call and its generation 1.4-6% faster (docs/results/population-overheads-2026-12-06.md).
 A small low-rank population layer has a fifth, measured apart, since its alternative is another one: the
-member matmul forming each member's weight from the shared weight and its factors, or torch's linear and
-then the term's pass over every output. On the Intel Xeon the first ran the tiny model's low-rank
+member matmul with the shared weight and the members' factors, or torch's linear and then the term's
+pass over every output. On the Intel Xeon the first ran the tiny model's low-rank
 population generation at 0.944 of plain generation's speed, the second at 0.887, while torch's batched
 matmul was the faster materialised product there (docs/results/xeon-tiny-2026-12-07.md).
 A plain layer too small for the others has a sixth: the packed linear or torch's `linear`, at a tiny
@@ -86,8 +86,8 @@ class Products(NamedTuple):
     weight_major: bool  # (W x^T)^T for a vocabulary-wide output (torch's mm, the other way round)
     packed: bool  # the library's packed linear, where `packs`
     member_matmul: bool  # the library's member matmul for materialised population layers (else torch.bmm)
-    # the member matmul forming each member's weight from the shared weight and its factors, for a low-rank
-    # population layer too small for the others (else the base's product, then `lowrank_term`)
+    # the member matmul with the shared weight and the members' factors, for a low-rank population layer
+    # too small for the others (else the base's product, then `lowrank_term`)
     lowrank_member_matmul: bool
     # the packed linear for a plain layer whose weight stays in the caches (`is_small`), where it `packs`
     # (else torch's linear)

@@ -11,7 +11,6 @@ is one pass over each weight (a GEMM off the compiled CPU backend). Tensors that
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -185,17 +184,15 @@ def direction_factors(
     written in place); elsewhere each direction's `all_factors`, copied in."""
     a_sizes = tuple(shape[0] * rank for shape in shapes)
     b_sizes = tuple(shape[1] * rank for shape in shapes)
+    # the compiled call's layout (whole Philox blocks) whichever way the values are made: nothing reads
+    # the lanes between the factors
+    (a_starts, a_lanes), (b_starts, b_lanes) = map(cpu_library.whole_tensors_lanes, (a_sizes, b_sizes))
+    values = torch.empty(len(keys), a_lanes + b_lanes, dtype=torch.float32, device=device)
+    b_starts = tuple(a_lanes + start for start in b_starts)
     compiled = (
         noise.check_noise(noise_kind) == "gaussian"
         and ops.resolve_backend([torch.empty(0, device=device)], backend) == "cpu"
     )
-    if compiled:
-        (a_starts, a_lanes), (b_starts, b_lanes) = map(cpu_library.whole_tensors_lanes, (a_sizes, b_sizes))
-    else:
-        a_starts, a_lanes = _end_to_end(a_sizes)
-        b_starts, b_lanes = _end_to_end(b_sizes)
-    values = torch.empty(len(keys), a_lanes + b_lanes, dtype=torch.float32, device=device)
-    b_starts = tuple(a_lanes + start for start in b_starts)
     if compiled:
         cpu_library.normals_into(values[:, :a_lanes], keys, tensor_ids, a_sizes, noise.STREAM_LOWRANK_A)
         cpu_library.normals_into(values[:, a_lanes:], keys, tensor_ids, b_sizes, noise.STREAM_LOWRANK_B)
@@ -206,12 +203,6 @@ def direction_factors(
             row[a_start : a_start + a.numel()] = a.reshape(-1)
             row[b_start : b_start + b.numel()] = b.reshape(-1)
     return DirectionFactors(values, a_starts, b_starts, a_lanes, shapes, rank)
-
-
-def _end_to_end(sizes: Sequence[int]) -> tuple[tuple[int, ...], int]:
-    """Where each of `sizes` starts when laid end to end, and their total."""
-    starts = tuple(itertools.accumulate(sizes, initial=0))
-    return starts[:-1], starts[-1]
 
 
 def noise_matrix(

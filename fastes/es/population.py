@@ -260,9 +260,10 @@ class LowRankLinear(_PopulationLayer):
 
     A layer too small for the library's products (whose weight stays in the caches; else torch's `linear`,
     then the term's pass) runs the library's member matmul where that measured faster on this machine
-    (`cpu_linear.products().lowrank_member_matmul`), with the members' factors: each member's weight W +
-    scale_m / sqrt(r) A_m B_m^T is formed as the product loads the shared W, never stored. At a tiny
-    model's sizes the term's pass over every output cost more than the product saved
+    (`cpu_linear.products().lowrank_member_matmul`), with the members' factors: member m's weight is W +
+    scale_m / sqrt(r) A_m B_m^T, its term added to its rows' sums before they are stored (or, for a member
+    with many rows, its weight formed once: csrc/member_matmul_cpu.c). At a tiny model's sizes the term's
+    pass over every output after torch's product cost more than the product saved
     (docs/results/tiny-lowrank-2026-12-07.md).
 
     The factors follow the weight's own layout (eps = A B^T has the weight's shape): for a Conv1D weight
