@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from unittest import mock
 
 import torch
 from transformers import GenerationConfig
 
+from fastes.models import generation
 from fastes.models.generation import (
     Generation,
     encode_prompts,
@@ -49,6 +51,37 @@ def transformers_generate(
     prompt_ids = prompt_token_ids(enc)
     texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
     return Generation(texts=texts, completion_ids=completions, prompt_ids=prompt_ids)
+
+
+def generate_at_lengths(
+    model, tokenizer, prompts: list[str], lengths: Sequence[int], max_new_tokens: int
+) -> Generation:
+    """fastes' plain batched generation in which row i generates exactly lengths[i] tokens: the same
+    decode steps, with the same rows in each, as a generation whose rows stopped at those lengths.
+
+    An ES iteration's perturbed members answer at lengths of their own, so plain generation of the
+    unperturbed model does other work; this one does the iteration's. Each step still takes the greedy
+    token, except that EOS is put off until a row's length and then given (a token's value costs nothing:
+    the work is the rows and steps)."""
+    if len(lengths) != len(prompts) or not all(1 <= n <= max_new_tokens for n in lengths):
+        raise ValueError(f"need one length in 1..{max_new_tokens} per prompt, got {list(lengths)}")
+    decode = generation.decode
+    # EOS at step n - 1; a row of max_new_tokens is stopped by the loop's end (0: no step matches)
+    target = torch.tensor([n if n < max_new_tokens else 0 for n in lengths])
+
+    def at_lengths(*positional, eos_ids: Sequence[int], choose, **keywords) -> torch.Tensor:
+        eos = torch.tensor(list(eos_ids))
+        filler = next(t for t in range(len(eos_ids) + 1) if t not in eos_ids)
+
+        def held(sequences: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor, step: int):
+            tokens = choose(sequences, logits, rows, step)
+            tokens = tokens.masked_fill(torch.isin(tokens, eos.to(tokens.device)), filler)
+            return tokens.masked_fill(target.to(rows.device)[rows] == step + 1, int(eos_ids[0]))
+
+        return decode(*positional, eos_ids=eos_ids, choose=held, **keywords)
+
+    with mock.patch.object(generation, "decode", at_lengths):
+        return generation.generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens)
 
 
 def naive_noise(tensor: torch.Tensor, seed: int) -> torch.Tensor:

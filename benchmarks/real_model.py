@@ -17,10 +17,13 @@ finished rows leave the batch; each round also times transformers' `generate` of
 row decoding until the last stops), the baseline before that loop. Beside it, the median over the
 rounds whose ES iteration decoded as many steps as plain generation did: a member whose answer runs
 longer than the unperturbed model's makes the iteration decode more steps (for its rows), work that
-the headline charges to ES. Then the same rounds again with EOS stopping no row (every row decodes
-`max_new_tokens` in all three, as inference throughput benchmarks measure, e.g. vLLM's with
---ignore-eos): both sides do the same work, so that ratio is the engine's speed alone. Member by
-member, likewise against plain generation of each member's rows one call at a time (first shape).
+the headline charges to ES. And each round, right after its ES iteration, plain generation of the same
+rows with each row generating as many tokens as it did in that iteration (its rows and decode steps
+alike): the iteration's own work, so that ratio is the engine's speed on it. Then the same rounds
+again with EOS stopping no row (every row decodes `max_new_tokens` in all three, as inference
+throughput benchmarks measure, e.g. vLLM's with --ignore-eos): both sides do the same work, so that
+ratio is the engine's speed alone. Member by member, likewise against plain generation of each
+member's rows one call at a time (first shape).
 
 Then each variant in a fresh process (so that no variant's peak memory is hidden by what an earlier one
 left allocated): plain batched inference, fastes' default eval mode for this model and the other modes,
@@ -58,7 +61,7 @@ from unittest import mock
 import torch
 
 from benchmarks.common import cpu_model, current_rss_bytes, peak_rss_bytes, products_taken, reset_peak_rss
-from benchmarks.naive import naive_es_iteration, transformers_generate
+from benchmarks.naive import generate_at_lengths, naive_es_iteration, transformers_generate
 from fastes.engine import cpu_linear
 
 TARGET_RATE_RATIO = 0.95  # an ES iteration's token rate over plain batched generation's
@@ -149,17 +152,22 @@ def _steps(gen) -> int:
     return max(gen.lengths)
 
 
-def _round(index: int, plain, iteration, reference) -> dict:
+def _round(index: int, plain, iteration, reference, matched=None) -> dict:
     """One round: plain generation, an ES iteration and plain generation by transformers' `generate`, the
-    order rotating from one round to the next."""
+    order rotating from one round to the next; with `matched`, plain generation at the lengths the ES
+    iteration's rows answered at, right after it (it needs those lengths)."""
     calls = {"plain": plain, "es": iteration, "transformers": reference}
     names = list(calls)
-    measured = {name: calls[name]() for name in names[index % 3 :] + names[: index % 3]}
+    measured = {}
+    for name in names[index % 3 :] + names[: index % 3]:
+        measured[name] = calls[name]()
+        if name == "es" and matched is not None:
+            measured["matched"] = matched()
     plain_seconds, plain_tokens, plain_steps = measured["plain"]
     es_seconds, es_tokens, es_steps, parts = measured["es"]
     reference_seconds, reference_tokens, _ = measured["transformers"]
     es_rate = es_tokens / es_seconds
-    return {
+    result = {
         "plain_seconds": plain_seconds,
         "plain_tokens": plain_tokens,
         "plain_steps": plain_steps,
@@ -173,6 +181,14 @@ def _round(index: int, plain, iteration, reference) -> dict:
         "plain_over_transformers": (plain_tokens / plain_seconds) / (reference_tokens / reference_seconds),
         "parts": parts,
     }
+    if "matched" in measured:
+        matched_seconds, matched_tokens, _ = measured["matched"]
+        result |= {
+            "matched_seconds": matched_seconds,
+            "matched_tokens": matched_tokens,
+            "matched_rate_ratio": es_rate / (matched_tokens / matched_seconds),
+        }
+    return result
 
 
 def _fastest_ratio(rounds: list[dict]) -> float:
@@ -236,6 +252,17 @@ def interleaved(args: argparse.Namespace, mode: str, fixed_length: bool = False)
         ]
         return time.perf_counter() - start, *counted(gens)
 
+    def matched() -> tuple[float, int, int]:
+        start = time.perf_counter()
+        gens = [
+            generate_at_lengths(run.model, run.tokenizer, rows, gen.lengths, args.new_tokens)
+            for rows, gen in zip(calls, generated, strict=True)
+        ]
+        seconds = time.perf_counter() - start
+        if [g.lengths for g in gens] != [g.lengths for g in generated]:
+            raise RuntimeError("plain generation at the ES iteration's lengths generated other lengths")
+        return seconds, *counted(gens)
+
     def iteration() -> tuple[float, int, int, dict]:
         generated.clear()
         record = es_iteration(run, es, 0)  # the same prompts every time; the members change
@@ -246,7 +273,10 @@ def interleaved(args: argparse.Namespace, mode: str, fixed_length: bool = False)
         cold = iteration()
         plain()
         with long_lived_objects_frozen():  # as `fastes train` runs its steps
-            rounds = [_round(index, plain, iteration, reference) for index in range(args.rounds)]
+            rounds = [
+                _round(index, plain, iteration, reference, None if fixed_length else matched)
+                for index in range(args.rounds)
+            ]
     median = statistics.median
     equal = [r for r in rounds if r["es_steps"] == r["plain_steps"]]
     return {
@@ -257,6 +287,7 @@ def interleaved(args: argparse.Namespace, mode: str, fixed_length: bool = False)
         "same_steps_ratio": median(same) if (same := [r["rate_ratio"] for r in equal]) else None,
         "same_steps_rounds": len(equal),
         "fastest_same_steps_ratio": _fastest_ratio(equal) if equal else None,
+        "matched_length_ratio": None if fixed_length else median(r["matched_rate_ratio"] for r in rounds),
         "transformers_rate_ratio": median(r["transformers_rate_ratio"] for r in rounds),
         "plain_over_transformers": median(r["plain_over_transformers"] for r in rounds),
         "plain_seconds": median(r["plain_seconds"] for r in rounds),
@@ -405,6 +436,9 @@ def run(args: argparse.Namespace) -> dict:
             targets[f"{label}: the same, the fastest of those rounds"] = entry["interleaved"][
                 "fastest_same_steps_ratio"
             ]
+        targets[f"{label}: the same, plain generation at the ES rows' own lengths (the same work)"] = entry[
+            "interleaved"
+        ]["matched_length_ratio"]
         fixed = entry["fixed_length_interleaved"]
         targets[f"{label}: the same, every row decoding max_new_tokens (EOS stops no row, in either)"] = (
             fixed["rate_ratio"]
@@ -459,9 +493,10 @@ def markdown(report: dict) -> str:
         f"shapes are population x prompts x new tokens; {r['rounds']} interleaved rounds, warm.",
         "",
         "| shape | ES token rate / plain's: median (range) | the same, rounds with as many decode steps "
-        "| the fastest of those rounds | plain s | ES s | ES generation / noise / update s "
-        "| cold first iteration s | ES / transformers' generate | plain / transformers' generate |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| the fastest of those rounds | plain at the ES rows' own lengths | plain s | ES s "
+        "| ES generation / noise / update s | cold first iteration s | ES / transformers' generate "
+        "| plain / transformers' generate |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, entry in report["shapes"].items():
         for key in ("interleaved", "fixed_length_interleaved", "member_interleaved"):
@@ -478,7 +513,8 @@ def markdown(report: dict) -> str:
             lines.append(
                 f"| {label} {mode} | {e['rate_ratio']:.3f} ({low:.3f}-{high:.3f}) | "
                 f"{same} ({e['same_steps_rounds']} of {len(e['rounds'])} rounds) | {fastest} | "
-                f"{e['plain_seconds']:.2f} | {e['es_seconds']:.2f} | {parts['time/generation']:.2f} / "
+                f"{_cell(e.get('matched_length_ratio'))} | {e['plain_seconds']:.2f} | "
+                f"{e['es_seconds']:.2f} | {parts['time/generation']:.2f} / "
                 f"{parts['time/noise']:.2f} / "
                 f"{parts['time/update']:.2f} | {e['cold_first_iteration']['seconds']:.2f} | "
                 f"{_cell(e.get('transformers_rate_ratio'))} | {_cell(e.get('plain_over_transformers'))} |"

@@ -281,6 +281,54 @@ def test_each_round_rotates_its_three_measurements_and_reads_the_ratios_off_them
     assert r["plain_over_transformers"] == 2.5
 
 
+def test_a_round_times_plain_generation_at_the_iterations_lengths_right_after_it():
+    """With `matched`, the round runs plain generation at the ES rows' own lengths straight after the ES
+    iteration (whose lengths it takes), wherever the rotation puts the iteration."""
+    from benchmarks import real_model
+
+    calls = []
+    plain = lambda: calls.append("plain") or (2.0, 100, 5)  # noqa: E731
+    iteration = lambda: calls.append("es") or (4.0, 120, 9, {"time/generation": 3.0})  # noqa: E731
+    reference = lambda: calls.append("transformers") or (5.0, 100, 5)  # noqa: E731
+    matched = lambda: calls.append("matched") or (3.0, 120, 9)  # noqa: E731
+    for index in range(3):
+        calls.clear()
+        r = real_model._round(index, plain, iteration, reference, matched)
+        assert calls[calls.index("es") + 1] == "matched" and len(calls) == 4
+    assert r["matched_rate_ratio"] == 0.75 and r["rate_ratio"] == 0.6
+    assert "matched_rate_ratio" not in real_model._round(0, plain, iteration, reference)
+
+
+def test_plain_generation_at_given_lengths_does_the_work_of_rows_that_stopped_there():
+    """benchmarks.naive.generate_at_lengths: at the lengths the rows stop at by themselves it generates
+    the same tokens with the same batch at every step; at other lengths, each row exactly its own,
+    longer or shorter than where EOS would stop it. A length outside 1..max_new_tokens is refused."""
+    from benchmarks.naive import generate_at_lengths
+    from fastes.models.generation import generate
+    from fastes.models.loading import load_model, tiny_model_path
+    from fastes.tasks import get_task
+
+    model, tokenizer = load_model(tiny_model_path())  # the shipped checkpoint: its rows stop at EOS
+    prompts = [ex.prompt for ex in get_task("countdown", seed=0).split("test")[:6]] + ["12+34=", "rev 123:"]
+    batches = []
+    model.register_forward_pre_hook(
+        lambda module, args, kwargs: batches.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
+    own = generate(model, tokenizer, prompts, max_new_tokens=10)
+    own_batches, batches[:] = list(batches), []
+    assert len(set(own.lengths)) > 1  # rows stop at different steps
+    again = generate_at_lengths(model, tokenizer, prompts, own.lengths, 10)
+    assert again.completion_ids == own.completion_ids and batches == own_batches
+    other = [1 + (n + 3) % 10 for n in own.lengths]
+    assert any(o > n for o, n in zip(other, own.lengths))  # some rows past their own EOS
+    batches.clear()
+    assert generate_at_lengths(model, tokenizer, prompts, other, 10).lengths == other
+    # the prompts' forward, then one a step with the rows still short of their length
+    assert batches == [len(prompts)] + [sum(n > step for n in other) for step in range(1, max(other))]
+    with pytest.raises(ValueError, match="one length in 1..10 per prompt"):
+        generate_at_lengths(model, tokenizer, prompts, [0] * len(prompts), 10)
+
+
 def test_the_transformers_baseline_generates_what_fastes_generates():
     """The benchmarks' transformers_generate (every row decoding until the last stops) completes the same
     prompts to the same tokens as fastes' own loop, in which finished rows leave: the same work."""

@@ -68,6 +68,12 @@ def test_the_benchmark_reports_every_mode(tmp_path):
     assert len(fixed["runs"]) == 2 and fixed["peak_bytes"] > 0
     for entry in (first["fixed_length_interleaved"], second["fixed_length_interleaved"]):
         assert all(r["es_tokens"] == r["plain_tokens"] for r in entry["rounds"])
+        assert entry["matched_length_ratio"] is None
+    for entry in (first["interleaved"], first["member_interleaved"], second["interleaved"]):
+        assert all(r["matched_tokens"] == r["es_tokens"] for r in entry["rounds"])  # the same work
+        assert entry["matched_length_ratio"] == statistics.median(
+            r["matched_rate_ratio"] for r in entry["rounds"]
+        )
     for entry in (first["interleaved"], first["member_interleaved"], second["interleaved"]):
         assert len(entry["rounds"]) == 2 and entry["rate_ratio"] > 0
         equal = [r["rate_ratio"] for r in entry["rounds"] if r["es_steps"] == r["plain_steps"]]
@@ -82,7 +88,10 @@ def test_the_benchmark_reports_every_mode(tmp_path):
         )
         assert entry["fastest_same_steps_ratio"] == fastest
         assert all(1 <= r["plain_steps"] <= 4 * 2 for r in entry["rounds"])  # <= new tokens x calls
-    assert 8 <= len(report["targets"]) <= 12  # the same-steps ratios where some round matched
+    # per shape: the headline, at the rows' own lengths, at fixed length, two peaks; the first shape's
+    # member by member and naive loop; the same-steps ratios where some round decoded as many steps
+    same_steps = sum(entry["interleaved"]["same_steps_ratio"] is not None for entry in (first, second))
+    assert len(report["targets"]) == 2 * 5 + 2 + 2 * same_steps
 
 
 def test_the_forward_benchmark_reports_every_way(tmp_path):
