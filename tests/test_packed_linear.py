@@ -83,6 +83,35 @@ def test_a_rows_result_depends_on_neither_the_threads_nor_the_rows_beside_it():
         torch.set_num_threads(previous)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_row_blocks_across_members_give_each_member_its_own_bits(threads):
+    """The register blocks run over all rows, across the members' boundaries (16 members of 7 rows: every
+    block holds several members' rows, each adding its own member's term); each member's rows are the
+    bits of the same rows computed as the only member, and the float64 reference's to tolerance."""
+    x, w, bias, _ = linear_problem(16 * 7, 200, 96 + 7, seed=threads, with_bias=True)
+    generator = torch.Generator().manual_seed(7)
+    inputs, outputs = (
+        torch.randn(16, 2, 200, generator=generator),
+        torch.randn(16, 2, 96 + 7, generator=generator),
+    )
+    term = LowRankTerm(inputs, outputs, torch.arange(0, 16 * 7 + 1, 7))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        together = cpu_library.packed_linear(x, w, bias, term)
+        for member in range(16):
+            rows = slice(7 * member, 7 * (member + 1))
+            alone_term = LowRankTerm(
+                inputs[member : member + 1], outputs[member : member + 1], torch.tensor([0, 7])
+            )
+            assert torch.equal(cpu_library.packed_linear(x[rows], w, bias, alone_term), together[rows])
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(
+        together.double(), linear_reference(x, w, bias, term), **linear_tolerance(200, 2)
+    )
+
+
 def test_decoding_linear_takes_it_at_a_prefills_rows():
     base = torch.nn.Linear(576, 192)  # SmolLM2's k projection: a weight of 432 KiB
     layer = DecodingLinear(base)

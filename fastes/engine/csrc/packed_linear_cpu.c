@@ -15,7 +15,10 @@
    (products.h: ROW_BLOCK rows x 16 * COLUMN_VECTORS columns, summed over k in order) on a panel of W's
    rows copied to [k, columns] once per call into a buffer of the thread's own (at most a few hundred
    KB: it stays in L2 while every row block reads it). At SmolLM2's sizes this ran faster than torch's
-   `linear` (the same results file). Each output is summed in one fixed order, so a row's result
+   `linear` (the same results file). The row blocks run over all rows, across the members' boundaries
+   (each row adds its own member's term: term_t's member_of): blocks cut at every member's end left a
+   part-filled block per member, and at 16 members x 16 rows the term cost 10-18% of the product, 0-5%
+   since (docs/results/row-blocks-across-members-2026-12-07.md). Each output is summed in one fixed order, so a row's result
    depends neither on the rows beside it nor on the threads.
 
    Multiply-adds are fused (products.h), so results agree with torch's GEMM to float tolerance, not bit
@@ -64,11 +67,19 @@ int64_t fastes_packed_linear_f32(const float *x, const float *w, const float *bi
                                  const int64_t *offsets, int64_t rank, int64_t members, int64_t threads) {
     if (outputs && !splits_rows(offsets, members, rows)) return -2;
     float *products = outputs ? malloc((size_t)(rows * rank) * sizeof(float)) : NULL;
-    if (outputs && !products) return -1;
+    int64_t *member_of = outputs ? malloc((size_t)rows * sizeof(int64_t)) : NULL;
+    if (outputs && (!products || !member_of)) {
+        free(products);
+        free(member_of);
+        return -1;
+    }
+    for (int64_t m = 0; outputs && m < members; m++)
+        for (int64_t i = offsets[m]; i < offsets[m + 1]; i++) member_of[i] = m;
     const int64_t one_group[2] = {0, rows};
     const term_t term = {.products = products,
                          .outputs = outputs,
                          .offsets = outputs ? offsets : one_group,
+                         .member_of = member_of,
                          .rank = rank,
                          .members = outputs ? members : 1};
     const int64_t panels = n / PANEL;
@@ -89,14 +100,14 @@ int64_t fastes_packed_linear_f32(const float *x, const float *w, const float *bi
             if (!panel) continue;
             const int64_t c = q * PANEL;
             pack_panel(w, c, k, panel);
-            for (int64_t m = 0; m < term.members; m++)
-                row_blocks(COLUMN_VECTORS, x, panel, PANEL, bias ? bias + c : NULL, y + c, k, n, &term,
-                           m, term.offsets[m], term.offsets[m + 1], c);
+            row_blocks(COLUMN_VECTORS, x, panel, PANEL, bias ? bias + c : NULL, y + c, k, n, &term, 0, 0,
+                       rows, c);
         }
         free(panel);
     }
     if (!failed && panels * PANEL < n) last_columns(x, w, bias, y, &term, panels * PANEL, k, n);
     free(products);
+    free(member_of);
     return failed ? -1 : 0;
 }
 

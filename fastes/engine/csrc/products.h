@@ -41,6 +41,7 @@ typedef struct {
     const float *inputs;   /* [members, rank, k]: the input factors, for the term in the weights */
     const float *outputs;  /* [members, rank, n], scaled; NULL: no term */
     const int64_t *offsets; /* [members + 1]: where each member's rows start */
+    const int64_t *member_of; /* [rows]: each row's member, for blocks that span members; NULL: member m's */
     int64_t rank, members;
 } term_t;
 
@@ -94,7 +95,17 @@ static inline __attribute__((always_inline)) void row_block(const int rows, cons
             _Pragma("GCC unroll 16") for (int v = 0; v < vectors; v++) sum[r][v] += x_rp * w_p[v];
         }
     }
-    if (term && term->outputs)
+    if (term && term->outputs && term->member_of) /* each row its own member's outputs */
+        for (int64_t j = 0; j < term->rank; j++)
+            _Pragma("GCC unroll 16") for (int r = 0; r < rows; r++) {
+                const float *a = term->outputs + (term->member_of[first_row + r] * term->rank + j) * n + c;
+                _Pragma("GCC unroll 16") for (int v = 0; v < vectors; v++) {
+                    vec16 a_v;
+                    memcpy(&a_v, a + 16 * v, sizeof a_v);
+                    sum[r][v] += term->products[(first_row + r) * term->rank + j] * a_v;
+                }
+            }
+    else if (term && term->outputs)
         for (int64_t j = 0; j < term->rank; j++) {
             const float *a = term->outputs + (m * term->rank + j) * n + c;
             _Pragma("GCC unroll 16") for (int v = 0; v < vectors; v++) {
