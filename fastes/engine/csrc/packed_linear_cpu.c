@@ -15,11 +15,11 @@
    (products.h: ROW_BLOCK rows x 16 * COLUMN_VECTORS columns, summed over k in order) on a panel of W's
    rows copied to [k, columns] once per call into a buffer of the thread's own (at most a few hundred
    KB: it stays in L2 while every row block reads it). At SmolLM2's sizes this ran faster than torch's
-   `linear` (the same results file). The row blocks run over all rows, across the members' boundaries
-   (each row adds its own member's term: term_t's member_of): blocks cut at every member's end left a
-   part-filled block per member, and at 16 members x 16 rows the term cost 10-18% of the product, 0-5%
-   since (docs/results/row-blocks-across-members-2026-12-07.md). Each output is summed in one fixed order, so a row's result
-   depends neither on the rows beside it nor on the threads.
+   `linear` (the same results file). The row blocks run over all rows, across the members' boundaries,
+   each row adding its own member's term (term_t's member_of): blocks cut at every member's end left a
+   part-filled block per member, which at 16 members x 16 rows cost 10-18% of the product, 0-5% since
+   (docs/results/row-blocks-across-members-2026-12-07.md). Each output is summed in one fixed order, so
+   a row's result depends neither on the rows beside it nor on the threads.
 
    Multiply-adds are fused (products.h), so results agree with torch's GEMM to float tolerance, not bit
    for bit. Built into the same library as noise_cpu.c by fastes/engine/cpu_library.py. */
