@@ -3,7 +3,8 @@ against the plain-torch reference: each member's rows times its own weights, in 
 
 Odd sizes on every axis (rows around the row blocks of 6 and 12, columns around the 16- and 32-wide
 panels, a member with no rows), with and without a bias, several seeds; the thread count and the rows
-beside a row never change its bits; and the population layer reads unequal row groups with it. With the
+beside a row never change its bits (also where neighbouring members' rows share row blocks); and the
+population layer reads unequal row groups with it. With the
 low-rank population's factors (`MemberMatmul(w, bias, (inputs, outputs))`), each member's weight is
 w + sum_j inputs[m, j]^T outputs[m, j], against the same reference on those weights.
 """
@@ -143,6 +144,37 @@ def test_with_factors_a_rows_result_depends_on_its_members_row_count_only():
         by_itself[m] = counts[m]
         own = product(x[start:end].contiguous(), offsets_of(by_itself))
         assert torch.equal(own, alone[start:end])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_members_taking_the_term_share_row_blocks_and_keep_their_own_bits(threads):
+    """Neighbouring members that take the term run in shared row blocks (segments of up to 8 blocks of
+    rows, here several: 7 members of 16 rows), a member whose weights are formed (40 rows: k = 8,
+    n = 23 forms from 18 rows on) by itself; 23 columns include the last ones summed one by one. Each
+    member's rows are the bits of the same rows computed with no other member's rows, and the reference's
+    to tolerance."""
+    counts = [5, 7, 0, 3, 40, 16, 16, 16, 16, 16, 16, 16, 1]
+    x, w, bias = problem(counts, 8, 23, seed=threads, with_bias=True)
+    generator = torch.Generator().manual_seed(11)
+    inputs = torch.randn(len(counts), 2, 8, generator=generator)
+    outputs = torch.randn(len(counts), 2, 23, generator=generator) * 0.1
+    product = cpu_library.MemberMatmul(w[0].contiguous(), bias, (inputs, outputs))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        together = product(x, offsets_of(counts))
+        for m, count in enumerate(counts):
+            start = sum(counts[:m])
+            by_itself = [0] * len(counts)
+            by_itself[m] = count
+            own = product(x[start : start + count].contiguous(), offsets_of(by_itself))
+            assert torch.equal(own, together[start : start + count])
+    finally:
+        torch.set_num_threads(previous)
+    members_weights = w[0].double() + inputs.double().transpose(1, 2) @ outputs.double()
+    torch.testing.assert_close(
+        together.double(), reference(x, members_weights, counts, bias), rtol=1e-5, atol=2e-5
+    )
 
 
 def test_member_matmul_refuses_what_it_cannot_compute():

@@ -832,7 +832,10 @@ class MemberMatmul:
         if status == -2:
             raise ValueError(f"member_matmul: the row offsets {offsets.tolist()} do not split {rows} rows")
         if status == -1:
-            raise MemoryError(f"member_matmul could not allocate {rows} x {rank} products")
+            raise MemoryError(
+                f"member_matmul could not allocate its buffers ({rows} x {rank} products, the {rows} rows' "
+                "members)"
+            )
         return y
 
 
