@@ -71,10 +71,10 @@ static void columns(const float *x, const float *w, const float *bias, float *y,
         if (form) {                                                                                      \
             formed_panel(vectors, w_m + c, term, first, k, n, c, panel);                                 \
             row_blocks(vectors, x_m, panel, 16 * (vectors), bias ? bias + c : NULL, y_m + c, k, n,    \
-                       NULL, 0, 0, rows, c);                                                             \
+                       NULL, 0, rows, c);                                                                \
         } else                                                                                           \
             row_blocks(vectors, x_m, w_m + c, n, bias ? bias + c : NULL, y_m + c, k, n, sums_term,     \
-                       first, 0, rows, c);                                                               \
+                       0, rows, c);                                                                      \
     } while (0)
     for (; c + 16 * COLUMN_VECTORS <= end; c += 16 * COLUMN_VECTORS) PANELS(COLUMN_VECTORS);
 #if COLUMN_VECTORS > 1

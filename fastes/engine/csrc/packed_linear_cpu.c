@@ -100,8 +100,8 @@ int64_t fastes_packed_linear_f32(const float *x, const float *w, const float *bi
             if (!panel) continue;
             const int64_t c = q * PANEL;
             pack_panel(w, c, k, panel);
-            row_blocks(COLUMN_VECTORS, x, panel, PANEL, bias ? bias + c : NULL, y + c, k, n, &term, 0, 0,
-                       rows, c);
+            row_blocks(COLUMN_VECTORS, x, panel, PANEL, bias ? bias + c : NULL, y + c, k, n, &term, 0, rows,
+                       c);
         }
         free(panel);
     }

@@ -41,7 +41,7 @@ typedef struct {
     const float *inputs;   /* [members, rank, k]: the input factors, for the term in the weights */
     const float *outputs;  /* [members, rank, n], scaled; NULL: no term */
     const int64_t *offsets; /* [members + 1]: where each member's rows start */
-    const int64_t *member_of; /* [rows]: each row's member, for blocks that span members; NULL: member m's */
+    const int64_t *member_of; /* [rows]: each row's member (a row block may hold several members' rows) */
     int64_t rank, members;
 } term_t;
 
@@ -71,14 +71,15 @@ static inline __attribute__((always_inline)) void formed_panel(const int vectors
 
 /* y[r, 0:16 * vectors] = x[r, :] @ w[:, 0:16 * vectors] (+ bias) (+ the term) for r < rows <= ROW_BLOCK;
    x rows of length k, w rows `w_stride` apart, y rows n apart; the block's rows are rows first_row...
-   of member m, its columns start at column c of the layer (for the term's outputs), the term added to
-   the sums where `term` has outputs (term_t). Constant arguments after inlining (rows, vectors, and
-   term where NULL), so the loops over rows and vectors unroll
-   and the sums live in registers. Each sum runs over k in order. */
+   of the term's rows (for their products and members), its columns start at column c of the layer (for
+   the term's outputs), the term added to the sums where `term` has outputs (term_t), each row its own
+   member's. Constant arguments after inlining (rows, vectors, and term where NULL), so the loops over
+   rows and vectors unroll and the sums live in registers. Each sum runs over k in order, then adds the
+   term's ranks in order, so a row's result does not depend on which rows share its block. */
 static inline __attribute__((always_inline)) void row_block(const int rows, const int vectors, const float *x,
                                                             const float *w, int64_t w_stride,
                                                             const float *bias, float *y, int64_t k, int64_t n,
-                                                            const term_t *term, int64_t m, int64_t first_row,
+                                                            const term_t *term, int64_t first_row,
                                                             int64_t c) {
     vec16 sum[ROW_BLOCK][COLUMN_VECTORS];
     _Pragma("GCC unroll 16") for (int v = 0; v < vectors; v++) {
@@ -95,7 +96,7 @@ static inline __attribute__((always_inline)) void row_block(const int rows, cons
             _Pragma("GCC unroll 16") for (int v = 0; v < vectors; v++) sum[r][v] += x_rp * w_p[v];
         }
     }
-    if (term && term->outputs && term->member_of) /* each row its own member's outputs */
+    if (term && term->outputs) /* each row its own member's outputs */
         for (int64_t j = 0; j < term->rank; j++)
             _Pragma("GCC unroll 16") for (int r = 0; r < rows; r++) {
                 const float *a = term->outputs + (term->member_of[first_row + r] * term->rank + j) * n + c;
@@ -105,16 +106,6 @@ static inline __attribute__((always_inline)) void row_block(const int rows, cons
                     sum[r][v] += term->products[(first_row + r) * term->rank + j] * a_v;
                 }
             }
-    else if (term && term->outputs)
-        for (int64_t j = 0; j < term->rank; j++) {
-            const float *a = term->outputs + (m * term->rank + j) * n + c;
-            _Pragma("GCC unroll 16") for (int v = 0; v < vectors; v++) {
-                vec16 a_v;
-                memcpy(&a_v, a + 16 * v, sizeof a_v);
-                _Pragma("GCC unroll 16") for (int r = 0; r < rows; r++)
-                    sum[r][v] += term->products[(first_row + r) * term->rank + j] * a_v;
-            }
-        }
     _Pragma("GCC unroll 16") for (int r = 0; r < rows; r++)
         _Pragma("GCC unroll 16") for (int v = 0; v < vectors; v++)
             memcpy(y + r * n + 16 * v, &sum[r][v], sizeof sum[r][v]);
@@ -124,12 +115,12 @@ static inline __attribute__((always_inline)) void row_block(const int rows, cons
    each case with a constant row count so that its loops unroll as in the full blocks. x and y point at
    row 0 (y and bias at the panel's first column, c); the arguments are row_block's. */
 #define ROWS_BLOCK(rows_) \
-    row_block(rows_, vectors, x + r * k, w, w_stride, bias, y + r * n, k, n, term, m, r, c)
+    row_block(rows_, vectors, x + r * k, w, w_stride, bias, y + r * n, k, n, term, r, c)
 static inline __attribute__((always_inline)) void row_blocks(const int vectors,
                                                              const float *x, const float *w,
                                                              int64_t w_stride, const float *bias, float *y,
                                                              int64_t k, int64_t n, const term_t *term,
-                                                             int64_t m, int64_t lo, int64_t hi, int64_t c) {
+                                                             int64_t lo, int64_t hi, int64_t c) {
     int64_t r = lo;
     for (; r + ROW_BLOCK <= hi; r += ROW_BLOCK) ROWS_BLOCK(ROW_BLOCK);
     switch (hi - r) {
