@@ -132,8 +132,7 @@ int64_t fastes_member_matmul_f32(const float *x, const float *w, const float *bi
         free(starts);
         return -1;
     }
-    for (int64_t m = 0; perturbed && m < members; m++)
-        for (int64_t i = offsets[m]; i < offsets[m + 1]; i++) member_of[i] = m;
+    if (perturbed) rows_members(offsets, members, member_of);
     const term_t term = {.products = products,
                          .inputs = inputs,
                          .outputs = outputs,
@@ -145,12 +144,7 @@ int64_t fastes_member_matmul_f32(const float *x, const float *w, const float *bi
     const int64_t width = 16 * COLUMN_VECTORS, panels = (n + width - 1) / width;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        for (int64_t m = 0; perturbed && m < members; m++) {
-#pragma omp for schedule(static) nowait
-            for (int64_t first = offsets[m]; first < offsets[m + 1]; first += 16) /* products_of's blocks */
-                products_of(x, inputs, products, m, first, first + 16 < offsets[m + 1] ? first + 16 : offsets[m + 1],
-                            k, rank);
-        }
+        if (perturbed) members_products(x, inputs, products, offsets, members, k, rank);
 #pragma omp barrier
         /* each thread's room for a member's formed weight panel (NULL, where malloc fails: the term is
            added to the sums instead, from products made here) */

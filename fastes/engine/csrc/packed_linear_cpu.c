@@ -73,8 +73,7 @@ int64_t fastes_packed_linear_f32(const float *x, const float *w, const float *bi
         free(member_of);
         return -1;
     }
-    for (int64_t m = 0; outputs && m < members; m++)
-        for (int64_t i = offsets[m]; i < offsets[m + 1]; i++) member_of[i] = m;
+    if (outputs) rows_members(offsets, members, member_of);
     const int64_t one_group[2] = {0, rows};
     const term_t term = {.products = products,
                          .outputs = outputs,
@@ -86,12 +85,7 @@ int64_t fastes_packed_linear_f32(const float *x, const float *w, const float *bi
     int64_t failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1) reduction(| : failed)
     {
-        for (int64_t m = 0; outputs && m < members; m++) {
-#pragma omp for schedule(static) nowait
-            for (int64_t first = offsets[m]; first < offsets[m + 1]; first += 16) /* products_of's blocks */
-                products_of(x, inputs, products, m, first, first + 16 < offsets[m + 1] ? first + 16 : offsets[m + 1],
-                            k, rank);
-        }
+        if (outputs) members_products(x, inputs, products, offsets, members, k, rank);
 #pragma omp barrier
         float *panel = aligned_alloc(64, (size_t)((k * PANEL * sizeof(float) + 63) / 64 * 64));
         if (!panel) failed = 1;

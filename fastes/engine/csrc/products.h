@@ -242,4 +242,20 @@ static inline void products_of(const float *x, const float *inputs, float *produ
     }
 }
 
+/* products_of for every member's rows, sixteen rows a piece, the pieces shared by the threads of the
+   enclosing OpenMP parallel region (every thread calls it; no barrier at the end). */
+static inline void members_products(const float *x, const float *inputs, float *products,
+                                    const int64_t *offsets, int64_t members, int64_t k, int64_t rank) {
+    for (int64_t m = 0; m < members; m++) {
+#pragma omp for schedule(static) nowait
+        for (int64_t first = offsets[m]; first < offsets[m + 1]; first += 16)
+            products_of(x, inputs, products, m, first, first + 16 < offsets[m + 1] ? first + 16 : offsets[m + 1],
+                        k, rank);
+    }
+}
+/* member_of[i]: the member whose rows (offsets[m] <= i < offsets[m + 1]) hold row i (term_t's member_of) */
+static inline void rows_members(const int64_t *offsets, int64_t members, int64_t *member_of) {
+    for (int64_t m = 0; m < members; m++)
+        for (int64_t i = offsets[m]; i < offsets[m + 1]; i++) member_of[i] = m;
+}
 #endif /* FASTES_PRODUCTS_H */
