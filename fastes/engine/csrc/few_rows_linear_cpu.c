@@ -10,12 +10,14 @@
    At a few rows a decoding step only streams the weights from memory (SmolLM2-135M's 540 MB per step).
    BLAS reads the weight again for each row there: torch's CPU linear took 10, 23 and 34 ms for
    SmolLM2's vocabulary at 1, 2 and 3 rows (docs/results/decoding-linears-2026-12-06.md, where this
-   pass took 3.9, 3.1 and 7.3 ms). Here each weight row is read once, for every input row: one 16-float
-   vector of it meets the same vector of each input row, whose sums stay in registers over the whole
-   row, and are added across their 16 lanes at its end. The term is added in the same pass: as a call
-   of its own after the product, it cost the low-rank population a second call per projection and step.
-   Each output is summed in one fixed order, so a row's result depends neither on the rows beside it
-   nor on the threads.
+   pass took 3.9, 3.1 and 7.3 ms). Here each weight row is read once, for every input row: a few weight
+   rows at a time (as many as the registers hold sums for), one 16-float vector of each meets the same
+   vector of each input row, whose sums stay in registers over the whole rows. At their end the sums are
+   transposed, so that their 16 lanes are added as whole vectors, in lane order (products.h). The term is
+   added in the same pass: as a call of its own after the product, it cost the low-rank population a
+   second call per projection and step. Each output is summed in one fixed order (over k, its lanes in
+   order, the last k % 16, the term's ranks), so a row's result depends neither on the rows beside it,
+   nor on how many weight rows share its pass, nor on the threads.
 
    Multiply-adds are fused (products.h), so results agree with torch's GEMM to float tolerance, not bit
    for bit. Built into the same library as noise_cpu.c by fastes/engine/cpu_library.py. */
@@ -26,56 +28,85 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define FEW_ROWS 8 /* the most rows one pass serves: 8 sums in registers, with room for the operands */
+#define FEW_ROWS 8 /* the most rows one pass serves */
+/* How far ahead of its reads a pass asks for the weight, in floats (8 KiB). At 8 rows the hardware's own
+   prefetching fell behind: SmolLM2's projections streamed at 14-23 GB/s of the ~40 GB/s that one row
+   reached; 1-8 KiB ahead brought them to 35-40 GB/s (docs/results/few-rows-prefetch-2026-12-07.md). */
+#define PREFETCH 2048
 
-/* y[:, j] for one weight row j and `rows` input rows (row r is member member_of[r]'s); `rows` is a
-   constant after inlining, so the loop over rows unrolls and its sums stay in registers. */
-static inline __attribute__((always_inline)) void weight_row(const int rows, const float *x,
-                                                             const float *w_j, float bias_j, float *y,
-                                                             int64_t j, int64_t k, int64_t n,
-                                                             const term_t *term, const int64_t *member_of) {
-    vec16 sum[FEW_ROWS];
-    _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) sum[r] = (vec16){0};
+/* The sums a pass holds in registers: `rows` input rows x `columns` weight rows, at most SUMS. 16 of
+   AVX-512's 32 registers; with 16 AVX2 registers (a vec16 is two of them) 8 leave room for the operands. */
+#if defined(__AVX512F__)
+#define SUMS 16
+#else
+#define SUMS 8
+#endif
+
+/* y[:, j ... j + columns) for weight rows j ... j + columns and `rows` input rows (row r is member
+   member_of[r]'s); `rows` and `columns` are constants after inlining, so the loops unroll and the sums
+   stay in registers. Each 16-float vector of an input row is loaded once for `columns` weight rows. */
+static inline __attribute__((always_inline)) void weight_rows_block(const int rows, const int columns,
+                                                                    const float *x, const float *w,
+                                                                    const float *bias, float *y, int64_t j,
+                                                                    int64_t k, int64_t n, const term_t *term,
+                                                                    const int64_t *member_of) {
+    vec16 sum[16] = {{0}}; /* sum[r * columns + c]: input row r against weight row j + c */
     int64_t p = 0;
     for (; p + 16 <= k; p += 16) {
-        vec16 w_p, x_rp;
-        memcpy(&w_p, w_j + p, sizeof w_p);
+        vec16 w_p[SUMS];
+        _Pragma("GCC unroll 16") for (int c = 0; c < columns; c++)
+            memcpy(&w_p[c], w + (j + c) * k + p, sizeof w_p[c]);
+        _Pragma("GCC unroll 16") for (int c = 0; c < columns; c++)
+            if ((j + c) * k + p + PREFETCH < n * k) __builtin_prefetch(w + (j + c) * k + p + PREFETCH, 0, 0);
         _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {
+            vec16 x_rp;
             memcpy(&x_rp, x + r * k + p, sizeof x_rp);
-            sum[r] += x_rp * w_p;
+            _Pragma("GCC unroll 16") for (int c = 0; c < columns; c++) sum[r * columns + c] += x_rp * w_p[c];
         }
     }
-    _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {
-        float total = bias_j;
-        for (int lane = 0; lane < 16; lane++) total += sum[r][lane];
-        for (int64_t q = p; q < k; q++) total += x[r * k + q] * w_j[q]; /* the last k % 16 */
-        for (int64_t q = 0; term->outputs && q < term->rank; q++)
-            total += term->products[r * term->rank + q] *
-                     term->outputs[(member_of[r] * term->rank + q) * n + j];
-        y[r * n + j] = total;
-    }
+    vec16 totals = {0}; /* the bias, then each sum's lanes in order */
+    _Pragma("GCC unroll 16") for (int i = 0; i < rows * columns; i++) totals[i] = bias ? bias[j + i % columns] : 0.0f;
+    lanes_added_in_order_16(sum, &totals);
+    _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++)
+        _Pragma("GCC unroll 16") for (int c = 0; c < columns; c++) {
+            const float *w_j = w + (j + c) * k;
+            float total = totals[r * columns + c];
+            for (int64_t q = p; q < k; q++) total += x[r * k + q] * w_j[q]; /* the last k % 16 */
+            for (int64_t q = 0; term->outputs && q < term->rank; q++)
+                total += term->products[r * term->rank + q] *
+                         term->outputs[(member_of[r] * term->rank + q) * n + j + c];
+            y[r * n + j + c] = total;
+        }
 }
 
-/* Weight rows [lo, hi), every input row. */
+/* Weight rows [lo, hi), every input row: as many weight rows at a time as the sums allow, then one by
+   one. */
+static inline __attribute__((always_inline)) void weight_rows_of(const int rows, const float *x,
+                                                                 const float *w, const float *bias, float *y,
+                                                                 int64_t lo, int64_t hi, int64_t k, int64_t n,
+                                                                 const term_t *term,
+                                                                 const int64_t *member_of) {
+    const int columns = SUMS / rows;
+    int64_t j = lo;
+    for (; j + columns <= hi; j += columns)
+        weight_rows_block(rows, columns, x, w, bias, y, j, k, n, term, member_of);
+    for (; j < hi; j++) weight_rows_block(rows, 1, x, w, bias, y, j, k, n, term, member_of);
+}
+
+/* Weight rows [lo, hi), every input row, with a constant row count in each case */
 static void weight_rows(int64_t rows, const float *x, const float *w, const float *bias, float *y,
                         int64_t lo, int64_t hi, int64_t k, int64_t n, const term_t *term,
                         const int64_t *member_of) {
-#define WEIGHT_ROW(rows_) weight_row(rows_, x, w_j, bias_j, y, j, k, n, term, member_of)
-    for (int64_t j = lo; j < hi; j++) {
-        const float *w_j = w + j * k;
-        const float bias_j = bias ? bias[j] : 0.0f;
-        switch (rows) { /* a constant row count in each case */
-            case 1: WEIGHT_ROW(1); break;
-            case 2: WEIGHT_ROW(2); break;
-            case 3: WEIGHT_ROW(3); break;
-            case 4: WEIGHT_ROW(4); break;
-            case 5: WEIGHT_ROW(5); break;
-            case 6: WEIGHT_ROW(6); break;
-            case 7: WEIGHT_ROW(7); break;
-            default: WEIGHT_ROW(FEW_ROWS); break;
-        }
+    switch (rows) {
+        case 1: weight_rows_of(1, x, w, bias, y, lo, hi, k, n, term, member_of); break;
+        case 2: weight_rows_of(2, x, w, bias, y, lo, hi, k, n, term, member_of); break;
+        case 3: weight_rows_of(3, x, w, bias, y, lo, hi, k, n, term, member_of); break;
+        case 4: weight_rows_of(4, x, w, bias, y, lo, hi, k, n, term, member_of); break;
+        case 5: weight_rows_of(5, x, w, bias, y, lo, hi, k, n, term, member_of); break;
+        case 6: weight_rows_of(6, x, w, bias, y, lo, hi, k, n, term, member_of); break;
+        case 7: weight_rows_of(7, x, w, bias, y, lo, hi, k, n, term, member_of); break;
+        default: weight_rows_of(FEW_ROWS, x, w, bias, y, lo, hi, k, n, term, member_of); break;
     }
-#undef WEIGHT_ROW
 }
 
 /* The weight rows are split into `threads` equal runs over OpenMP threads: torch's own pool, where the

@@ -207,10 +207,47 @@ static inline void lanes_added_16(const vec16 v[16], vec16 *totals) {
     *totals = SHUFFLED(two[0], two[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
            SHUFFLED(two[0], two[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
+
+/* Lane r of *totals = lane r of *totals + v[r][0] + v[r][1] + ... + v[r][15], added in lane order, as a
+   loop over the lanes adds them: v is transposed by shuffles of whole vectors (four rounds of 16, each
+   swapping one bit of the row with the same bit of the lane), then its 16 columns are added as vectors.
+   ~5 vector operations a row where the loop takes 15 lane extractions and 16 dependent adds. */
+static inline void lanes_added_in_order_16(const vec16 v[16], vec16 *totals) {
+    vec16 t[16];
+    for (int r = 0; r < 16; r++) t[r] = v[r];
+    for (int r = 0; r < 16; r++) /* bit 3: row r (bit clear) and row r + 8 */
+        if (!(r & 8)) {
+            const vec16 a = t[r], b = t[r + 8];
+            t[r] = SHUFFLED(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+            t[r + 8] = SHUFFLED(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+        }
+    for (int r = 0; r < 16; r++) /* bit 2 */
+        if (!(r & 4)) {
+            const vec16 a = t[r], b = t[r + 4];
+            t[r] = SHUFFLED(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+            t[r + 4] = SHUFFLED(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+        }
+    for (int r = 0; r < 16; r++) /* bit 1 */
+        if (!(r & 2)) {
+            const vec16 a = t[r], b = t[r + 2];
+            t[r] = SHUFFLED(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+            t[r + 2] = SHUFFLED(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+        }
+    for (int r = 0; r < 16; r += 2) { /* bit 0 */
+        const vec16 a = t[r], b = t[r + 1];
+        t[r] = SHUFFLED(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+        t[r + 1] = SHUFFLED(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+    }
+    for (int lane = 0; lane < 16; lane++) *totals += t[lane]; /* t[lane][r] = v[r][lane] */
+}
 #undef SHUFFLED
 #else
 static inline void lanes_added_16(const vec16 v[16], vec16 *totals) {
     for (int r = 0; r < 16; r++) (*totals)[r] = lanes_added(v[r]);
+}
+static inline void lanes_added_in_order_16(const vec16 v[16], vec16 *totals) {
+    for (int r = 0; r < 16; r++)
+        for (int lane = 0; lane < 16; lane++) (*totals)[r] += v[r][lane];
 }
 #endif
 
