@@ -159,12 +159,17 @@ def test_a_small_weight_takes_the_packed_linear_only_where_chosen_and_at_a_prefi
     measured_faster(monkeypatch, faster)
     taken = library_calls(monkeypatch)
     # few rows, one short of the packed linear's, a prefill's, and output columns not in whole panels
-    for rows, k, n in ((2, 64, 64), (cpu_linear.PACKED_MIN_ROWS - 1, 64, 256), (640, 256, 64), (640, 64, 80)):
+    for rows, k, n in (
+        (2, 64, 64),
+        (cpu_linear.SMALL_PACKED_MIN_ROWS - 1, 64, 256),
+        (640, 256, 64),
+        (640, 64, 80),
+    ):
         x, w, bias, _ = linear_problem(rows, k, n, seed=seed, with_bias=True)
         assert cpu_linear.is_small(w)
         taken.clear()
         got = cpu_linear.linear(x, w, bias)
-        packed = small_packed and rows >= cpu_linear.PACKED_MIN_ROWS and n % 32 == 0
+        packed = small_packed and rows >= cpu_linear.SMALL_PACKED_MIN_ROWS and n % 32 == 0
         assert taken == (["packed_linear"] if packed else [])
         if not packed:  # torch's own product, bit for bit
             assert torch.equal(got, torch.nn.functional.linear(x, w, bias))

@@ -25,12 +25,13 @@ def test_decoding_linear_gives_the_linear_layers_result_at_every_row_count(seed,
     base = _linear(out_features, 257, bias, seed)
     layer = DecodingLinear(base)
     with torch.inference_mode():
-        for rows in (1, 2, cpu_library.FEW_ROWS, cpu_library.FEW_ROWS + 1, 23):
+        for rows in (1, 2, cpu_library.FEW_ROWS, cpu_library.FEW_ROWS + 1, 23, cpu_linear.PACKED_MIN_ROWS):
             x = torch.randn(rows, 3, 257)[:, -1:]  # the last position of each row, as a model slices it
             got, expected = layer(x), base(x)
             assert got.shape == expected.shape == (rows, 1, out_features)
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-            if rows > cpu_library.FEW_ROWS and out_features < VOCABULARY_ROWS:  # torch's own linear
+            # from the packed linear's rows, 300 outputs (not whole panels) take torch's own linear
+            if rows >= cpu_linear.PACKED_MIN_ROWS and out_features < VOCABULARY_ROWS:
                 flat = torch.nn.functional.linear(x.reshape(rows, 257), base.weight, base.bias)
                 assert torch.equal(got, flat.view(rows, 1, out_features))
     assert layer.weight is base.weight and layer.bias is base.bias

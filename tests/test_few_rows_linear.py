@@ -1,11 +1,12 @@
-"""The few-rows linear of late decoding steps (cpu_library.few_rows_linear, csrc/few_rows_linear_cpu.c)
+"""The few-rows linear of decoding steps (cpu_library.few_rows_linear, csrc/few_rows_linear_cpu.c)
 against the plain-torch reference, x w^T (+ bias) in float64, and with the low-rank population's term
 (each row's member's sum_j (x . inputs[m, j]) outputs[m, j]).
 
-Every row count it takes (1 to FEW_ROWS), widths around the 16-float vectors (the last k % 16 summed one
-by one), outputs around the threads' split, with and without a bias, members with unequal and empty row
-groups, ranks 1 to 3, several seeds; a row's bits depend neither on the threads nor on the rows beside
-it; it refuses what it cannot take.
+Every row count of one pass (1 to FEW_ROWS) and several passes' worth (the rows in groups of FEW_ROWS),
+widths around the 16-float vectors (the last k % 16 summed one by one), outputs around the threads'
+split and the weight blocks, with and without a bias, members with unequal and empty row groups, and
+groups across the passes' boundaries, ranks 1 to 3, several seeds; a row's bits depend neither on the
+threads nor on the rows beside it; it refuses what it cannot take.
 """
 
 import pytest
@@ -17,7 +18,9 @@ from fastes.engine.cpu_library import LowRankTerm
 
 SEEDS = [0, 1, 31337]
 WIDTHS = [1, 15, 16, 17, 33, 100, 577]  # k: below, at and around a vector, and a real model's odd width
-OUTPUTS = [1, 2, 3, 65]  # n: fewer outputs than threads, and an odd split
+OUTPUTS = [1, 2, 3, 65, 300]  # n: fewer outputs than threads, an odd split, several weight blocks a thread
+# one pass (1 to FEW_ROWS rows), then several: a pass and one row, two and an odd part, eight
+ROWS = [*range(1, cpu_library.FEW_ROWS + 1), cpu_library.FEW_ROWS + 1, 2 * cpu_library.FEW_ROWS + 5, 64]
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -34,7 +37,7 @@ def problem(rows: int, k: int, n: int, seed: int, with_bias: bool):
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("rows", range(1, cpu_library.FEW_ROWS + 1))
+@pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_few_rows_linear_matches_the_reference(seed, rows, with_bias):
     for k in WIDTHS:
@@ -52,7 +55,7 @@ def test_a_large_layer_is_shared_by_the_threads_and_matches_the_reference(thread
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for rows in (1, 3, cpu_library.FEW_ROWS):
+        for rows in (1, 3, cpu_library.FEW_ROWS, 64):
             x, w, bias = problem(rows, 576, 1536, seed=rows, with_bias=True)
             got = cpu_library.few_rows_linear(x, w, bias)
             torch.testing.assert_close(got.double(), reference(x, w, bias), rtol=1e-5, atol=2e-6 * 576)
@@ -61,7 +64,9 @@ def test_a_large_layer_is_shared_by_the_threads_and_matches_the_reference(thread
 
 
 def test_a_rows_result_depends_on_neither_the_threads_nor_the_rows_beside_it():
-    x, w, bias = problem(cpu_library.FEW_ROWS, 577, 1000, seed=5, with_bias=True)
+    """Two passes and an odd part against each row alone: the same bits, though a pass of FEW_ROWS rows
+    reads two weight rows at a time and a pass of one row one."""
+    x, w, bias = problem(2 * cpu_library.FEW_ROWS + 5, 577, 1000, seed=5, with_bias=True)
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
@@ -75,11 +80,11 @@ def test_a_rows_result_depends_on_neither_the_threads_nor_the_rows_beside_it():
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("rows", range(1, cpu_library.FEW_ROWS + 1))
+@pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("members,rank", [(1, 1), (3, 1), (4, 2), (5, 3)])
 def test_the_low_rank_term_is_added_to_each_members_rows(seed, rows, members, rank):
     for k in (17, 65, 577):
-        for n in (1, 3, 65):
+        for n in (1, 3, 65, 300):
             x, w, bias, term = linear_problem(rows, k, n, seed, seed % 2 == 0, members, rank)
             got = cpu_library.few_rows_linear(x, w, bias, term)
             torch.testing.assert_close(
@@ -95,7 +100,7 @@ def test_the_term_over_the_threads_matches_the_reference_and_depends_on_no_neigh
     torch.set_num_threads(threads)
     try:
         x, w, bias, term = linear_problem(
-            cpu_library.FEW_ROWS, 576, 1536, seed=threads, with_bias=True, members=3
+            2 * cpu_library.FEW_ROWS + 5, 576, 1536, seed=threads, with_bias=True, members=3
         )
         together = cpu_library.few_rows_linear(x, w, bias, term)
         torch.testing.assert_close(
@@ -139,10 +144,9 @@ def test_few_rows_linear_reads_a_strided_input():
 @pytest.mark.parametrize(
     "x, w, message",
     [
-        (torch.zeros(cpu_library.FEW_ROWS + 1, 4), torch.zeros(3, 4), "1 to 8 rows"),
-        (torch.zeros(0, 4), torch.zeros(3, 4), "1 to 8 rows"),
-        (torch.zeros(2, 4), torch.zeros(3, 5), "1 to 8 rows"),
-        (torch.zeros(1, 2, 4), torch.zeros(3, 4), "1 to 8 rows"),
+        (torch.zeros(0, 4), torch.zeros(3, 4), "rows of the weight's width"),
+        (torch.zeros(2, 4), torch.zeros(3, 5), "rows of the weight's width"),
+        (torch.zeros(1, 2, 4), torch.zeros(3, 4), "rows of the weight's width"),
         (torch.zeros(2, 4, dtype=torch.float64), torch.zeros(3, 4, dtype=torch.float64), "fp32"),
         (torch.zeros(2, 4), torch.zeros(4, 3).T, "contiguous weight"),
     ],

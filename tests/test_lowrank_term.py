@@ -92,8 +92,8 @@ def test_linear_takes_each_path_where_its_rules_say_and_matches_the_reference(mo
     cases = {
         1: ["few_rows_linear"],
         cpu_library.FEW_ROWS: ["few_rows_linear"],
-        cpu_library.FEW_ROWS + 1: ["lowrank_term"],
-        cpu_linear.PACKED_MIN_ROWS - 1: ["lowrank_term"],
+        cpu_library.FEW_ROWS + 1: ["few_rows_linear"],
+        cpu_linear.PACKED_MIN_ROWS - 1: ["few_rows_linear"],
         cpu_linear.PACKED_MIN_ROWS: ["packed_linear"],
     }
     for rows, expected in cases.items():
@@ -106,17 +106,24 @@ def test_linear_takes_each_path_where_its_rules_say_and_matches_the_reference(mo
         torch.testing.assert_close(
             got.double(), linear_reference(x, w, bias, term), **linear_tolerance(side, 1)
         )
-    # a vocabulary-wide output: the weight-major product, then the term
-    x, w, bias, term = linear_problem(
-        40, 64, cpu_linear.VOCABULARY_ROWS, seed=9, with_bias=True, members=3 if with_term else 0
-    )
-    taken.clear()
-    got = cpu_linear.linear(x, w, bias, term)
-    assert taken == (["lowrank_term"] if with_term else [])
-    torch.testing.assert_close(got.double(), linear_reference(x, w, bias, term), **linear_tolerance(64, 1))
+    # a vocabulary-wide output: the few-rows linear below the packed linear's rows, else the weight-major
+    # product, then the term
+    for rows, expected in ((40, ["few_rows_linear"]), (cpu_linear.PACKED_MIN_ROWS, ["lowrank_term"])):
+        x, w, bias, term = linear_problem(
+            rows, 64, cpu_linear.VOCABULARY_ROWS, seed=9, with_bias=True, members=3 if with_term else 0
+        )
+        taken.clear()
+        got = cpu_linear.linear(x, w, bias, term)
+        assert taken == [path for path in expected if with_term or path != "lowrank_term"]
+        torch.testing.assert_close(
+            got.double(), linear_reference(x, w, bias, term), **linear_tolerance(64, 1)
+        )
     # a weight that stays in the caches (below MIN_WEIGHT_BYTES): the packed linear at a prefill's rows
     # (the tests' products are the library's), torch's linear below them
-    for rows, expected in ((400, ["packed_linear"]), (cpu_linear.PACKED_MIN_ROWS - 1, ["lowrank_term"])):
+    for rows, expected in (
+        (400, ["packed_linear"]),
+        (cpu_linear.SMALL_PACKED_MIN_ROWS - 1, ["lowrank_term"]),
+    ):
         x, w, bias, term = linear_problem(
             rows, 64, 256, seed=3, with_bias=False, members=2 if with_term else 0
         )

@@ -119,8 +119,11 @@ def test_decoding_linear_takes_it_at_a_prefills_rows():
         x = torch.randn(rows, 576)
         got, expected = layer(x), base(x)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
-        # below the rows, torch's own linear (the same bits); from them, the packed linear
-        assert torch.equal(got, expected) == (rows < cpu_linear.PACKED_MIN_ROWS)
+        # below the rows, the few-rows linear; from them, the packed linear (each its own bits)
+        product = (
+            cpu_library.packed_linear if rows >= cpu_linear.PACKED_MIN_ROWS else cpu_library.few_rows_linear
+        )
+        assert torch.equal(got, product(x, base.weight, base.bias))
         assert cpu_linear.packs(rows, base.weight) == (rows >= cpu_linear.PACKED_MIN_ROWS)
     assert not cpu_linear.packs(1000, torch.nn.Linear(576, 200).weight)  # the last columns one by one
     assert cpu_linear.packs(1000, torch.nn.Linear(64, 256).weight)  # the tiny model's, where small_packed

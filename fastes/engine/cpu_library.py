@@ -925,27 +925,26 @@ def _linear_product(
     return y, status
 
 
-FEW_ROWS = 8  # the most rows few_rows_linear takes (FEW_ROWS in csrc/few_rows_linear_cpu.c)
+FEW_ROWS = 8  # the input rows one pass of few_rows_linear serves (FEW_ROWS in csrc/few_rows_linear_cpu.c)
 
 
 def few_rows_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, term: LowRankTerm | None = None
 ) -> torch.Tensor:
-    """x weight^T (+ bias) (+ `term`), as torch's `linear`, for x [rows, k] of 1 to FEW_ROWS rows and an
-    nn.Linear weight [n, k] (contiguous); fp32 on the CPU. Each weight row is read once for all the rows,
-    where BLAS reads the weight once per row at these sizes (csrc/few_rows_linear_cpu.c). It runs in
-    torch's own OpenMP threads, as member_matmul does."""
+    """x weight^T (+ bias) (+ `term`), as torch's `linear`, for x [rows, k] and an nn.Linear weight [n, k]
+    (contiguous); fp32 on the CPU. The weight is read from memory once, in its own layout, for FEW_ROWS
+    rows at a time, each block of it read again from the caches by the next FEW_ROWS: at a decoding
+    step's rows BLAS reads the weight once per row, or packs it for a GEMM whose rows are too few to pay
+    for the packing (csrc/few_rows_linear_cpu.c). In torch's own OpenMP threads, as member_matmul."""
     rows, k = x.shape if x.dim() == 2 else (0, -1)
     n = weight.shape[0]
-    if weight.shape != (n, k) or not 1 <= rows <= FEW_ROWS:
+    if weight.shape != (n, k) or rows < 1 or k < 1:
         raise ValueError(
-            f"few_rows_linear takes 1 to {FEW_ROWS} rows of the weight's width; got x {tuple(x.shape)} "
-            f"and weight {tuple(weight.shape)}"
+            f"few_rows_linear takes rows of the weight's width; got x {tuple(x.shape)} and weight "
+            f"{tuple(weight.shape)}"
         )
-    y, refused = _linear_product("few_rows_linear", x, weight, bias, term)
-    if refused == -3:  # the C file's own FEW_ROWS disagrees with this module's
-        raise RuntimeError(f"the compiled few-rows linear refused {rows} rows: rebuild the library")
-    if refused:
+    y, failed = _linear_product("few_rows_linear", x, weight, bias, term)
+    if failed:
         raise MemoryError(f"few_rows_linear could not allocate {rows} x {term.inputs.shape[1]} products")
     return y
 

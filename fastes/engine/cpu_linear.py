@@ -3,8 +3,9 @@
 `linear(x, weight, bias, term)` computes an nn.Linear layer (fp32, on the CPU) with, optionally, the
 low-rank population's term (`cpu_library.LowRankTerm`). It has four products to choose from, by the
 rows it is given:
-- up to cpu_library.FEW_ROWS rows, the library's few-rows pass (`cpu_library.few_rows_linear`), which
-  reads each weight row once for all the rows;
+- at a decoding step's rows (fewer than PACKED_MIN_ROWS), the library's few-rows linear
+  (`cpu_library.few_rows_linear`), which reads the weight from memory once, in its own layout, for
+  cpu_library.FEW_ROWS rows at a time, the others reading it again from the caches;
 - a vocabulary-wide output (at least VOCABULARY_ROWS), weight-major: (W x^T)^T, the vocabulary as the
   GEMM's long side;
 - at a prefill's many rows (`packs`), the library's packed linear (`cpu_library.packed_linear`);
@@ -68,10 +69,12 @@ from .cpu_library import LowRankTerm
 
 # A weight smaller than this stays in the caches: it takes the packed linear where `small_packed` says so
 MIN_WEIGHT_BYTES = 256 * 1024
-# The packed linear's rows: from PACKED_MIN_ROWS (below, torch's was as fast or faster on the AMD EPYC:
-# docs/results/lowrank-decoding-2026-12-06.md), and whole 32-column panels (the last columns of another
-# width are summed one by one, correct but slow).
-PACKED_MIN_ROWS = 96
+# The packed linear's rows: from PACKED_MIN_ROWS, and whole 32-column panels (the last columns of another
+# width are summed one by one, correct but slow). Below it the few-rows linear: over SmolLM2's
+# projections it took 0.58-0.88 of the packed linear's time at 8-96 rows, as much at 128, more from 160
+# on (the AMD EPYC with AVX-512: docs/results/few-rows-linear-2026-12-07.md).
+PACKED_MIN_ROWS = 128
+SMALL_PACKED_MIN_ROWS = 96  # a weight that stays in the caches (`is_small`): the tiny model's, as before
 VOCABULARY_ROWS = 8192  # an output at least this wide is a vocabulary's (measured from 4096 x 256 up)
 
 CHOICES = ("measure", "library", "torch")  # FASTES_CPU_PRODUCTS's values; "measure" is the default
@@ -82,7 +85,7 @@ class Products(NamedTuple):
     """Which of fastes' own products run on this machine (False: torch's in their place): the first three
     and the last in `linear`, the member matmul in the population layers."""
 
-    few_rows: bool  # the library's few-rows pass, up to cpu_library.FEW_ROWS rows
+    few_rows: bool  # the library's few-rows linear, below PACKED_MIN_ROWS rows
     weight_major: bool  # (W x^T)^T for a vocabulary-wide output (torch's mm, the other way round)
     packed: bool  # the library's packed linear, where `packs`
     member_matmul: bool  # the library's member matmul for materialised population layers (else torch.bmm)
@@ -97,7 +100,8 @@ class Products(NamedTuple):
 def packs(rows: int, weight: torch.Tensor) -> bool:
     """Whether `rows` rows of a layer with this nn.Linear weight [n, k] are the packed linear's to take
     (where `products().packed`, or `small_packed` for a small weight)."""
-    return rows >= PACKED_MIN_ROWS and weight.shape[0] % 32 == 0
+    least = SMALL_PACKED_MIN_ROWS if is_small(weight) else PACKED_MIN_ROWS
+    return rows >= least and weight.shape[0] % 32 == 0
 
 
 def is_small(weight: torch.Tensor) -> bool:
@@ -138,7 +142,7 @@ def linear(
         if use.small_packed and packs(rows, weight):
             return cpu_library.packed_linear(x, weight, bias, term)
         y = torch.nn.functional.linear(x, weight, bias)
-    elif 1 <= rows <= cpu_library.FEW_ROWS and use.few_rows:
+    elif 1 <= rows < PACKED_MIN_ROWS and use.few_rows:
         return cpu_library.few_rows_linear(x, weight, bias, term)
     elif weight.shape[0] >= VOCABULARY_ROWS and use.weight_major:
         y = torch.mm(weight, x.T).T
@@ -247,7 +251,7 @@ def _write_cache(key: str, answer: dict) -> None:
 # term of _MEMBERS members, rank 1 (its default)
 _BLOCK = [(576, 576), (576, 576), (192, 576), (192, 576), (1536, 576), (1536, 576), (576, 1536)]
 _VOCABULARY = (49152, 576)  # SmolLM2's
-_FEW, _MANY, _VOCABULARY_BATCH, _MEMBERS = (1, 4, cpu_library.FEW_ROWS), 256, 64, 8
+_FEW, _MANY, _VOCABULARY_BATCH, _MEMBERS = (1, 4, cpu_library.FEW_ROWS, 64), 256, 64, 8
 # The materialised layer's products, (members, rows a member, in, out): a tiny model's block (hidden 64,
 # MLP 256; materialised is a small model's default mode) at a decode step of the demo's 16 members x 32
 # rows and at its prefill (20 positions a row), and a SmolLM2-sized weight at 8 members of 8 rows. The

@@ -28,11 +28,18 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define FEW_ROWS 8 /* the most rows one pass serves */
+#define FEW_ROWS 8 /* the input rows one pass serves */
+/* The weight rows each FEW_ROWS input rows read in turn: 147-393 KiB of SmolLM2's, in a core's L2 */
+#define WEIGHT_BLOCK 64
 /* How far ahead of its reads a pass asks for the weight, in floats (8 KiB). At 8 rows the hardware's own
    prefetching fell behind: SmolLM2's projections streamed at 14-23 GB/s of the ~40 GB/s that one row
    reached; 1-8 KiB ahead brought them to 35-40 GB/s (docs/results/few-rows-prefetch-2026-12-07.md). */
 #define PREFETCH 2048
+
+/* From this many input rows a pass reads SUMS / rows weight rows at a time, so that each load of an
+   input row's vector serves several multiply-adds. Below it one weight row at a time streamed faster:
+   several weight rows read side by side took 10-25% longer at 1-6 rows (the same results file). */
+#define PAIRED_ROWS 7
 
 /* The sums a pass holds in registers: `rows` input rows x `columns` weight rows, at most SUMS. 16 of
    AVX-512's 32 registers; with 16 AVX2 registers (a vec16 is two of them) 8 leave room for the operands. */
@@ -48,8 +55,7 @@
 static inline __attribute__((always_inline)) void weight_rows_block(const int rows, const int columns,
                                                                     const float *x, const float *w,
                                                                     const float *bias, float *y, int64_t j,
-                                                                    int64_t k, int64_t n, const term_t *term,
-                                                                    const int64_t *member_of) {
+                                                                    int64_t k, int64_t n) {
     vec16 sum[16] = {{0}}; /* sum[r * columns + c]: input row r against weight row j + c */
     int64_t p = 0;
     for (; p + 16 <= k; p += 16) {
@@ -71,67 +77,103 @@ static inline __attribute__((always_inline)) void weight_rows_block(const int ro
         _Pragma("GCC unroll 16") for (int c = 0; c < columns; c++) {
             const float *w_j = w + (j + c) * k;
             float total = totals[r * columns + c];
-            for (int64_t q = p; q < k; q++) total += x[r * k + q] * w_j[q]; /* the last k % 16 */
-            for (int64_t q = 0; term->outputs && q < term->rank; q++)
-                total += term->products[r * term->rank + q] *
-                         term->outputs[(member_of[r] * term->rank + q) * n + j + c];
+            for (int64_t q = p; q < k; q++) total = multiply_add(x[r * k + q], w_j[q], total); /* last k % 16 */
             y[r * n + j + c] = total;
         }
 }
 
-/* Weight rows [lo, hi), every input row: as many weight rows at a time as the sums allow, then one by
-   one. */
+/* Weight rows [lo, hi), every input row: one weight row at a time, or from PAIRED_ROWS input rows on as
+   many as the sums allow (then the rest one by one). */
 static inline __attribute__((always_inline)) void weight_rows_of(const int rows, const float *x,
                                                                  const float *w, const float *bias, float *y,
-                                                                 int64_t lo, int64_t hi, int64_t k, int64_t n,
-                                                                 const term_t *term,
-                                                                 const int64_t *member_of) {
-    const int columns = SUMS / rows;
+                                                                 int64_t lo, int64_t hi, int64_t k,
+                                                                 int64_t n) {
+    const int columns = rows >= PAIRED_ROWS ? SUMS / rows : 1;
     int64_t j = lo;
     for (; j + columns <= hi; j += columns)
-        weight_rows_block(rows, columns, x, w, bias, y, j, k, n, term, member_of);
-    for (; j < hi; j++) weight_rows_block(rows, 1, x, w, bias, y, j, k, n, term, member_of);
+        weight_rows_block(rows, columns, x, w, bias, y, j, k, n);
+    for (; j < hi; j++) weight_rows_block(rows, 1, x, w, bias, y, j, k, n);
 }
 
 /* Weight rows [lo, hi), every input row, with a constant row count in each case */
 static void weight_rows(int64_t rows, const float *x, const float *w, const float *bias, float *y,
-                        int64_t lo, int64_t hi, int64_t k, int64_t n, const term_t *term,
-                        const int64_t *member_of) {
+                        int64_t lo, int64_t hi, int64_t k, int64_t n) {
     switch (rows) {
-        case 1: weight_rows_of(1, x, w, bias, y, lo, hi, k, n, term, member_of); break;
-        case 2: weight_rows_of(2, x, w, bias, y, lo, hi, k, n, term, member_of); break;
-        case 3: weight_rows_of(3, x, w, bias, y, lo, hi, k, n, term, member_of); break;
-        case 4: weight_rows_of(4, x, w, bias, y, lo, hi, k, n, term, member_of); break;
-        case 5: weight_rows_of(5, x, w, bias, y, lo, hi, k, n, term, member_of); break;
-        case 6: weight_rows_of(6, x, w, bias, y, lo, hi, k, n, term, member_of); break;
-        case 7: weight_rows_of(7, x, w, bias, y, lo, hi, k, n, term, member_of); break;
-        default: weight_rows_of(FEW_ROWS, x, w, bias, y, lo, hi, k, n, term, member_of); break;
+        case 1: weight_rows_of(1, x, w, bias, y, lo, hi, k, n); break;
+        case 2: weight_rows_of(2, x, w, bias, y, lo, hi, k, n); break;
+        case 3: weight_rows_of(3, x, w, bias, y, lo, hi, k, n); break;
+        case 4: weight_rows_of(4, x, w, bias, y, lo, hi, k, n); break;
+        case 5: weight_rows_of(5, x, w, bias, y, lo, hi, k, n); break;
+        case 6: weight_rows_of(6, x, w, bias, y, lo, hi, k, n); break;
+        case 7: weight_rows_of(7, x, w, bias, y, lo, hi, k, n); break;
+        default: weight_rows_of(FEW_ROWS, x, w, bias, y, lo, hi, k, n); break;
     }
 }
 
-/* The weight rows are split into `threads` equal runs over OpenMP threads: torch's own pool, where the
-   library shares torch's OpenMP runtime (cpu_library.py). With a term (outputs not NULL), the rows'
-   products come first, on the calling thread (at most FEW_ROWS x rank dot products). Returns (writing
-   nothing) -1 if the products' buffer could not be allocated, -2 for offsets that do not split the rows
-   into the members' groups, -3 for more than FEW_ROWS rows. */
+/* y[r, lo:hi] += sum_q products[r, q] outputs[member_of[r], q, lo:hi] for `rows` rows (term_t), the
+   ranks in order: the term, added to a block's outputs while they are in L1, 16 of them at a time (one
+   by one, at each output, it cost 11% of the pass at 64 rows) */
+static void term_added(const term_t *term, float *y, int64_t rows, int64_t lo, int64_t hi, int64_t n) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t q = 0; q < term->rank; q++) {
+            const float product = term->products[r * term->rank + q];
+            const float *outputs = term->outputs + (term->member_of[r] * term->rank + q) * n;
+            float *y_r = y + r * n;
+            int64_t j = lo;
+            for (; j + 16 <= hi; j += 16) {
+                vec16 y_j, outputs_j;
+                memcpy(&y_j, y_r + j, sizeof y_j);
+                memcpy(&outputs_j, outputs + j, sizeof outputs_j);
+                y_j += product * outputs_j;
+                memcpy(y_r + j, &y_j, sizeof y_j);
+            }
+            for (; j < hi; j++) y_r[j] = multiply_add(product, outputs[j], y_r[j]);
+        }
+}
+
+/* The weight rows are split into `threads` equal runs over OpenMP threads (torch's own pool, where the
+   library shares torch's OpenMP runtime: cpu_library.py), each run into blocks of WEIGHT_BLOCK weight
+   rows, and each block is read by every FEW_ROWS input rows in turn: from memory by the first, from the
+   thread's L2 by the others. With a term (outputs not NULL), every row's products come first, the rows
+   split over the threads. Returns (writing nothing) -1 if a buffer could not be allocated, -2 for
+   offsets that do not split the rows into the members' groups. */
 int64_t fastes_few_rows_linear_f32(const float *x, const float *w, const float *bias, float *y,
                                    int64_t rows, int64_t k, int64_t n, const float *inputs,
                                    const float *outputs, const int64_t *offsets, int64_t rank,
                                    int64_t members, int64_t threads) {
-    if (rows < 1 || rows > FEW_ROWS) return -3;
     if (outputs && !splits_rows(offsets, members, rows)) return -2;
-    int64_t member_of[FEW_ROWS] = {0};
     float *products = outputs ? malloc((size_t)(rows * rank) * sizeof(float)) : NULL;
-    if (outputs && !products) return -1;
-    for (int64_t m = 0; outputs && m < members; m++) {
-        for (int64_t i = offsets[m]; i < offsets[m + 1]; i++) member_of[i] = m;
-        products_of(x, inputs, products, m, offsets[m], offsets[m + 1], k, rank);
+    int64_t *member_of = outputs ? malloc((size_t)rows * sizeof(int64_t)) : NULL;
+    if (outputs && (!products || !member_of)) {
+        free(products);
+        free(member_of);
+        return -1;
     }
-    const term_t term = {
-        .products = products, .outputs = outputs, .offsets = offsets, .rank = rank, .members = members};
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t t = 0; t < threads; t++)
-        weight_rows(rows, x, w, bias, y, n * t / threads, n * (t + 1) / threads, k, n, &term, member_of);
+    if (outputs) rows_members(offsets, members, member_of);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        if (outputs) members_products(x, inputs, products, offsets, members, k, rank);
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < threads; t++) {
+            const int64_t end = n * (t + 1) / threads;
+            for (int64_t lo = n * t / threads; lo < end; lo += WEIGHT_BLOCK) {
+                const int64_t hi = lo + WEIGHT_BLOCK < end ? lo + WEIGHT_BLOCK : end;
+                for (int64_t first = 0; first < rows; first += FEW_ROWS) {
+                    const int64_t count = rows - first < FEW_ROWS ? rows - first : FEW_ROWS;
+                    weight_rows(count, x + first * k, w, bias, y + first * n, lo, hi, k, n);
+                    if (outputs) {
+                        const term_t group = {.products = products + first * rank,
+                                              .outputs = outputs,
+                                              .member_of = member_of + first,
+                                              .rank = rank};
+                        term_added(&group, y + first * n, count, lo, hi, n);
+                    }
+                }
+            }
+        }
+    }
     free(products);
+    free(member_of);
     return 0;
 }

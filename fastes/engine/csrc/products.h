@@ -15,10 +15,21 @@
 #pragma GCC optimize("fp-contract=fast")
 #endif
 
+#include <math.h> /* FP_FAST_FMAF */
 #include <stdint.h>
 #include <string.h>
 
 typedef float vec16 __attribute__((vector_size(64)));
+
+/* a * b + c, fused wherever the CPU fuses it: one rounding or two, by the build, not by how the compiler
+   chose to contract a line (which may differ between a function's inlined copies) */
+static inline float multiply_add(float a, float b, float c) {
+#ifdef FP_FAST_FMAF
+    return __builtin_fmaf(a, b, c);
+#else
+    return a * b + c;
+#endif
+}
 
 /* Sums in registers: ROW_BLOCK x COLUMN_VECTORS 16-float vectors. 12 x 2 fills 24 of AVX-512's 32
    registers; with 16 AVX2 registers (a vec16 is two of them) 6 x 1 leaves room for the operands. */
