@@ -24,7 +24,7 @@ How it stays fast:
 
 The same library holds the products the CPU's generation runs (sections at the end, each in torch's
 own OpenMP threads): the materialised population's member matmul, and the products a model's linear
-layers may take (the few-rows pass of late decoding steps, the packed linear of many rows, each with the
+layers may take (the few-rows linear of decoding steps, the packed linear of many rows, each with the
 low-rank population's term, and that term alone after torch's product); `fastes.engine.cpu_linear`
 chooses among them and torch's own for this machine.
 

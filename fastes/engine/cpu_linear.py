@@ -71,8 +71,8 @@ from .cpu_library import LowRankTerm
 MIN_WEIGHT_BYTES = 256 * 1024
 # The packed linear's rows: from PACKED_MIN_ROWS, and whole 32-column panels (the last columns of another
 # width are summed one by one, correct but slow). Below it the few-rows linear: over SmolLM2's
-# projections it took 0.58-0.88 of the packed linear's time at 8-96 rows, as much at 128, more from 160
-# on (the AMD EPYC with AVX-512: docs/results/few-rows-linear-2026-12-07.md).
+# projections it took 0.25-0.88 of the packed linear's time at 8-96 rows, 1.03x at 128, 1.08-1.29x at
+# 160-256 (the AMD EPYC with AVX-512: docs/results/few-rows-linear-2026-12-07.md).
 PACKED_MIN_ROWS = 128
 SMALL_PACKED_MIN_ROWS = 96  # a weight that stays in the caches (`is_small`): the tiny model's, as before
 VOCABULARY_ROWS = 8192  # an output at least this wide is a vocabulary's (measured from 4096 x 256 up)
@@ -246,7 +246,7 @@ def _write_cache(key: str, answer: dict) -> None:
         pass
 
 
-# A SmolLM2-sized block (k = 576: q and o, k and v, gate and up, down) for the few-rows pass and the
+# A SmolLM2-sized block (k = 576: q and o, k and v, gate and up, down) for the few-rows linear and the
 # packed linear, and a vocabulary-wide output for the weight-major product; the low-rank population's
 # term of _MEMBERS members, rank 1 (its default)
 _BLOCK = [(576, 576), (576, 576), (192, 576), (192, 576), (1536, 576), (1536, 576), (576, 1536)]
@@ -266,7 +266,7 @@ def measure(threads: int, repeats: int = 7) -> dict[str, dict[str, float]]:
     """Seconds (medians of `repeats` timings taken in turns, after a warm-up) of each of fastes' products
     and torch's in its place, at `threads` torch threads: {"few_rows" | "weight_major" | "packed" |
     "member_matmul" | "lowrank_member_matmul" | "small_packed": {"library": s, "torch": s, ...}}. The
-    few-rows pass and the packed linear are also timed with the low-rank population's term ("library
+    few-rows linear and the packed linear are also timed with the low-rank population's term ("library
     with term", "torch with term": torch's product, then `lowrank_term`), since plain and ES generation
     run the same products; the member matmul against torch's batched matmul of equal groups; the member
     matmul with the members' factors against torch's linear, then `lowrank_term`; the packed linear of a
@@ -281,7 +281,7 @@ def measure(threads: int, repeats: int = 7) -> dict[str, dict[str, float]]:
         return LowRankTerm(tensor(_MEMBERS, 1, k), tensor(_MEMBERS, 1, n), offsets)
 
     block = [tensor(n, k) for n, k in _BLOCK]
-    # (x, weight, term) for every product of the few-rows pass's rows and of the packed linear's
+    # (x, weight, term) for every product of the few-rows linear's rows and of the packed linear's
     few = [(tensor(rows, w.shape[1]), w, term(rows, *w.shape)) for rows in _FEW for w in block]
     many = [(tensor(_MANY, w.shape[1]), w, term(_MANY, *w.shape)) for w in block]
     vocabulary, batch = tensor(*_VOCABULARY), tensor(_VOCABULARY_BATCH, _VOCABULARY[1])

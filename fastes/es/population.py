@@ -246,7 +246,7 @@ class LowRankLinear(_PopulationLayer):
     y once; the products are summed in its K loop, or, for wide outputs, first by a launch that reads x
     once (`products_first`). On the CPU with the compiled backend (fp32) and a plain nn.Linear base,
     `cpu_linear.linear` computes the layer as it computes a plain one while decoding (the product this
-    machine runs fastest for the rows: the few-rows pass, the packed linear at a prefill's many rows, or
+    machine runs fastest for the rows: the few-rows linear, the packed linear at a prefill's many rows, or
     torch's `linear`), with the term: the library's products add it to each output before it is stored
     (added after the GEMM, it was one more pass over an output that lies in memory, ~3% of a SmolLM2
     generation: docs/results/packed-linear-2026-12-06.md), `cpu_library.lowrank_term` after torch's

@@ -9,12 +9,16 @@ there, on two counts (docs/results/decoding-linears-2026-12-06.md, weights strea
 - Above that, a vocabulary-wide output was faster computed as (W x^T)^T, the vocabulary as the GEMM's
   long side (SmolLM2's vocabulary 140 -> 111 ms at 256 rows; other vocabularies 1.2-1.6x at 32 and 64
   rows).
-A decoding step of SmolLM2 at 1 to 8 rows ran 1.7-3.1x faster, at 64 rows 1.08x. At a prefill's many
+A decoding step of SmolLM2 at 1 to 8 rows ran 1.7-3.1x faster, at 64 rows 1.08x. Since 2026-12-07 the
+few-rows linear takes every row count below the packed linear's (`cpu_linear.PACKED_MIN_ROWS`), FEW_ROWS
+rows at a time over blocks of the weight that stay in L2, and at 8 rows streams the weight at 32-35 GB/s
+where it reached 13-16: SmolLM2's projections at 8-96 rows took 0.41-0.65 of torch's time and 0.25-0.88
+of the packed linear's (docs/results/few-rows-linear-2026-12-07.md). At a prefill's many
 rows the library's packed linear ran SmolLM2's projections 1.10-1.15x faster than torch's `linear`
 (docs/results/packed-linear-2026-12-06.md). On a 2-core Intel Xeon, torch's MKL was the faster one at
 most of these sizes (docs/results/cpu-products-2026-12-06.md), so `fastes.engine.cpu_linear.linear`
 takes each library product only where it measured faster on the machine it runs on. The low-rank
-population layer calls it with its members' term, which the few-rows pass and the packed linear add in
+population layer calls it with its members' term, which the few-rows linear and the packed linear add in
 the same pass, so ES and plain generation run the same products.
 
 `decoding_linears(model)` swaps each nn.Linear of `model` that this applies to
@@ -23,7 +27,8 @@ smaller one where the packed linear measured faster for it) for `DecodingLinear`
 puts the originals back after. fastes' decoding loop holds it for every generation, plain and population
 alike (a population layer's `base` projection is swapped as any other), so ES and plain generation run
 the same products. A tiny model's weights stay below the threshold: they take the packed linear at 96
-rows or more where `cpu_linear.Products.small_packed` says so, else torch's `linear`.
+rows or more (`cpu_linear.SMALL_PACKED_MIN_ROWS`) where `cpu_linear.Products.small_packed` says so, else
+torch's `linear`.
 
 The library's products agree with torch's `linear` to float tolerance, not bit for bit (they sum in
 another order): a row's tokens agree with transformers' `generate` as far as the logits do.
@@ -42,8 +47,8 @@ from fastes.engine.cpu_linear import linear_applies
 
 class DecodingLinear(torch.nn.Module):
     """`base` (an nn.Linear) computed by the product this machine runs fastest for its rows
-    (`cpu_linear.linear`): the few-rows pass, the weight-major product for a vocabulary-wide output, the
-    packed linear at a prefill's many rows, or torch's own `linear`."""
+    (`cpu_linear.linear`): the few-rows linear at a decoding step's rows, the weight-major product for a
+    vocabulary-wide output, the packed linear at a prefill's many rows, or torch's own `linear`."""
 
     def __init__(self, base: torch.nn.Linear) -> None:
         super().__init__()

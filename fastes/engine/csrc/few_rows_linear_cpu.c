@@ -1,7 +1,6 @@
-/* A linear layer for the few rows of a late decoding step, with the low-rank population's term:
+/* A linear layer for a decoding step's rows, with the low-rank population's term:
 
-       y[i, j] = x[i, :] . w[j, :] (+ bias[j]) (+ sum_q products[i, q] outputs[m, q, j])
-                                                                     for i < rows <= FEW_ROWS, j < n
+       y[i, j] = x[i, :] . w[j, :] (+ bias[j]) (+ sum_q products[i, q] outputs[m, q, j])   i < rows, j < n
 
    x [rows, k], w [n, k] (nn.Linear's layout), y [rows, n]; with a term, row i is member m's for
    offsets[m] <= i < offsets[m + 1], products[i, q] = x[i, :] . inputs[m, q, :] (inputs [members, rank,
@@ -13,11 +12,15 @@
    pass took 3.9, 3.1 and 7.3 ms). Here each weight row is read once, for every input row: a few weight
    rows at a time (as many as the registers hold sums for), one 16-float vector of each meets the same
    vector of each input row, whose sums stay in registers over the whole rows. At their end the sums are
-   transposed, so that their 16 lanes are added as whole vectors, in lane order (products.h). The term is
-   added in the same pass: as a call of its own after the product, it cost the low-rank population a
-   second call per projection and step. Each output is summed in one fixed order (over k, its lanes in
-   order, the last k % 16, the term's ranks), so a row's result depends neither on the rows beside it,
-   nor on how many weight rows share its pass, nor on the threads.
+   transposed, so that their 16 lanes are added as whole vectors, in lane order (products.h). More rows
+   than FEW_ROWS take turns over blocks of the weight small enough to stay in L2: the weight is still
+   read from memory once, and at 9-127 rows this beat both torch's linear and the packed linear, whose
+   packing of the weight those rows do not pay for (docs/results/few-rows-linear-2026-12-07.md). The term
+   is added by the same call, to each block's outputs while they lie in L1: as a call of its own after
+   the product, it cost the low-rank population a second call per projection and step. Each output is
+   summed in one fixed order (over k, its lanes in order, the last k % 16, the term's ranks), so a row's
+   result depends neither on the rows beside it, nor on how many weight rows share its pass, nor on the
+   threads.
 
    Multiply-adds are fused (products.h), so results agree with torch's GEMM to float tolerance, not bit
    for bit. Built into the same library as noise_cpu.c by fastes/engine/cpu_library.py. */
@@ -32,8 +35,8 @@
 /* The weight rows each FEW_ROWS input rows read in turn: 147-393 KiB of SmolLM2's, in a core's L2 */
 #define WEIGHT_BLOCK 64
 /* How far ahead of its reads a pass asks for the weight, in floats (8 KiB). At 8 rows the hardware's own
-   prefetching fell behind: SmolLM2's projections streamed at 14-23 GB/s of the ~40 GB/s that one row
-   reached; 1-8 KiB ahead brought them to 35-40 GB/s (docs/results/few-rows-prefetch-2026-12-07.md). */
+   prefetching fell behind: SmolLM2-sized weights streamed at 13-16 GB/s where one row reached 41-44;
+   asked for 4-16 KiB ahead, 32-35 GB/s (docs/results/few-rows-linear-2026-12-07.md). */
 #define PREFETCH 2048
 
 /* From this many input rows a pass reads SUMS / rows weight rows at a time, so that each load of an
