@@ -36,12 +36,12 @@
 #define WEIGHT_BLOCK 64
 /* How far ahead of its reads a pass asks for the weight, in floats (8 KiB). At 8 rows the hardware's own
    prefetching fell behind: SmolLM2-sized weights streamed at 13-16 GB/s where one row reached 41-44;
-   asked for 4-16 KiB ahead, 32-35 GB/s (docs/results/few-rows-linear-2026-12-07.md). */
+   asked for 8 KiB ahead, 32-35 GB/s (4-16 KiB did as well: docs/results/few-rows-linear-2026-12-07.md). */
 #define PREFETCH 2048
 
 /* From this many input rows a pass reads SUMS / rows weight rows at a time, so that each load of an
    input row's vector serves several multiply-adds. Below it one weight row at a time streamed faster:
-   several weight rows read side by side took 10-25% longer at 1-6 rows (the same results file). */
+   two to sixteen weight rows read side by side took 10-44% longer at 1-6 rows (the same results file). */
 #define PAIRED_ROWS 7
 
 /* The sums a pass holds in registers: `rows` input rows x `columns` weight rows, at most SUMS. 16 of
