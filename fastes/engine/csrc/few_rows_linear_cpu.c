@@ -145,14 +145,9 @@ int64_t fastes_few_rows_linear_f32(const float *x, const float *w, const float *
                                    const float *outputs, const int64_t *offsets, int64_t rank,
                                    int64_t members, int64_t threads) {
     if (outputs && !splits_rows(offsets, members, rows)) return -2;
-    float *products = outputs ? malloc((size_t)(rows * rank) * sizeof(float)) : NULL;
-    int64_t *member_of = outputs ? malloc((size_t)rows * sizeof(int64_t)) : NULL;
-    if (outputs && (!products || !member_of)) {
-        free(products);
-        free(member_of);
-        return -1;
-    }
-    if (outputs) rows_members(offsets, members, member_of);
+    float *products = NULL;
+    int64_t *member_of = NULL;
+    if (outputs && term_buffers(offsets, members, rows, rank, &products, &member_of)) return -1;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         if (outputs) members_products(x, inputs, products, offsets, members, k, rank);

@@ -66,14 +66,9 @@ int64_t fastes_packed_linear_f32(const float *x, const float *w, const float *bi
                                  int64_t k, int64_t n, const float *inputs, const float *outputs,
                                  const int64_t *offsets, int64_t rank, int64_t members, int64_t threads) {
     if (outputs && !splits_rows(offsets, members, rows)) return -2;
-    float *products = outputs ? malloc((size_t)(rows * rank) * sizeof(float)) : NULL;
-    int64_t *member_of = outputs ? malloc((size_t)rows * sizeof(int64_t)) : NULL;
-    if (outputs && (!products || !member_of)) {
-        free(products);
-        free(member_of);
-        return -1;
-    }
-    if (outputs) rows_members(offsets, members, member_of);
+    float *products = NULL;
+    int64_t *member_of = NULL;
+    if (outputs && term_buffers(offsets, members, rows, rank, &products, &member_of)) return -1;
     const int64_t one_group[2] = {0, rows};
     const term_t term = {.products = products,
                          .outputs = outputs,

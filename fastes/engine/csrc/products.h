@@ -17,6 +17,7 @@
 
 #include <math.h> /* FP_FAST_FMAF */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef float vec16 __attribute__((vector_size(64)));
@@ -305,5 +306,23 @@ static inline void members_products(const float *x, const float *inputs, float *
 static inline void rows_members(const int64_t *offsets, int64_t members, int64_t *member_of) {
     for (int64_t m = 0; m < members; m++)
         for (int64_t i = offsets[m]; i < offsets[m + 1]; i++) member_of[i] = m;
+}
+
+/* A call's buffers for the term of `rows` rows: *products [rows, rank], to be filled (members_products),
+   and *member_of [rows], filled here (rows_members). Returns 0, or -1 with nothing allocated (both NULL)
+   where either could not be; the caller frees both. */
+static inline int term_buffers(const int64_t *offsets, int64_t members, int64_t rows, int64_t rank,
+                               float **products, int64_t **member_of) {
+    *products = malloc((size_t)(rows * rank) * sizeof(float));
+    *member_of = malloc((size_t)rows * sizeof(int64_t));
+    if (!*products || !*member_of) {
+        free(*products);
+        free(*member_of);
+        *products = NULL;
+        *member_of = NULL;
+        return -1;
+    }
+    rows_members(offsets, members, *member_of);
+    return 0;
 }
 #endif /* FASTES_PRODUCTS_H */
