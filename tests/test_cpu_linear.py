@@ -13,7 +13,7 @@ from fastes.engine.cpu_linear import Products
 
 
 @pytest.mark.parametrize(
-    "setting,expected", [("library", Products(*[True] * 6)), ("torch", Products(*[False] * 6))]
+    "setting,expected", [("library", Products(*[True] * 7)), ("torch", Products(*[False] * 7))]
 )
 def test_the_setting_gives_the_products_without_measuring(monkeypatch, fresh_answer, setting, expected):
     monkeypatch.setenv("FASTES_CPU_PRODUCTS", setting)
@@ -26,7 +26,7 @@ def test_without_the_compiled_library_torchs_products_are_the_answer(monkeypatch
     monkeypatch.setenv("FASTES_CPU_PRODUCTS", "measure")
     monkeypatch.setattr(cpu_library, "available", lambda: False)
     asked = measured_faster(monkeypatch, set(Products._fields))
-    assert cpu_linear.products(1) == Products(*[False] * 6)
+    assert cpu_linear.products(1) == Products(*[False] * 7)
     assert asked == []
 
 
@@ -48,16 +48,17 @@ def test_the_measured_answer_is_kept_on_disk_and_read_back(monkeypatch, fresh_an
         member_matmul=False,
         lowrank_member_matmul=False,
         small_packed=False,
+        vocabulary=False,
     )
     saved = json.loads((fresh_answer / cpu_linear.CACHE_FILE).read_text())
     assert saved[cpu_linear.machine_key(1)]["packed"] is True
     assert saved[cpu_linear.machine_key(1)]["seconds"]["packed"] == {"library": 1.0, "torch": 2.0}
     cpu_linear.products.cache_clear()  # a new process: the file answers
-    assert cpu_linear.products(1) == Products(False, False, True, False, False, False)
+    assert cpu_linear.products(1) == Products(False, False, True, False, False, False, False)
     assert asked == [1]
     # another thread count: another answer
-    measured_faster(monkeypatch, {"few_rows", "lowrank_member_matmul", "small_packed"})
-    assert cpu_linear.products(2) == Products(True, False, False, False, True, True)
+    measured_faster(monkeypatch, {"few_rows", "lowrank_member_matmul", "small_packed", "vocabulary"})
+    assert cpu_linear.products(2) == Products(True, False, False, False, True, True, True)
     saved = json.loads((fresh_answer / cpu_linear.CACHE_FILE).read_text())
     assert set(saved) == {cpu_linear.machine_key(1), cpu_linear.machine_key(2)}
     assert cpu_linear.machine_key(1) != cpu_linear.machine_key(2)
@@ -69,7 +70,7 @@ def test_a_damaged_cache_file_is_measured_again_and_rewritten(monkeypatch, fresh
     path = fresh_answer / cpu_linear.CACHE_FILE
     path.write_text(damage.replace("KEY", cpu_linear.machine_key(1)))
     asked = measured_faster(monkeypatch, {"weight_major"})
-    assert cpu_linear.products(1) == Products(False, True, False, False, False, False)
+    assert cpu_linear.products(1) == Products(False, True, False, False, False, False, False)
     assert asked == [1]
     assert json.loads(path.read_text())[cpu_linear.machine_key(1)]["weight_major"] is True
 
@@ -82,7 +83,7 @@ def test_a_cache_directory_that_cannot_be_written_still_gives_the_answer(monkeyp
     cpu_linear.products.cache_clear()
     try:
         measured_faster(monkeypatch, {"few_rows", "packed"})
-        assert cpu_linear.products(1) == Products(True, False, True, False, False, False)
+        assert cpu_linear.products(1) == Products(True, False, True, False, False, False, False)
     finally:
         cpu_linear.products.cache_clear()
 
@@ -97,6 +98,7 @@ def test_measure_times_each_product_against_torchs_with_and_without_the_term():
     # the small low-rank layer: the member matmul with the factors, or torch's linear with the term after
     assert set(seconds["lowrank_member_matmul"]) == {"library", "torch"}
     assert set(seconds["small_packed"]) == {"library", "torch"}  # a small plain layer: no term
+    assert set(seconds["vocabulary"]) == {"library", "torch"}  # the vocabulary's projection: no term
     assert all(s > 0 for pair in seconds.values() for s in pair.values())
 
 
@@ -146,6 +148,38 @@ def test_each_library_product_is_taken_only_where_chosen(monkeypatch, fresh_answ
     x, w, bias, _ = linear_problem(cpu_linear.PACKED_MIN_ROWS, 576, 576, seed=5, with_bias=False)
     cpu_linear.linear(x, w, bias)
     assert taken == ["packed_linear"]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("chosen", [set(), {"weight_major"}, {"vocabulary"}, {"vocabulary", "weight_major"}])
+def test_a_vocabulary_wide_output_takes_the_library_from_the_packed_linears_rows_only_where_chosen(
+    monkeypatch, fresh_answer, chosen, seed
+):
+    monkeypatch.setenv("FASTES_CPU_PRODUCTS", "measure")
+    measured_faster(monkeypatch, {"few_rows", "packed"} | chosen)
+    taken = library_calls(monkeypatch)
+    n, least = cpu_linear.VOCABULARY_ROWS, cpu_linear.PACKED_MIN_ROWS
+    for rows in (
+        least - 1,
+        least,
+        cpu_linear.VOCABULARY_PACKED_MIN_ROWS - 1,
+        cpu_linear.VOCABULARY_PACKED_MIN_ROWS,
+    ):
+        x, w, bias, _ = linear_problem(rows, 64, n, seed=seed, with_bias=True)
+        taken.clear()
+        got = cpu_linear.linear(x, w, bias)
+        if rows < least:  # a decoding step's rows: the few-rows linear, vocabulary or not
+            expected = ["few_rows_linear"]
+        elif "vocabulary" in chosen:
+            expected = [
+                "packed_linear" if rows >= cpu_linear.VOCABULARY_PACKED_MIN_ROWS else "few_rows_linear"
+            ]
+        else:  # as without the vocabulary's choice: weight-major (torch's mm), else the packed linear
+            expected = [] if "weight_major" in chosen else ["packed_linear"]
+        assert taken == expected
+        torch.testing.assert_close(
+            got.double(), linear_reference(x, w, bias, None), **linear_tolerance(64, 1)
+        )
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -202,5 +236,5 @@ def test_a_process_that_waits_for_anothers_measurement_takes_its_answer(monkeypa
         )
         fcntl.flock(other, fcntl.LOCK_UN)
     waiting.join(timeout=10)
-    assert answers == [Products(True, False, True, False, False, False)]
+    assert answers == [Products(True, False, True, False, False, False, False)]
     assert asked == []  # it did not measure again

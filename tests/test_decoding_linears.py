@@ -41,7 +41,7 @@ def test_decoding_linear_gives_the_linear_layers_result_at_every_row_count(seed,
 def test_only_fp32_cpu_linear_layers_without_hooks_apply_and_small_ones_where_chosen(
     monkeypatch, small_packed
 ):
-    use = cpu_linear.Products(*[True] * 5, small_packed=small_packed)
+    use = cpu_linear.Products(*[True] * 5, small_packed=small_packed, vocabulary=True)
     monkeypatch.setattr(cpu_linear, "products", lambda threads: use)
     side = int((MIN_WEIGHT_BYTES / 4) ** 0.5)
     assert applies(torch.nn.Linear(side, side))
@@ -63,7 +63,7 @@ class _Block(torch.nn.Module):
 
 
 def test_decoding_linears_swaps_the_layers_that_apply_and_puts_them_back(monkeypatch):
-    use = cpu_linear.Products(*[True] * 5, small_packed=False)
+    use = cpu_linear.Products(*[True] * 5, small_packed=False, vocabulary=True)
     monkeypatch.setattr(cpu_linear, "products", lambda threads: use)
     block = _Block()
     originals = dict(block.named_modules())

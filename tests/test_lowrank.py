@@ -267,7 +267,7 @@ def test_a_small_low_rank_layer_forms_its_members_weights_in_the_member_matmul(m
                     m.setattr(
                         cpu_linear,
                         "products",
-                        lambda threads: cpu_linear.Products(True, True, True, True, False, True),
+                        lambda threads: cpu_linear.Products(True, True, True, True, False, True, True),
                     )
                     layer = LowRankLinear.from_factors(base, factors, scales, backend="cpu")
                 else:
@@ -294,7 +294,7 @@ def test_a_populations_low_rank_layers_are_the_last_ones_rearmed(tiny, monkeypat
     monkeypatch.setattr(
         cpu_linear,
         "products",
-        lambda threads: cpu_linear.Products(True, True, True, True, member_matmul, True),
+        lambda threads: cpu_linear.Products(True, True, True, True, member_matmul, True, True),
     )
     model, _ = tiny
     es = fastes.ES(

@@ -106,9 +106,13 @@ def test_linear_takes_each_path_where_its_rules_say_and_matches_the_reference(mo
         torch.testing.assert_close(
             got.double(), linear_reference(x, w, bias, term), **linear_tolerance(side, 1)
         )
-    # a vocabulary-wide output: the few-rows linear below the packed linear's rows, else the weight-major
-    # product, then the term
-    for rows, expected in ((40, ["few_rows_linear"]), (cpu_linear.PACKED_MIN_ROWS, ["lowrank_term"])):
+    # a vocabulary-wide output: the few-rows linear below VOCABULARY_PACKED_MIN_ROWS rows (the tests'
+    # products are the library's), the packed linear from there, the term in either
+    for rows, expected in (
+        (40, ["few_rows_linear"]),
+        (cpu_linear.PACKED_MIN_ROWS, ["few_rows_linear"]),
+        (cpu_linear.VOCABULARY_PACKED_MIN_ROWS, ["packed_linear"]),
+    ):
         x, w, bias, term = linear_problem(
             rows, 64, cpu_linear.VOCABULARY_ROWS, seed=9, with_bias=True, members=3 if with_term else 0
         )
@@ -143,7 +147,7 @@ def test_a_term_is_checked_once_and_a_layer_keeps_one_per_grouping_of_its_rows(m
     from fastes.es.population import LowRankLinear
 
     monkeypatch.setattr(
-        cpu_linear, "products", lambda threads: cpu_linear.Products(True, True, True, True, False, True)
+        cpu_linear, "products", lambda threads: cpu_linear.Products(True, True, True, True, False, True, True)
     )
 
     checks = []

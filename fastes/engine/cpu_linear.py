@@ -6,8 +6,9 @@ rows it is given:
 - at a decoding step's rows (fewer than PACKED_MIN_ROWS), the library's few-rows linear
   (`cpu_library.few_rows_linear`), which reads the weight from memory once, in its own layout, for
   cpu_library.FEW_ROWS rows at a time, the others reading it again from the caches;
-- a vocabulary-wide output (at least VOCABULARY_ROWS), weight-major: (W x^T)^T, the vocabulary as the
-  GEMM's long side;
+- a vocabulary-wide output (at least VOCABULARY_ROWS) from PACKED_MIN_ROWS rows, the few-rows linear
+  still, and from VOCABULARY_PACKED_MIN_ROWS the packed linear (`Products.vocabulary`); where the
+  library's products are not taken, weight-major: (W x^T)^T, the vocabulary as the GEMM's long side;
 - at a prefill's many rows (`packs`), the library's packed linear (`cpu_library.packed_linear`);
 - else, and wherever the library's product is not the faster one here, torch's `linear`.
 A layer whose weight stays in the caches (under MIN_WEIGHT_BYTES) has only the packed linear to choose,
@@ -42,6 +43,10 @@ A plain layer too small for the others has a sixth: the packed linear or torch's
 model's rows. On a 2-core AMD EPYC with AVX-512 (torch's MKL runs its AVX2 code on AMD CPUs) the packed
 linear took 0.37-0.56 of torch's time at 512 rows and more, and a tiny model's plain generation ran
 1.29x faster (docs/results/epyc-avx512-2026-12-07.md).
+A vocabulary-wide output from PACKED_MIN_ROWS rows has a seventh: the library's products (the few-rows
+linear, from VOCABULARY_PACKED_MIN_ROWS the packed linear) or, as below those rows, the weight-major
+product or torch's `linear`. On the AMD EPYC the library's took 0.40-0.48 of the weight-major product's
+time at 128-2048 rows and 0.50-0.58 of torch's `linear`'s (docs/results/vocabulary-head-2026-12-07.md).
 
 The choice changes how a layer's sums are ordered, not what it computes: every product agrees with
 torch's to float tolerance, and ES and plain generation run the same products.
@@ -76,6 +81,11 @@ MIN_WEIGHT_BYTES = 256 * 1024
 PACKED_MIN_ROWS = 128
 SMALL_PACKED_MIN_ROWS = 96  # a weight that stays in the caches (`is_small`): the tiny model's, as before
 VOCABULARY_ROWS = 8192  # an output at least this wide is a vocabulary's (measured from 4096 x 256 up)
+# A vocabulary-wide output from PACKED_MIN_ROWS rows (`Products.vocabulary`): the few-rows linear below
+# this, the packed linear from here. SmolLM2's vocabulary projection took 22.9, 42.6, 59.6 and 250 ms in
+# the few-rows linear at 128, 192, 256 and 1024 rows, 30.4, 43.8, 57.1 and 187 in the packed linear
+# (docs/results/vocabulary-head-2026-12-07.md)
+VOCABULARY_PACKED_MIN_ROWS = 256
 
 CHOICES = ("measure", "library", "torch")  # FASTES_CPU_PRODUCTS's values; "measure" is the default
 CACHE_FILE = "cpu-products.json"
@@ -95,6 +105,9 @@ class Products(NamedTuple):
     # the packed linear for a plain layer whose weight stays in the caches (`is_small`), where it `packs`
     # (else torch's linear)
     small_packed: bool
+    # the library's products for a vocabulary-wide output from PACKED_MIN_ROWS rows: the few-rows linear,
+    # the packed linear from VOCABULARY_PACKED_MIN_ROWS (else weight-major or torch's, as below them)
+    vocabulary: bool
 
 
 def packs(rows: int, weight: torch.Tensor) -> bool:
@@ -143,6 +156,10 @@ def linear(
             return cpu_library.packed_linear(x, weight, bias, term)
         y = torch.nn.functional.linear(x, weight, bias)
     elif 1 <= rows < PACKED_MIN_ROWS and use.few_rows:
+        return cpu_library.few_rows_linear(x, weight, bias, term)
+    elif weight.shape[0] >= VOCABULARY_ROWS and use.vocabulary and rows >= PACKED_MIN_ROWS:
+        if rows >= VOCABULARY_PACKED_MIN_ROWS and packs(rows, weight):
+            return cpu_library.packed_linear(x, weight, bias, term)
         return cpu_library.few_rows_linear(x, weight, bias, term)
     elif weight.shape[0] >= VOCABULARY_ROWS and use.weight_major:
         y = torch.mm(weight, x.T).T
@@ -247,11 +264,14 @@ def _write_cache(key: str, answer: dict) -> None:
 
 
 # A SmolLM2-sized block (k = 576: q and o, k and v, gate and up, down) for the few-rows linear and the
-# packed linear, and a vocabulary-wide output for the weight-major product; the low-rank population's
-# term of _MEMBERS members, rank 1 (its default)
+# packed linear, and a vocabulary-wide output for the weight-major product at _VOCABULARY_BATCH rows and
+# (its first _VOCABULARY_PART rows: streamed from memory as the whole, in a third of the time) for the
+# library's products at _VOCABULARY_ROWS; the low-rank population's term of _MEMBERS members, rank 1
+# (its default)
 _BLOCK = [(576, 576), (576, 576), (192, 576), (192, 576), (1536, 576), (1536, 576), (576, 1536)]
 _VOCABULARY = (49152, 576)  # SmolLM2's
 _FEW, _MANY, _VOCABULARY_BATCH, _MEMBERS = (1, 4, cpu_library.FEW_ROWS, 64), 256, 64, 8
+_VOCABULARY_PART, _VOCABULARY_ROWS = 16384, (160, VOCABULARY_PACKED_MIN_ROWS)  # few-rows, packed
 # The materialised layer's products, (members, rows a member, in, out): a tiny model's block (hidden 64,
 # MLP 256; materialised is a small model's default mode) at a decode step of the demo's 16 members x 32
 # rows and at its prefill (20 positions a row), and a SmolLM2-sized weight at 8 members of 8 rows. The
@@ -265,12 +285,15 @@ _MEMBER_SHAPES = [(_TINY_MEMBERS, rows, k, n) for rows in _TINY_ROWS for k, n in
 def measure(threads: int, repeats: int = 7) -> dict[str, dict[str, float]]:
     """Seconds (medians of `repeats` timings taken in turns, after a warm-up) of each of fastes' products
     and torch's in its place, at `threads` torch threads: {"few_rows" | "weight_major" | "packed" |
-    "member_matmul" | "lowrank_member_matmul" | "small_packed": {"library": s, "torch": s, ...}}. The
+    "member_matmul" | "lowrank_member_matmul" | "small_packed" | "vocabulary": {"library": s, "torch": s,
+    ...}}. The
     few-rows linear and the packed linear are also timed with the low-rank population's term ("library
     with term", "torch with term": torch's product, then `lowrank_term`), since plain and ES generation
     run the same products; the member matmul against torch's batched matmul of equal groups; the member
     matmul with the members' factors against torch's linear, then `lowrank_term`; the packed linear of a
-    small weight against torch's linear."""
+    small weight against torch's linear; the few-rows and the packed linear of a vocabulary-wide output
+    at rows of each's range against torch's linear (the weight-major product, slower than torch's
+    linear from 128 rows on the AMD EPYC, is measured at 64 rows only)."""
     generator = torch.Generator().manual_seed(0)
 
     def tensor(*shape: int) -> torch.Tensor:
@@ -285,6 +308,8 @@ def measure(threads: int, repeats: int = 7) -> dict[str, dict[str, float]]:
     few = [(tensor(rows, w.shape[1]), w, term(rows, *w.shape)) for rows in _FEW for w in block]
     many = [(tensor(_MANY, w.shape[1]), w, term(_MANY, *w.shape)) for w in block]
     vocabulary, batch = tensor(*_VOCABULARY), tensor(_VOCABULARY_BATCH, _VOCABULARY[1])
+    part = vocabulary[:_VOCABULARY_PART]
+    wide_rows, packed_rows = (tensor(rows, _VOCABULARY[1]) for rows in _VOCABULARY_ROWS)
     # (x, the members' weights [members, in, out], where each member's rows start) for the member matmul
     grouped = [
         (tensor(members * rows, k), tensor(members, k, n), torch.arange(0, members * rows + 1, rows))
@@ -334,6 +359,13 @@ def measure(threads: int, repeats: int = 7) -> dict[str, dict[str, float]]:
         "small_packed": {
             "library": lambda: [cpu_library.packed_linear(x, w) for x, w in small],
             "torch": lambda: [torch_linear(x, w) for x, w in small],
+        },
+        "vocabulary": {
+            "library": lambda: [
+                cpu_library.few_rows_linear(wide_rows, part),
+                cpu_library.packed_linear(packed_rows, part),
+            ],
+            "torch": lambda: [torch_linear(wide_rows, part), torch_linear(packed_rows, part)],
         },
     }
     previous = torch.get_num_threads()

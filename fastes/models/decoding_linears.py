@@ -47,8 +47,9 @@ from fastes.engine.cpu_linear import linear_applies
 
 class DecodingLinear(torch.nn.Module):
     """`base` (an nn.Linear) computed by the product this machine runs fastest for its rows
-    (`cpu_linear.linear`): the few-rows linear at a decoding step's rows, the weight-major product for a
-    vocabulary-wide output, the packed linear at a prefill's many rows, or torch's own `linear`."""
+    (`cpu_linear.linear`): the few-rows linear at a decoding step's rows (a vocabulary-wide output's up
+    to 255), the packed linear at a prefill's many rows, the weight-major product for a vocabulary-wide
+    output where neither is taken, or torch's own `linear`."""
 
     def __init__(self, base: torch.nn.Linear) -> None:
         super().__init__()
