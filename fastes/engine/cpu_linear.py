@@ -285,15 +285,14 @@ _MEMBER_SHAPES = [(_TINY_MEMBERS, rows, k, n) for rows in _TINY_ROWS for k, n in
 def measure(threads: int, repeats: int = 7) -> dict[str, dict[str, float]]:
     """Seconds (medians of `repeats` timings taken in turns, after a warm-up) of each of fastes' products
     and torch's in its place, at `threads` torch threads: {"few_rows" | "weight_major" | "packed" |
-    "member_matmul" | "lowrank_member_matmul" | "small_packed" | "vocabulary": {"library": s, "torch": s,
-    ...}}. The
-    few-rows linear and the packed linear are also timed with the low-rank population's term ("library
-    with term", "torch with term": torch's product, then `lowrank_term`), since plain and ES generation
-    run the same products; the member matmul against torch's batched matmul of equal groups; the member
-    matmul with the members' factors against torch's linear, then `lowrank_term`; the packed linear of a
-    small weight against torch's linear; the few-rows and the packed linear of a vocabulary-wide output
-    at rows of each's range against torch's linear (the weight-major product, slower than torch's
-    linear from 128 rows on the AMD EPYC, is measured at 64 rows only)."""
+    "member_matmul" | "lowrank_member_matmul" | "small_packed" | "vocabulary": {"library": s, "torch":
+    s, ...}}. The few-rows linear and the packed linear are also timed with the low-rank population's
+    term ("library with term", "torch with term": torch's product, then `lowrank_term`), since plain and
+    ES generation run the same products; the member matmul against torch's batched matmul of equal
+    groups; the member matmul with the members' factors against torch's linear, then `lowrank_term`; the
+    packed linear of a small weight against torch's linear; the few-rows and the packed linear of a
+    vocabulary-wide output at rows of each's range against torch's linear (the weight-major product,
+    slower than torch's linear from 128 rows on the AMD EPYC, is measured at 64 rows only)."""
     generator = torch.Generator().manual_seed(0)
 
     def tensor(*shape: int) -> torch.Tensor:
