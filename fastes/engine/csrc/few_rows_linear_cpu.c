@@ -121,16 +121,7 @@ static void term_added(const term_t *term, float *y, int64_t rows, int64_t lo, i
         for (int64_t q = 0; q < term->rank; q++) {
             const float product = term->products[r * term->rank + q];
             const float *outputs = term->outputs + (term->member_of[r] * term->rank + q) * n;
-            float *y_r = y + r * n;
-            int64_t j = lo;
-            for (; j + 16 <= hi; j += 16) {
-                vec16 y_j, outputs_j;
-                memcpy(&y_j, y_r + j, sizeof y_j);
-                memcpy(&outputs_j, outputs + j, sizeof outputs_j);
-                y_j += product * outputs_j;
-                memcpy(y_r + j, &y_j, sizeof y_j);
-            }
-            for (; j < hi; j++) y_r[j] = multiply_add(product, outputs[j], y_r[j]);
+            scaled_added(y + r * n + lo, outputs + lo, product, hi - lo);
         }
 }
 

@@ -28,7 +28,6 @@
 
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 #define PANEL (16 * COLUMN_VECTORS) /* the output columns of one panel */
 
@@ -100,19 +99,6 @@ int64_t fastes_packed_linear_f32(const float *x, const float *w, const float *bi
     return failed ? -1 : 0;
 }
 
-/* y[0:n] += product * v[0:n] */
-static void add_scaled(float *y, const float *v, float product, int64_t n) {
-    int64_t c = 0;
-    for (; c + 16 <= n; c += 16) {
-        vec16 y_c, v_c;
-        memcpy(&y_c, y + c, sizeof y_c);
-        memcpy(&v_c, v + c, sizeof v_c);
-        y_c += product * v_c;
-        memcpy(y + c, &y_c, sizeof y_c);
-    }
-    for (; c < n; c++) y[c] += product * v[c];
-}
-
 /* y[i, :] += sum_j (x[i, :] . inputs[m, j, :]) outputs[m, j, :] for offsets[m] <= i < offsets[m + 1], in
    place: the whole term after a base product computed elsewhere (torch's `linear` between the few-rows
    pass and the packed linear, or a base the library does not compute). One pass per row, its products
@@ -129,7 +115,7 @@ int64_t fastes_lowrank_term_f32(const float *x, const float *inputs, const float
 #pragma omp for schedule(static) nowait
         for (int64_t i = offsets[m]; i < offsets[m + 1]; i++)
             for (int64_t j = 0; j < rank; j++)
-                add_scaled(y + i * n, out_m + j * n, dot(x + i * k, in_m + j * k, k), n);
+                scaled_added(y + i * n, out_m + j * n, dot(x + i * k, in_m + j * k, k), n);
     }
     return 0;
 }

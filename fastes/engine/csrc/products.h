@@ -32,6 +32,20 @@ static inline float multiply_add(float a, float b, float c) {
 #endif
 }
 
+/* y[0:n] += product * v[0:n]: 16 floats at a time, the rest one by one (the low-rank term's update of a
+   row's outputs, in the few-rows linear per block and in the term's own pass per row) */
+static inline void scaled_added(float *y, const float *v, float product, int64_t n) {
+    int64_t c = 0;
+    for (; c + 16 <= n; c += 16) {
+        vec16 y_c, v_c;
+        memcpy(&y_c, y + c, sizeof y_c);
+        memcpy(&v_c, v + c, sizeof v_c);
+        y_c += product * v_c;
+        memcpy(y + c, &y_c, sizeof y_c);
+    }
+    for (; c < n; c++) y[c] = multiply_add(product, v[c], y[c]);
+}
+
 /* Sums in registers: ROW_BLOCK x COLUMN_VECTORS 16-float vectors. 12 x 2 fills 24 of AVX-512's 32
    registers; with 16 AVX2 registers (a vec16 is two of them) 6 x 1 leaves room for the operands. */
 #if defined(__AVX512F__)
