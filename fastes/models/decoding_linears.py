@@ -13,7 +13,10 @@ A decoding step of SmolLM2 at 1 to 8 rows ran 1.7-3.1x faster, at 64 rows 1.08x.
 few-rows linear takes every row count below the packed linear's (`cpu_linear.PACKED_MIN_ROWS`), FEW_ROWS
 rows at a time over blocks of the weight that stay in L2, and at 8 rows streams the weight at 32-35 GB/s
 where it reached 13-16: SmolLM2's projections at 8-96 rows took 0.41-0.65 of torch's time and 0.25-0.88
-of the packed linear's (docs/results/few-rows-linear-2026-12-07.md). At a prefill's many
+of the packed linear's (docs/results/few-rows-linear-2026-12-07.md); a vocabulary-wide output from
+128 rows takes it too, and from 256 the packed linear, where they measure faster than torch's `linear`
+(the weight-major product was the slowest of four ways there: docs/results/vocabulary-head-2026-12-07.md).
+At a prefill's many
 rows the library's packed linear ran SmolLM2's projections 1.10-1.15x faster than torch's `linear`
 (docs/results/packed-linear-2026-12-06.md). On a 2-core Intel Xeon, torch's MKL was the faster one at
 most of these sizes (docs/results/cpu-products-2026-12-06.md), so `fastes.engine.cpu_linear.linear`
