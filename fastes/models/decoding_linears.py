@@ -16,11 +16,11 @@ where it reached 13-16: SmolLM2's projections at 8-96 rows took 0.41-0.65 of tor
 of the packed linear's (docs/results/few-rows-linear-2026-12-07.md); a vocabulary-wide output from
 128 rows takes it too, and from 256 the packed linear, where they measure faster than torch's `linear`
 (the weight-major product was the slowest of four ways there: docs/results/vocabulary-head-2026-12-07.md).
-At a prefill's many
-rows the library's packed linear ran SmolLM2's projections 1.10-1.15x faster than torch's `linear`
-(docs/results/packed-linear-2026-12-06.md). On a 2-core Intel Xeon, torch's MKL was the faster one at
-most of these sizes (docs/results/cpu-products-2026-12-06.md), so `fastes.engine.cpu_linear.linear`
-takes each library product only where it measured faster on the machine it runs on. The low-rank
+At a prefill's many rows the library's packed linear ran SmolLM2's projections 1.10-1.15x faster than
+torch's `linear` (docs/results/packed-linear-2026-12-06.md). On a 2-core Intel Xeon, torch's MKL was
+the faster one at most of these sizes (docs/results/cpu-products-2026-12-06.md), so
+`fastes.engine.cpu_linear.linear` takes each library product only where it measured faster on the
+machine it runs on. The low-rank
 population layer calls it with its members' term, which the few-rows linear and the packed linear add in
 the same pass, so ES and plain generation run the same products.
 
